@@ -1,0 +1,1 @@
+"""Checkpoint sources and sinks: DeepSpeed, universal, and restore into a live engine."""

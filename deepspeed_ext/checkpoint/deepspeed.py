@@ -1,0 +1,318 @@
+"""Source: a regular DeepSpeed checkpoint (TP slices × ZeRO-1/2 partitions) as a stream of full tensors.
+
+Files (see ../shared/docs/deepspeed-formats.md §4.2):
+
+* ``<tag>/mp_rank_{tp:02d}_model_states.pt`` — one per TP rank: ``param_shapes`` (TP-local shapes in
+  flat-buffer order), degrees, steps, ``universal_checkpoint_info`` (upstream's tags), client state.
+* ``<tag>/[bf16_]zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt`` — one per (dp, tp): flat fp32
+  master partition and flat Adam moments per param group, plus ``param_slice_mappings`` giving each
+  parameter's ``(start, numel)`` inside that rank's flat partition.
+
+Everything is opened memory-mapped; a parameter's fragments are narrowed out of the flat buffers,
+concatenated over DP ranks, and merged over TP ranks with the parameter's :class:`TPLayout`. No
+temporary files, and only the bytes of the parameter being merged are read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
+from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
+from deepspeed_ext.errors import CheckpointError, MissingMetadataError
+from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info
+from deepspeed_ext.module_inject.layout import TPLayout
+
+MODEL_STATES_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+OPTIM_STATES_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+UC_INFO_KEY = "universal_checkpoint_info"
+
+HOW_TO_GET_METADATA = ("save it through deepspeed_ext.initialize with "
+                       "\"deepspeed_ext\": {\"universal_checkpoint\": {\"enabled\": true}} in the DeepSpeed config, "
+                       "or with DeepSpeed >= 0.18.9, whose AutoTP stores universal_checkpoint_info")
+
+
+def resolve_tag_dir(path: str | Path, tag: str | None = None, latest_file: str = "latest") -> Path:
+    """The tag directory from a save dir (+ optional tag, else its ``latest`` file) or a tag dir itself."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if tag is not None:
+        tag_dir = path / tag
+        if not tag_dir.is_dir():
+            raise CheckpointError(f"{tag_dir}: no such tag directory")
+        return tag_dir
+    if any(MODEL_STATES_RE.match(p.name) or ZERO3_MODEL_STATES_RE.match(p.name) for p in path.iterdir()):
+        return path
+    latest = path / latest_file
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        tag_dir = path / tag
+        if not tag_dir.is_dir():
+            raise CheckpointError(f"{latest}: names tag {tag!r}, but {tag_dir} does not exist")
+        return tag_dir
+    raise CheckpointError(f"{path}: neither a tag directory (no mp_rank_*_model_states.pt) nor a save directory "
+                          f"with a '{latest_file}' file; pass --tag")
+
+
+@dataclass
+class _Fragment:
+    dp_rank: int
+    group: int
+    start: int
+    numel: int
+
+
+class DeepSpeedCheckpoint:
+    """A regular DeepSpeed checkpoint tag directory, read lazily."""
+
+    def __init__(self, path: str | Path, tag: str | None = None):
+        self.tag_dir = resolve_tag_dir(path, tag)
+        self.tag = self.tag_dir.name
+        files = sorted(p.name for p in self.tag_dir.iterdir())
+        if any(ZERO3_MODEL_STATES_RE.match(f) for f in files):
+            raise CheckpointError(f"{self.tag_dir}: ZeRO-3 checkpoints are not supported yet")
+        model_files = {int(m.group(1)): self.tag_dir / f for f in files if (m := MODEL_STATES_RE.match(f))}
+        if not model_files:
+            raise CheckpointError(f"{self.tag_dir}: no mp_rank_*_model_states.pt files")
+        self._model_files = model_files
+        first = self.model_states(min(model_files))
+        self.tp_degree = int(first.get("mp_world_size") or 1)
+        dims = first.get("checkpoint_parallel_dimensions") or {}
+        if int(dims.get("pp_degree", 1) or 1) != 1:
+            raise CheckpointError(f"{self._model_files[min(model_files)]}: pipeline parallelism is not supported")
+        missing = [r for r in range(self.tp_degree) if r not in model_files]
+        if missing:
+            raise CheckpointError(f"{self.tag_dir}: TP degree is {self.tp_degree} but mp_rank files for TP ranks "
+                                  f"{missing} are missing")
+        self.dp_degree = int(first.get("dp_world_size") or 1)
+        optim = {}
+        for f in files:
+            m = OPTIM_STATES_RE.match(f)
+            if m:
+                optim[(int(m.group(3)), int(m.group(2)))] = self.tag_dir / f
+        self._optim_files = optim
+        if not optim:
+            raise CheckpointError(f"{self.tag_dir}: no *_optim_states.pt files; only ZeRO-1/2 checkpoints with "
+                                  "optimizer state can be converted")
+        missing = [(tp, dp) for tp in range(self.tp_degree) for dp in range(self.dp_degree) if (tp, dp) not in optim]
+        if missing:
+            tp, dp = missing[0]
+            raise CheckpointError(f"{self.tag_dir}: missing optimizer file for dp_rank {dp}, mp_rank {tp:02d} "
+                                  f"({len(missing)} missing)")
+        self._optim_cache: dict[tuple[int, int], dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ files
+    def model_states(self, tp_rank: int) -> dict[str, Any]:
+        return serialization.load(self._model_files[tp_rank])
+
+    @property
+    def model_state_files(self) -> list[Path]:
+        return [self._model_files[r] for r in sorted(self._model_files)]
+
+    def optimizer_state(self, tp_rank: int, dp_rank: int) -> dict[str, Any]:
+        """The ``optimizer_state_dict`` of one (tp, dp) optimizer file (memory-mapped, cached)."""
+        key = (tp_rank, dp_rank)
+        if key not in self._optim_cache:
+            path = self._optim_files[key]
+            data = serialization.load(path)
+            state = data.get("optimizer_state_dict") if isinstance(data, dict) else None
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path}: no optimizer_state_dict")
+            for required in ("param_slice_mappings", "single_partition_of_fp32_groups", "base_optimizer_state"):
+                if required not in state:
+                    raise CheckpointError(f"{path}: optimizer_state_dict has no {required!r} (elastic or "
+                                          "non-ZeRO optimizer checkpoints are not supported)")
+            self._optim_cache[key] = state
+        return self._optim_cache[key]
+
+    @cached_property
+    def zero_stage(self) -> int:
+        state = self.optimizer_state(0, 0)
+        return int(state.get("zero_stage", 1))
+
+    # ------------------------------------------------------------------ metadata
+    @cached_property
+    def first_model_states(self) -> dict[str, Any]:
+        return self.model_states(0)
+
+    @cached_property
+    def local_shapes(self) -> "OrderedDict[str, list[tuple[int, ...]]]":
+        """``{name: [shape on TP rank 0, rank 1, ...]}`` in flat-buffer order, from ``param_shapes``."""
+        per_rank = []
+        for tp in range(self.tp_degree):
+            groups = (self.first_model_states if tp == 0 else self.model_states(tp)).get("param_shapes")
+            if groups is None:
+                raise CheckpointError(f"{self._model_files[tp]}: no param_shapes")
+            if isinstance(groups, dict):
+                groups = [groups]
+            merged = OrderedDict()
+            for group in groups:
+                for name, shape in group.items():
+                    merged[name] = tuple(shape)
+            per_rank.append(merged)
+        names = list(per_rank[0])
+        for tp, shapes in enumerate(per_rank[1:], start=1):
+            if list(shapes) != names:
+                raise CheckpointError(f"{self._model_files[tp]}: parameter names differ from "
+                                      f"{self._model_files[0].name}")
+        return OrderedDict((name, [shapes[name] for shapes in per_rank]) for name in names)
+
+    @cached_property
+    def uc_info(self) -> UCInfo | None:
+        return read_uc_info(self.tag_dir)
+
+    @cached_property
+    def metadata_source(self) -> str:
+        if self.uc_info is not None:
+            return "deepspeed_ext"
+        if self.first_model_states.get(UC_INFO_KEY):
+            return "deepspeed"
+        return "none (TP=1)" if self.tp_degree == 1 else "none"
+
+    @cached_property
+    def layouts(self) -> dict[str, TPLayout]:
+        """Every parameter's TP layout: ours if saved, else rebuilt from upstream's UC info."""
+        if self.uc_info is not None:
+            layouts = self.uc_info.layouts
+            if self.uc_info.tp_size != self.tp_degree:
+                raise CheckpointError(f"{self.tag_dir}: deepspeed_ext.json describes TP={self.uc_info.tp_size}, "
+                                      f"model states say TP={self.tp_degree}")
+        elif self.first_model_states.get(UC_INFO_KEY):
+            layouts = layouts_from_universal_checkpoint_info(self.first_model_states[UC_INFO_KEY],
+                                                             self.local_shapes,
+                                                             source=str(self._model_files[0]))
+        elif self.tp_degree == 1:
+            layouts = {name: TPLayout.replicated(shapes[0], 1) for name, shapes in self.local_shapes.items()}
+        else:
+            raise MissingMetadataError(
+                f"{self._model_files[0]}: TP={self.tp_degree} checkpoint has no tensor-parallel metadata (neither "
+                f"deepspeed_ext.json nor universal_checkpoint_info), so its slices cannot be merged; "
+                f"{HOW_TO_GET_METADATA}")
+        for name, shapes in self.local_shapes.items():
+            layout = layouts.get(name)
+            if layout is None:
+                raise MissingMetadataError(f"{self.tag_dir}: no TP layout for parameter {name!r}")
+            for tp, shape in enumerate(shapes):
+                if layout.local_shape(tp) != shape:
+                    raise CheckpointError(f"{self._model_files[tp]}: parameter {name!r} has shape {shape} but its "
+                                          f"layout ({layout.describe()}) expects {layout.local_shape(tp)}")
+        return {name: layouts[name] for name in self.local_shapes}
+
+    @cached_property
+    def _fragments(self) -> dict[tuple[str, int], list[_Fragment]]:
+        """``(name, tp) -> fragments`` in DP order, from every optimizer file's ``param_slice_mappings``."""
+        out: dict[tuple[str, int], list[_Fragment]] = {}
+        for tp in range(self.tp_degree):
+            for dp in range(self.dp_degree):
+                mappings = self.optimizer_state(tp, dp)["param_slice_mappings"]
+                for group, mapping in enumerate(mappings):
+                    for name, address in mapping.items():
+                        out.setdefault((name, tp), []).append(_Fragment(dp, group, int(address.start),
+                                                                        int(address.numel)))
+        return out
+
+    # ------------------------------------------------------------------ reading tensors
+    def _flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
+        opt = self.optimizer_state(tp, dp)
+        if state == MASTER_WEIGHTS:
+            return opt["single_partition_of_fp32_groups"][group]
+        group_state = opt["base_optimizer_state"]["state"].get(group)
+        if group_state is None or state not in group_state:
+            raise CheckpointError(f"{self._optim_files[(tp, dp)]}: no optimizer state {state!r} for param group "
+                                  f"{group} (only Adam-family optimizers are supported)")
+        return group_state[state]
+
+    def local_tensor(self, name: str, tp: int, state: str) -> torch.Tensor:
+        """TP rank ``tp``'s shard of ``name`` for ``state``, reassembled from its DP fragments."""
+        shape = self.local_shapes[name][tp]
+        numel = int(torch.Size(shape).numel())
+        fragments = self._fragments.get((name, tp), [])
+        if numel == 0:
+            return torch.empty(shape, dtype=torch.float32)
+        pieces = [self._flat(tp, f.dp_rank, f.group, state).narrow(0, f.start, f.numel) for f in fragments]
+        if sum(f.numel for f in fragments) != numel:
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r} on TP rank {tp}: DP fragments cover "
+                                  f"{sum(f.numel for f in fragments)} of {numel} elements")
+        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return flat.view(shape)
+
+    def full_tensor(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
+        """The full fp32 tensor of ``name`` (master weights or an Adam moment), merged over TP ranks."""
+        layout = self.layouts[name]
+        if layout.is_replicated:
+            return self.local_tensor(name, 0, state).clone()
+        shards = [self.local_tensor(name, tp, state) for tp in range(self.tp_degree)]
+        try:
+            full = layout.merge(shards)
+        except Exception as exc:
+            raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: {exc}") from exc
+        return full
+
+    def step(self, name: str) -> torch.Tensor | int:
+        fragments = self._fragments.get((name, 0))
+        group = fragments[0].group if fragments else 0
+        group_state = self.optimizer_state(0, fragments[0].dp_rank if fragments else 0)["base_optimizer_state"]
+        value = group_state["state"].get(group, {}).get(STEP)
+        if value is None:
+            raise CheckpointError(f"{self._optim_files[(0, 0)]}: no optimizer step for param group {group}")
+        return value
+
+    def check_replicas(self, name: str, state: str = MASTER_WEIGHTS) -> None:
+        """Raise if a replicated parameter differs between TP ranks (it then has no single value)."""
+        layout = self.layouts[name]
+        if layout.is_replicated and self.tp_degree > 1:
+            try:
+                layout.merge([self.local_tensor(name, tp, state) for tp in range(self.tp_degree)])
+            except Exception as exc:
+                raise CheckpointError(f"{self.tag_dir}: {name!r} ({state}): {exc}") from exc
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet."""
+        for name, layout in self.layouts.items():
+
+            def loader(state: str, name: str = name) -> torch.Tensor | int:
+                return self.step(name) if state == STEP else self.full_tensor(name, state)
+
+            yield LogicalTensor(name=name,
+                                shape=layout.shape,
+                                layout=layout,
+                                states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
+                                loader=loader)
+
+    # ------------------------------------------------------------------ summary
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        """What upstream stores as ``zero/optimizer_state.pt``: DP0/TP0 state minus the flat tensors."""
+        state = self.optimizer_state(0, 0)
+        out = {k: v for k, v in state.items()
+               if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
+        out["param_groups"] = state["base_optimizer_state"]["param_groups"]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        first = self.first_model_states
+        module = first.get("module") or {}
+        lp_dtypes = sorted({str(t.dtype).replace("torch.", "") for t in module.values() if torch.is_tensor(t)})
+        return {
+            "kind": "deepspeed",
+            "path": str(self.tag_dir),
+            "tag": self.tag,
+            "tp_degree": self.tp_degree,
+            "dp_degree": self.dp_degree,
+            "zero_stage": self.zero_stage,
+            "model_dtypes": lp_dtypes,
+            "optimizer_dtype": "float32",
+            "global_steps": first.get("global_steps"),
+            "deepspeed_version": str(first.get("ds_version")),
+            "metadata": self.metadata_source,
+            "num_parameters": sum(layout.numel for layout in self.layouts.values()),
+        }

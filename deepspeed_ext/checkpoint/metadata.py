@@ -1,0 +1,84 @@
+"""deepspeed-ext's UC info file (``deepspeed_ext.json``): TP layouts plus the model config.
+
+It is written beside DeepSpeed's files in every checkpoint tag directory saved through
+``deepspeed_ext.initialize`` and copied into universal checkpoints. Plain JSON, so plain DeepSpeed
+ignores it and any tool can read it without unpickling anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.module_inject.layout import TPLayout, layouts_from_json, layouts_to_json
+
+METADATA_FILE = "deepspeed_ext.json"
+METADATA_FORMAT = "deepspeed_ext.uc_info"
+METADATA_VERSION = 1
+
+
+@dataclass
+class UCInfo:
+    """What deepspeed-ext records about a checkpoint."""
+
+    tp_size: int
+    layouts: dict[str, TPLayout]
+    model_config: dict[str, Any] | None = None
+    model_class: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    kind: str = "deepspeed"  # "deepspeed" (a regular tag directory) or "universal"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": METADATA_FORMAT,
+            "version": METADATA_VERSION,
+            "kind": self.kind,
+            "tp_size": self.tp_size,
+            "versions": self.versions,
+            "model_class": self.model_class,
+            "model_config": self.model_config,
+            "params": layouts_to_json(self.layouts),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "") -> "UCInfo":
+        if data.get("format") != METADATA_FORMAT:
+            raise CheckpointError(f"{source}: not a deepspeed-ext UC info file")
+        if int(data.get("version", 0)) > METADATA_VERSION:
+            raise CheckpointError(f"{source}: UC info version {data['version']} is newer than this deepspeed-ext "
+                                  f"understands ({METADATA_VERSION}); upgrade deepspeed-ext")
+        return cls(tp_size=int(data["tp_size"]),
+                   layouts=layouts_from_json(data["params"]),
+                   model_config=data.get("model_config"),
+                   model_class=data.get("model_class"),
+                   versions=dict(data.get("versions") or {}),
+                   kind=data.get("kind", "deepspeed"))
+
+
+def write_uc_info(directory: str | os.PathLike, info: UCInfo) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / METADATA_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(info.to_json(), indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def read_uc_info(directory: str | os.PathLike) -> UCInfo | None:
+    """The UC info stored in ``directory``, or None when there is none."""
+    path = Path(directory) / METADATA_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot parse JSON: {exc}") from exc
+    try:
+        return UCInfo.from_json(data, source=str(path))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: malformed UC info: {exc}") from exc

@@ -1,0 +1,148 @@
+"""Sink: load a universal checkpoint into a live DeepSpeed engine at any TP/DP degree.
+
+Each rank opens the universal files memory-mapped and cuts its TP slice with the *target* model's
+:class:`TPLayout` (computed by the live AutoTP layers); DeepSpeed's fragment API then keeps only
+this DP rank's part of the slice. So a rank reads the pages of its own TP slice, not whole tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tag_autotp_model, tp_group_info
+
+#: Model-states keys that belong to DeepSpeed; everything else is the user's client state.
+_DEEPSPEED_STATE_KEYS = {
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
+    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info"
+}
+
+
+def _base_optimizer(engine: Any) -> Any:
+    optimizer = engine.optimizer
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None) -> bool:
+    """Write this rank's fragment of ``value`` (the TP-local tensor) into the optimizer; False if unmanaged."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    if getattr(param, "_hp_mapping", None) is None and not hasattr(param, "ds_id"):
+        return False
+    if state is None:
+        safe_set_full_fp32_param(param, value)
+    else:
+        safe_set_full_optimizer_state(param, value, state)
+    return True
+
+
+def load_universal_checkpoint(engine: Any,
+                              load_dir: str | Path,
+                              tag: str | None = None,
+                              *,
+                              load_optimizer_states: bool = True,
+                              load_lr_scheduler_states: bool = True,
+                              load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    """Restore ``engine`` from a universal checkpoint; returns ``(load_path, client_state)`` like DeepSpeed."""
+    ckpt = UniversalCheckpoint(load_dir, tag)
+    tp_size, tp_rank = tp_group_info()
+    module = engine.module
+    params = list(module.named_parameters())
+    if any(getattr(p, LAYOUT_ATTR, None) is None for _, p in params):
+        tag_autotp_model(module, tp_size=tp_size, tp_rank=tp_rank)
+
+    available = set(ckpt.names)
+    missing = [name for name, p in params if p.requires_grad and name not in available]
+    if missing:
+        raise CheckpointError(f"{ckpt.zero}: no universal tensors for {len(missing)} model parameters, e.g. "
+                              f"{missing[:3]}")
+    with_optimizer = load_optimizer_states and not load_module_only
+    states = (MASTER_WEIGHTS, *ADAM_STATES) if with_optimizer else (MASTER_WEIGHTS, )
+
+    with torch.no_grad():
+        if with_optimizer:
+            _ensure_adam_state(engine, params)
+        for name, param in params:
+            if name not in available:
+                continue  # frozen parameter the source did not train: keep its constructor value
+            layout = getattr(param, LAYOUT_ATTR)
+            for state in states:
+                if state != MASTER_WEIGHTS and not ckpt.has(name, state):
+                    raise CheckpointError(f"{ckpt.file(name, state)}: missing optimizer state")
+                full = ckpt.load(name, state)
+                if tuple(full.shape) != layout.shape:
+                    raise CheckpointError(f"{ckpt.file(name, state)}: shape {tuple(full.shape)} does not match "
+                                          f"the model's {name!r} {layout.shape}")
+                local = layout.slice(full, tp_rank)
+                managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state)
+                if state == MASTER_WEIGHTS:
+                    param.data.copy_(local)  # the low-precision copy the forward pass uses
+                elif not managed:
+                    raise CheckpointError(f"parameter {name!r} is not managed by a ZeRO/BF16 optimizer; cannot "
+                                          "restore its optimizer state")
+
+        if with_optimizer:
+            _restore_step_and_groups(engine, ckpt, [name for name, _ in params if name in available])
+
+    client_state = _restore_engine_state(engine, ckpt, load_lr_scheduler_states and not load_module_only)
+    return str(ckpt.path), client_state
+
+
+def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Create the Adam buffers a fresh engine does not have yet and link each parameter's fragment to them.
+
+    torch's Adam creates its state at the first step, so before that there is nowhere to put restored
+    moments. The buffers are the flat fp32 partitions' shape, exactly what Adam would create, so Adam
+    then updates them in place.
+    """
+    base = _base_optimizer(engine)
+    for _, param in params:
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            continue
+        flat = base.param_groups[mapping.param_group_index]["params"][0]
+        state = base.state[flat]
+        if any(key not in state for key in ADAM_STATES):
+            state.setdefault("step", torch.tensor(0.0))
+            for key in ADAM_STATES:
+                state.setdefault(key, torch.zeros_like(flat, memory_format=torch.preserve_format))
+        if not mapping.optim_fragment or any(key not in mapping.optim_fragment for key in ADAM_STATES):
+            mapping.set_optim_state_fragment(flat, state)
+
+
+def _restore_step_and_groups(engine: Any, ckpt: UniversalCheckpoint, names: list[str]) -> None:
+    base = _base_optimizer(engine)
+    step = ckpt.step(names[0]) if names else None
+    if step is not None:
+        for group in base.param_groups:
+            for p in group["params"]:
+                state = base.state.get(p)
+                if state is None:
+                    continue
+                old = state.get("step")
+                state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                                 if torch.is_tensor(old) else type(old)(step) if old is not None else step)
+    saved_groups = ckpt.optimizer_state.get("param_groups") or []
+    for live, saved in zip(base.param_groups, saved_groups):
+        for key, value in saved.items():
+            if key != "params":
+                live[key] = value
+
+
+def _restore_engine_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_scheduler: bool) -> dict[str, Any]:
+    states = ckpt.model_states
+    if load_lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and states.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+    engine.global_steps = int(states.get("global_steps", 0))
+    engine.global_samples = int(states.get("global_samples", engine.global_steps * engine.train_batch_size()))
+    engine.skipped_steps = int(states.get("skipped_steps", 0))
+    engine.loaded_checkpoint_mp_world_size = states.get("mp_world_size")
+    engine.loaded_checkpoint_dp_world_size = states.get("dp_world_size")
+    return {key: value for key, value in states.items() if key not in _DEEPSPEED_STATE_KEYS}

@@ -1,0 +1,218 @@
+"""DeepSpeed's universal checkpoint layout: sink (write) and source (read).
+
+Layout (compatible with upstream ``ds_to_universal``; ../shared/docs/deepspeed-formats.md §4.3)::
+
+    <out>/zero/<param>/fp32.pt         {'param': full fp32 tensor[, 'cat_dim': d]}
+    <out>/zero/<param>/exp_avg.pt      same, Adam first moment
+    <out>/zero/<param>/exp_avg_sq.pt   same, Adam second moment
+    <out>/zero/<param>/step.pt         the bare optimizer step
+    <out>/zero/optimizer_state.pt      DP0/TP0 optimizer state minus flat tensors, plus param_groups
+    <out>/mp_rank_XX_model_states.pt   copied unchanged (steps, lr scheduler, client state)
+    <out>/deepspeed_ext.json           our UC info (layouts of the source, model config)
+    <parent>/latest_universal          basename of <out>, written last
+
+The output is built under ``<out>.partial`` and renamed into place only when complete, so an
+interrupted run never leaves a directory that looks like a finished checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from tqdm import tqdm
+
+from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint.deepspeed import MODEL_STATES_RE, DeepSpeedCheckpoint, resolve_tag_dir
+from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
+from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
+from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.module_inject.layout import TPLayout
+
+ZERO_DIR = "zero"
+LATEST_UNIVERSAL = "latest_universal"
+OPTIMIZER_STATE_FILE = "optimizer_state.pt"
+TENSOR_STATES = (MASTER_WEIGHTS, *ADAM_STATES)
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that owns exactly its bytes: torch.save of a view would pickle the whole storage."""
+    tensor = tensor.detach()
+    if (not tensor.is_contiguous() or tensor.storage_offset() != 0
+            or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size()):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def _entry(tensor: torch.Tensor, layout: TPLayout) -> dict[str, Any]:
+    entry: dict[str, Any] = {"param": _standalone(tensor)}
+    if not layout.is_replicated and layout.view_shape is None and len(layout.sub_param_sizes) == 1:
+        # Lets DeepSpeed's legacy (non-AutoTP) restore path chunk the tensor along the right dim.
+        entry["cat_dim"] = layout.partition_dim
+    return entry
+
+
+def default_output(source: DeepSpeedCheckpoint) -> Path:
+    return source.tag_dir.parent / f"{source.tag}_universal"
+
+
+def write_universal(source: DeepSpeedCheckpoint,
+                    out: str | Path | None = None,
+                    *,
+                    overwrite: bool = False,
+                    progress: bool = True) -> Path:
+    """Convert ``source`` into DeepSpeed's universal layout at ``out``; returns the output path.
+
+    Streams one parameter and one state at a time: memory stays at about one full tensor.
+    """
+    out = Path(out) if out is not None else default_output(source)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
+    if out.resolve() == source.tag_dir.resolve():
+        raise CheckpointError(f"{out}: output would overwrite the source checkpoint")
+    layouts = source.layouts  # validates metadata before anything is written
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)  # left over from an interrupted run
+    zero = partial / ZERO_DIR
+    zero.mkdir(parents=True)
+
+    for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param", disable=not progress):
+        param_dir = zero / tensor.name
+        param_dir.mkdir()
+        source.check_replicas(tensor.name)
+        for state in TENSOR_STATES:
+            serialization.save(_entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
+        serialization.save(tensor.load(STEP), param_dir / f"{STEP}.pt")
+
+    serialization.save(source.optimizer_state_for_universal(), zero / OPTIMIZER_STATE_FILE)
+    for path in source.model_state_files:
+        shutil.copy2(path, partial / path.name)
+    src_info = source.uc_info
+    write_uc_info(
+        partial,
+        UCInfo(tp_size=source.tp_degree,
+               layouts=layouts,
+               model_config=src_info.model_config if src_info else None,
+               model_class=src_info.model_class if src_info else None,
+               versions=dict(src_info.versions) if src_info else {},
+               kind="universal"))
+
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    latest = out.parent / LATEST_UNIVERSAL
+    tmp = latest.with_name(latest.name + ".tmp")
+    tmp.write_text(out.name)
+    os.replace(tmp, latest)
+    return out
+
+
+class UniversalCheckpoint:
+    """A universal checkpoint directory (ours or upstream's), read lazily and memory-mapped."""
+
+    def __init__(self, path: str | Path, tag: str | None = None):
+        path = Path(path)
+        if (path / ZERO_DIR).is_dir() and tag is None:
+            self.path = path
+        else:
+            self.path = resolve_tag_dir(path, tag, latest_file=LATEST_UNIVERSAL)
+        self.zero = self.path / ZERO_DIR
+        if not self.zero.is_dir():
+            raise CheckpointError(f"{self.path}: not a universal checkpoint (no {ZERO_DIR}/ directory)")
+
+    @staticmethod
+    def is_universal(path: str | Path) -> bool:
+        path = Path(path)
+        return (path / ZERO_DIR).is_dir() or (path / LATEST_UNIVERSAL).is_file()
+
+    @cached_property
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+
+    @cached_property
+    def uc_info(self) -> UCInfo | None:
+        return read_uc_info(self.path)
+
+    def file(self, name: str, state: str) -> Path:
+        return self.zero / name / f"{state}.pt"
+
+    def has(self, name: str, state: str = MASTER_WEIGHTS) -> bool:
+        return self.file(name, state).is_file()
+
+    def load(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
+        """The full tensor of ``name``/``state``, memory-mapped: only pages that are touched get read."""
+        path = self.file(name, state)
+        data = serialization.load(path)
+        tensor = data.get("param") if isinstance(data, dict) else data
+        if not torch.is_tensor(tensor):
+            raise CheckpointError(f"{path}: no tensor under 'param'")
+        return tensor
+
+    def step(self, name: str) -> torch.Tensor | int | None:
+        path = self.file(name, STEP)
+        if path.is_file():
+            return serialization.load(path)
+        state = self.optimizer_state
+        try:  # ZeRO-3 universal output keeps the step only in optimizer_state.pt
+            return state["optimizer_state_dict"]["state"][0][STEP]
+        except (KeyError, TypeError, IndexError):
+            return None
+
+    @cached_property
+    def optimizer_state(self) -> dict[str, Any]:
+        path = self.zero / OPTIMIZER_STATE_FILE
+        return serialization.load(path) if path.is_file() else {}
+
+    @cached_property
+    def model_state_files(self) -> list[Path]:
+        return sorted(p for p in self.path.iterdir() if MODEL_STATES_RE.match(p.name))
+
+    @cached_property
+    def model_states(self) -> dict[str, Any]:
+        if not self.model_state_files:
+            raise CheckpointError(f"{self.path}: no mp_rank_*_model_states.pt files")
+        return serialization.load(self.model_state_files[0])
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        layouts = self.uc_info.layouts if self.uc_info else {}
+        for name in self.names:
+            states = tuple(s for s in (*TENSOR_STATES, STEP) if self.has(name, s))
+
+            def loader(state: str, name: str = name) -> torch.Tensor | int:
+                return self.step(name) if state == STEP else self.load(name, state)
+
+            layout = layouts.get(name)
+            if layout is None:
+                layout = TPLayout.replicated(tuple(self.load(name).shape), 1)
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader)
+
+    def summary(self) -> dict[str, Any]:
+        states = self.model_states
+        opt = self.optimizer_state
+        first = self.names[0] if self.names else None
+        dtypes = sorted({str(self.load(n).dtype).replace("torch.", "") for n in self.names[:1]})
+        return {
+            "kind": "universal",
+            "path": str(self.path),
+            "tag": self.path.name,
+            "source_tp_degree": states.get("mp_world_size"),
+            "source_dp_degree": states.get("dp_world_size"),
+            "zero_stage": int(opt.get("zero_stage", 1)) if opt else None,
+            "model_dtypes": dtypes,
+            "global_steps": states.get("global_steps"),
+            "optimizer_step": None if first is None else _as_int(self.step(first)),
+            "deepspeed_version": str(states.get("ds_version")),
+            "metadata": "deepspeed_ext" if self.uc_info else "none",
+            "num_parameters": sum(int(t.layout.numel) for t in self.tensors()),
+        }
+
+
+def _as_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    return int(value.item()) if torch.is_tensor(value) else int(value)

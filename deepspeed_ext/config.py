@@ -1,0 +1,75 @@
+"""The ``"deepspeed_ext"`` section of a DeepSpeed config.
+
+Plain DeepSpeed ignores unknown top-level sections, so the same config file works with and without
+deepspeed-ext::
+
+    "deepspeed_ext": {
+      "universal_checkpoint": {
+        "enabled": true,          # tag AutoTP parameters and store UC info at every save_checkpoint
+        "restore": "deepspeed_ext"  # who loads universal checkpoints when checkpoint.load_universal is
+                                    # true: "deepspeed_ext" (each rank reads only its slice, any TP/DP)
+                                    # or "deepspeed" (upstream's loader)
+      }
+    }
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+SECTION = "deepspeed_ext"
+RESTORE_CHOICES = ("deepspeed_ext", "deepspeed")
+
+
+@dataclass(frozen=True)
+class UniversalCheckpointConfig:
+    enabled: bool = False
+    restore: str = "deepspeed_ext"
+
+
+@dataclass(frozen=True)
+class ExtConfig:
+    universal_checkpoint: UniversalCheckpointConfig = field(default_factory=UniversalCheckpointConfig)
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> "ExtConfig":
+        section = (ds_config or {}).get(SECTION) or {}
+        if not isinstance(section, Mapping):
+            raise ValueError(f"DeepSpeed config: '{SECTION}' must be an object")
+        _reject_unknown(section, {"universal_checkpoint"}, SECTION)
+        uc = section.get("universal_checkpoint") or {}
+        if not isinstance(uc, Mapping):
+            raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint' must be an object")
+        _reject_unknown(uc, {"enabled", "restore"}, f"{SECTION}.universal_checkpoint")
+        enabled = uc.get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint.enabled' must be true or false")
+        restore = uc.get("restore", "deepspeed_ext")
+        if restore not in RESTORE_CHOICES:
+            raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint.restore' must be one of "
+                             f"{RESTORE_CHOICES}, got {restore!r}")
+        return cls(universal_checkpoint=UniversalCheckpointConfig(enabled=enabled, restore=restore))
+
+
+def _reject_unknown(section: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(section) - allowed)
+    if unknown:
+        raise ValueError(f"DeepSpeed config: unknown key(s) {unknown} in '{where}' (allowed: {sorted(allowed)})")
+
+
+def load_ds_config(config: Any) -> dict[str, Any]:
+    """A DeepSpeed config given as a dict or a path to a JSON (or HJSON) file, as a dict."""
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    text = path.read_text()
+    try:
+        return json.loads(text)
+    except ValueError:
+        import hjson  # DeepSpeed depends on it and accepts HJSON configs
+        return dict(hjson.loads(text))

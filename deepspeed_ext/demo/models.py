@@ -1,0 +1,96 @@
+"""Tiny transformer configs built in code (never downloaded), used by the demo and the tests.
+
+Sizes are chosen to exercise the hard cases: GQA (16 query / 4 KV heads), a vocabulary (101) and an
+MLP width (160) that do not divide by 3, so TP=3 and TP=4 cut uneven shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FAMILIES = ("llama", "phi3")
+
+
+def tiny_config(family: str = "llama") -> Any:
+    common = dict(vocab_size=101,
+                  hidden_size=64,
+                  intermediate_size=160,
+                  num_hidden_layers=2,
+                  num_attention_heads=16,
+                  num_key_value_heads=4,
+                  max_position_embeddings=64,
+                  tie_word_embeddings=False)
+    if family == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(**common)
+    if family == "phi3":  # fused qkv_proj (q, k, v of unequal size) and fused gate_up_proj
+        from transformers import Phi3Config
+        return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def build_model(family: str = "llama", seed: int = 1234) -> torch.nn.Module:
+    """The same initial weights on every rank (AutoTP cuts its slices from this full model)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager")
+
+
+def tensor_parallel_section(family: str, tp: int) -> dict[str, Any]:
+    """The ``tensor_parallel`` config section for ``family``.
+
+    Llama uses AutoTP's defaults. Phi3 needs explicit specs: DeepSpeed's phi3 preset assumes q, k and
+    v of equal size, which is wrong with GQA.
+    """
+    section: dict[str, Any] = {"autotp_size": tp}
+    if family == "phi3":
+        cfg = tiny_config("phi3")
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+        section["partition_config"] = {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": [r".*\.self_attn\.qkv_proj\.weight$"], "partition_type": "column",
+                 "shape": [[q, kv, kv], -1], "partition_dim": 0},
+                {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+                {"patterns": [r".*\.mlp\.gate_up_proj\.weight$"], "partition_type": "column",
+                 "shape": [2, -1], "partition_dim": 0},
+                {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
+                {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"},
+            ],
+        }
+    return section
+
+
+def ds_config(*,
+              tp: int,
+              zero: int = 1,
+              dtype: str = "bf16",
+              family: str = "llama",
+              ext: bool = True,
+              load_universal: bool = False,
+              lr: float = 1e-3) -> dict[str, Any]:
+    """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "zero_optimization": {"stage": zero},
+        "bf16": {"enabled": dtype == "bf16"},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "tensor_parallel": tensor_parallel_section(family, tp),
+    }
+    if ext:
+        config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}}
+    if load_universal:
+        config["checkpoint"] = {"load_universal": True}
+    return config
+
+
+def batch(step: int, dp_rank: int, vocab: int = 101, micro_batch: int = 2, seq_len: int = 16) -> torch.Tensor:
+    """Deterministic token batch for a global step and DP rank (identical on every TP rank)."""
+    generator = torch.Generator().manual_seed(100_003 * step + dp_rank)
+    return torch.randint(0, vocab, (micro_batch, seq_len), generator=generator)

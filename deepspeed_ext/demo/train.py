@@ -1,0 +1,94 @@
+"""A training script as a user writes it; run under ``torchrun``. Used by the demo and the tests.
+
+Only ``deepspeed_ext.initialize`` differs from a plain DeepSpeed script (``--plain`` uses
+``deepspeed.initialize`` and drops the ``deepspeed_ext`` section, to produce checkpoints without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--family", default="llama")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--zero", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--steps", type=int, default=5, help="train until this global step")
+    p.add_argument("--save-dir")
+    p.add_argument("--save-at", type=int, help="save_checkpoint after this global step")
+    p.add_argument("--load-dir", help="resume from a universal checkpoint (load_universal)")
+    p.add_argument("--plain", action="store_true", help="deepspeed.initialize without our config section")
+    p.add_argument("--result", help="write losses (JSON) here")
+    p.add_argument("--dump", help="at save time, dump each TP rank's fp32/exp_avg/exp_avg_sq here")
+    return p.parse_args()
+
+
+def dump_live_state(engine, path: Path, tp_rank: int) -> None:
+    """The TP-local full fp32 master weights and Adam moments, gathered over DP by DeepSpeed itself."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    state = {}
+    for name, param in engine.module.named_parameters():
+        state[name] = {
+            "fp32": safe_get_full_fp32_param(param).clone(),
+            "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
+            "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
+        }
+    if engine.global_rank == tp_rank:  # DP rank 0 of each TP rank writes
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path / f"tp_rank_{tp_rank:02d}.pt")
+
+
+def main() -> None:
+    args = parse_args()
+    import deepspeed
+    import torch.distributed as dist
+
+    import deepspeed_ext
+    from deepspeed_ext.demo.models import batch, build_model, ds_config
+
+    model = build_model(args.family)
+    config = ds_config(tp=args.tp,
+                       zero=args.zero,
+                       dtype=args.dtype,
+                       family=args.family,
+                       ext=not args.plain,
+                       load_universal=args.load_dir is not None)
+    init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
+
+    from deepspeed_ext.module_inject.autotp import tp_group_info
+    tp_size, tp_rank = tp_group_info()
+    dp_rank = dist.get_rank() // tp_size  # AutoTP groups consecutive ranks into one TP group
+    if args.load_dir:
+        engine.load_checkpoint(args.load_dir)
+
+    losses = {}
+    while engine.global_steps < args.steps:
+        step = engine.global_steps + 1
+        tokens = batch(step, dp_rank)
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        value = loss.detach().float().clone()
+        dist.all_reduce(value)  # mean over DP (TP ranks hold the same loss)
+        losses[step] = value.item() / dist.get_world_size()
+        if args.save_dir and step == args.save_at:
+            if args.dump:
+                dump_live_state(engine, Path(args.dump), tp_rank)
+            engine.save_checkpoint(args.save_dir)
+    if args.result and dist.get_rank() == 0:
+        Path(args.result).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses}))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main()

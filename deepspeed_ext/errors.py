@@ -1,0 +1,19 @@
+"""Error types. Every message is one line that names the file (or parameter) and the problem."""
+
+from __future__ import annotations
+
+
+class DeepSpeedExtError(Exception):
+    """Base class of every error deepspeed-ext raises on purpose."""
+
+
+class CheckpointError(DeepSpeedExtError):
+    """A checkpoint on disk is missing, malformed or inconsistent."""
+
+
+class MissingMetadataError(CheckpointError):
+    """A checkpoint lacks the tensor-parallel metadata needed to merge its slices."""
+
+
+class LayoutError(DeepSpeedExtError):
+    """A tensor-parallel layout is inconsistent with the tensor it describes."""

@@ -1,0 +1,372 @@
+"""Tag the parameters of a model that DeepSpeed AutoTP has sharded with a :class:`TPLayout` each.
+
+Three sources of layouts, in order of preference:
+
+1. :func:`tag_autotp_model` — read each AutoTP layer's structure (class, full shape, the shard sizes
+   the layer froze when it cut the weight). On DeepSpeed releases whose layers do not record their
+   sizes, the sizes come from :func:`~deepspeed_ext.module_inject.layout.shard_sizes`, the same rule
+   AutoTP uses. Every layout is checked against the shard actually left in the parameter.
+2. :func:`layout_from_upstream_meta` — DeepSpeed ≥ 0.18.9 also tags parameters itself
+   (``ds_autotp_universal_checkpoint_meta``); we translate that when we meet a layer we do not know.
+3. :func:`layouts_from_universal_checkpoint_info` — a checkpoint saved without deepspeed-ext still
+   carries upstream's model-level ``universal_checkpoint_info`` plus per-rank local shapes; that is
+   enough to rebuild every layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from deepspeed_ext.errors import LayoutError, MissingMetadataError
+from deepspeed_ext.module_inject.layout import TPLayout, num_kv_heads_of, shard_sizes
+
+#: Attribute we attach to every tagged parameter.
+LAYOUT_ATTR = "ds_ext_tp_layout"
+#: Attribute DeepSpeed (>= 0.18.9) attaches to AutoTP parameters.
+UPSTREAM_META_ATTR = "ds_autotp_universal_checkpoint_meta"
+
+
+def _class_names(module: torch.nn.Module) -> set[str]:
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """Shape of the local shard, also under ZeRO-3 where ``param.shape`` is an empty placeholder."""
+    ds_shape = getattr(param, "ds_shape", None)
+    return tuple(ds_shape) if ds_shape is not None else tuple(param.shape)
+
+
+class _LayerReader:
+    """Reads one AutoTP layer; ``sizes``/``widths`` prefer what the layer froze, else our rule."""
+
+    def __init__(self, layer: torch.nn.Module, tp_size: int, num_kv_heads: int | None, grain: int):
+        self.layer = layer
+        self.tp_size = tp_size
+        self.num_kv_heads = num_kv_heads
+        self.grain = grain
+        self.name = getattr(layer, "name", None)
+
+    def rule(self, total: int, name: str | None = None) -> tuple[int, ...]:
+        return shard_sizes(total,
+                           self.tp_size,
+                           name=self.name if name is None else name,
+                           num_kv_heads=self.num_kv_heads,
+                           grain=self.grain)
+
+    def partition_sizes(self, total: int) -> tuple[int, ...]:
+        frozen = getattr(self.layer, "_partition_sizes", None)
+        return tuple(frozen) if frozen is not None else self.rule(total)
+
+    def sub_param_widths(self, sub_sizes: Sequence[int], name: str | None = None) -> tuple[tuple[int, ...], ...]:
+        frozen = getattr(self.layer, "_subparam_shard_widths", None)
+        if frozen is not None:
+            return tuple(tuple(w) for w in frozen)
+        return tuple(self.rule(size, name) for size in sub_sizes)
+
+
+def _layer_layouts(layer: torch.nn.Module, reader: _LayerReader) -> dict[str, TPLayout] | None:
+    """Layouts of a known AutoTP layer's direct parameters, keyed ``weight``/``bias``; None if unknown."""
+    names = _class_names(layer)
+    tp = reader.tp_size
+    weight = getattr(layer, "weight", None)
+    bias = getattr(layer, "bias", None)
+    out: dict[str, TPLayout] = {}
+
+    if "SubParamLinearLayer" in names or "SubParamLinearAllreduce" in names:
+        logical = tuple(layer._logical_shape)
+        dim = int(layer.partition_dim)
+        sub_sizes = tuple(layer._subparam_sizes or (logical[dim], ))
+        widths = reader.sub_param_widths(sub_sizes)
+        row = "SubParamLinearAllreduce" in names
+        role = "sub_params" if len(sub_sizes) > 1 else None
+        out["weight"] = TPLayout.sub_params(layer._orig_weight_shape,
+                                            tp,
+                                            dim,
+                                            sub_sizes,
+                                            widths,
+                                            partition_type="row" if row else "column",
+                                            view_shape=logical,
+                                            role=role)
+        if bias is not None:
+            bias_dim = None if row else getattr(layer, "_bias_partition_dim", None)
+            if bias_dim is None:
+                out["bias"] = TPLayout.replicated(layer._orig_bias_shape, tp)
+            else:
+                out["bias"] = TPLayout.sub_params(layer._orig_bias_shape,
+                                                  tp,
+                                                  bias_dim,
+                                                  sub_sizes,
+                                                  widths,
+                                                  view_shape=tuple(layer._output_shape),
+                                                  role=role)
+        return out
+
+    if "SubParamColumnParallel" in names:  # fused_LinearLayer (fused QKV), GateUpPack_LinearLayer
+        sub_sizes, shard_name = getattr(layer, "_subparam_layout_spec", (None, None))
+        if sub_sizes is None:
+            raise LayoutError(f"AutoTP layer {reader.name!r} ({type(layer).__name__}) interleaves or replicates "
+                              "blocks across TP ranks; its parameters cannot be reassembled")
+        widths = reader.sub_param_widths(sub_sizes, shard_name)
+        role = "gate_up" if "GateUpPack_LinearLayer" in names else "fused_qkv"
+        for key, param in (("weight", weight), ("bias", bias)):
+            if param is not None:
+                shape = layer._orig_weight_shape if key == "weight" else layer._orig_bias_shape
+                out[key] = TPLayout.sub_params(shape, tp, 0, sub_sizes, widths, role=role)
+        return out
+
+    if "VocabParallelEmbedding" in names:
+        shape = tuple(layer._orig_weight_shape)
+        out["weight"] = TPLayout.split(shape, tp, 0, reader.partition_sizes(shape[0]), "column", role="vocab")
+        return out
+
+    if "HiddenParallelEmbedding" in names:
+        shape = tuple(layer._orig_weight_shape)
+        out["weight"] = TPLayout.split(shape,
+                                       tp,
+                                       1,
+                                       reader.partition_sizes(shape[1]),
+                                       "row",
+                                       role="embedding_hidden")
+        return out
+
+    if names & {"Yuan_LinearLayer", "Yuan_LinearAllreduce", "conv_LinearLayer", "Conv_LinearALlreduce"}:
+        return None  # layouts we do not describe ourselves; upstream's meta (if any) is used instead
+
+    if "LinearAllreduce" in names:  # also LmHeadLinearAllreduce
+        shape = tuple(layer._orig_weight_shape)
+        out["weight"] = TPLayout.split(shape, tp, 1, reader.partition_sizes(shape[1]), "row")
+        if bias is not None:
+            out["bias"] = TPLayout.replicated(_full_shape(bias), tp)
+        return out
+
+    if "LinearLayer" in names:  # also VocabParallelLinear
+        shape = tuple(layer._orig_weight_shape)
+        sizes = reader.partition_sizes(shape[0])
+        is_vocab = "VocabParallelLinear" in names or str(reader.name).split(".")[-1] in ("lm_head", "embed_out")
+        role = "vocab" if is_vocab else None
+        out["weight"] = TPLayout.split(shape, tp, 0, sizes, "column", role=role)
+        if bias is not None:
+            out["bias"] = TPLayout.split(tuple(layer._orig_bias_shape), tp, 0, sizes, "column", role=role)
+        return out
+
+    return None
+
+
+def layout_from_upstream_meta(meta: Mapping[str, Any], tp_size: int) -> TPLayout:
+    """Translate DeepSpeed's per-parameter ``ds_autotp_universal_checkpoint_meta`` into a TPLayout."""
+    if meta.get("unsupported_reason"):
+        raise LayoutError(f"DeepSpeed marks this layout unsupported: {meta['unsupported_reason']}")
+    original = tuple(meta.get("original_shape") or meta.get("logical_shape"))
+    logical = tuple(meta.get("logical_shape") or original)
+    dim = meta.get("partition_dim")
+    if meta.get("replicated") or dim is None:
+        return TPLayout.replicated(original, tp_size)
+    ptype = meta.get("partition_type") or "column"
+    widths = meta.get("sub_param_shard_widths")
+    if widths:
+        sub_sizes = tuple(meta.get("sub_param_sizes") or (sum(w) for w in widths))
+        return TPLayout.sub_params(original,
+                                   tp_size,
+                                   dim,
+                                   sub_sizes,
+                                   widths,
+                                   partition_type=ptype,
+                                   view_shape=logical,
+                                   role="sub_params" if len(sub_sizes) > 1 else None)
+    sizes = meta.get("partition_sizes")
+    if sizes is None:  # legacy (< UC 0.4) metadata: even split, divisibility required
+        total = logical[dim]
+        if total % tp_size:
+            raise LayoutError(f"legacy metadata implies an even split of {total} over {tp_size} ranks")
+        sizes = (total // tp_size, ) * tp_size
+    return TPLayout.sub_params(original,
+                               tp_size,
+                               dim, (logical[dim], ), (tuple(sizes), ),
+                               partition_type=ptype,
+                               view_shape=logical,
+                               role=None)
+
+
+def tp_group_info() -> tuple[int, int]:
+    """``(tp_size, tp_rank)`` of this process, from DeepSpeed's groups (1, 0 when TP is off)."""
+    try:
+        from deepspeed.utils import groups
+        size = groups.get_tensor_model_parallel_world_size()
+        rank = groups.get_tensor_model_parallel_rank()
+        return int(size or 1), int(rank or 0)
+    except Exception:  # groups not initialised: no tensor parallelism
+        return 1, 0
+
+
+def tag_autotp_model(model: torch.nn.Module,
+                     *,
+                     tp_size: int | None = None,
+                     tp_rank: int | None = None,
+                     model_config: Any = None,
+                     tp_grain_size: int = 1) -> dict[str, TPLayout]:
+    """Attach a :class:`TPLayout` to every parameter of ``model`` and return ``{name: layout}``.
+
+    Parameters outside AutoTP layers are replicated. Each layout's :meth:`~TPLayout.local_shape`
+    for this rank is checked against the parameter's actual shard; a mismatch raises LayoutError
+    naming the parameter rather than letting a wrong layout reach a checkpoint.
+    """
+    if tp_size is None or tp_rank is None:
+        tp_size, tp_rank = tp_group_info()
+    if model_config is None:
+        model_config = getattr(model, "config", None)
+    num_kv_heads = num_kv_heads_of(model_config)
+
+    by_param: dict[int, TPLayout] = {}
+    for module_name, module in model.named_modules():
+        if "TensorParallel_Layer" not in _class_names(module):
+            continue
+        layer_tp = int(getattr(module, "tp_world_size", tp_size))
+        grain = getattr(getattr(module, "tp_meta", None), "tp_grain_size", None) or tp_grain_size
+        reader = _LayerReader(module, layer_tp, num_kv_heads, grain)
+        known = _layer_layouts(module, reader)
+        for key in ("weight", "bias"):
+            param = getattr(module, key, None)
+            if not isinstance(param, torch.nn.Parameter):
+                continue
+            layout = (known or {}).get(key)
+            if layout is None:
+                meta = getattr(param, UPSTREAM_META_ATTR, None)
+                if meta is None:
+                    raise LayoutError(f"AutoTP layer {module_name!r} ({type(module).__name__}) has a layout "
+                                      "deepspeed-ext cannot describe and DeepSpeed left no metadata for it")
+                layout = layout_from_upstream_meta(meta, layer_tp)
+            by_param[id(param)] = layout
+
+    layouts: dict[str, TPLayout] = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        layout = by_param.get(id(param)) or TPLayout.replicated(_full_shape(param), tp_size)
+        local = _full_shape(param)
+        if layout.local_shape(tp_rank) != local:
+            raise LayoutError(f"parameter {name!r}: layout {layout.describe()} gives TP rank {tp_rank} a shard of "
+                              f"{layout.local_shape(tp_rank)}, but the parameter holds {local}")
+        setattr(param, LAYOUT_ATTR, layout)
+        layouts[name] = layout
+    return layouts
+
+
+def upstream_layouts(model: torch.nn.Module, tp_size: int | None = None) -> dict[str, TPLayout]:
+    """Layouts read from DeepSpeed's own per-parameter metadata (replicated where it left none)."""
+    if tp_size is None:
+        tp_size, _ = tp_group_info()
+    layouts = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        meta = getattr(param, UPSTREAM_META_ATTR, None)
+        layouts[name] = (TPLayout.replicated(_full_shape(param), tp_size)
+                         if meta is None else layout_from_upstream_meta(meta, tp_size))
+    return layouts
+
+
+# --------------------------------------------------------------------------- model-level UC info
+class _PatternSet:
+    """Regexes from ``universal_checkpoint_info``; exact-name patterns are looked up in O(1)."""
+
+    def __init__(self, patterns: Iterable[str]):
+        self.exact: set[str] = set()
+        self.regexes: list[re.Pattern[str]] = []
+        for pattern in patterns or ():
+            literal = _exact_name(pattern)
+            if literal is not None:
+                self.exact.add(literal)
+            else:
+                self.regexes.append(re.compile(pattern))
+
+    def match(self, name: str) -> bool:
+        return name in self.exact or any(r.match(name) for r in self.regexes)
+
+
+def _exact_name(pattern: str) -> str | None:
+    """The literal name if ``pattern`` is ``^<re.escape(name)>$`` (what AutoTP publishes), else None."""
+    if not (pattern.startswith("^") and pattern.endswith("$")):
+        return None
+    body = pattern[1:-1]
+    literal = re.sub(r"\\(.)", r"\1", body)
+    return literal if re.escape(literal) == body else None
+
+
+def layouts_from_universal_checkpoint_info(info: Mapping[str, Any],
+                                           local_shapes: Mapping[str, Sequence[Sequence[int]]],
+                                           source: str = "checkpoint") -> dict[str, TPLayout]:
+    """Rebuild every parameter's layout from upstream's model-level UC info plus per-rank local shapes.
+
+    ``local_shapes[name][r]`` is the shape TP rank ``r`` saved (``param_shapes`` of its model-states
+    file). Row patterns split dim 1, replicated patterns keep rank 0's copy, sub-param patterns use
+    the published per-rank widths, everything else is a dim-0 (column) split, as upstream's
+    converter assumes.
+    """
+    if not info:
+        raise MissingMetadataError(f"{source}: no universal_checkpoint_info")
+    unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
+    replicated = _PatternSet(info.get("tp_replicated_parameter_patterns"))
+    row = _PatternSet(info.get("parameter_with_row_parallelism_patterns"))
+    vocab = _PatternSet(info.get("vocabulary_parameter_patterns"))
+    unsupported_set = {pattern: _PatternSet([pattern]) for pattern in unsupported}
+    widths_by_pattern = info.get("sub_param_shard_widths") or {}
+    sub_params = []
+    for entry in info.get("parameter_with_sub_params") or []:
+        entry = entry if isinstance(entry, Mapping) else vars(entry)
+        for pattern in entry["patterns"]:
+            sub_params.append((_PatternSet([pattern]), pattern, entry))
+
+    layouts = {}
+    for name, shapes in local_shapes.items():
+        shapes = [tuple(s) for s in shapes]
+        tp = len(shapes)
+        for pattern, matcher in unsupported_set.items():
+            if matcher.match(name):
+                raise LayoutError(f"{source}: parameter {name!r} has a layout DeepSpeed marks unsupported: "
+                                  f"{unsupported[pattern]}")
+        if replicated.match(name) or tp == 1:
+            layouts[name] = TPLayout.replicated(shapes[0], tp)
+            continue
+        sub = next(((pattern, entry) for matcher, pattern, entry in sub_params if matcher.match(name)), None)
+        if sub is not None:
+            pattern, entry = sub
+            layouts[name] = _sub_param_layout_from_info(name, shapes, entry, widths_by_pattern.get(pattern), source)
+            continue
+        dim = 1 if row.match(name) else 0
+        full = list(shapes[0])
+        full[dim] = sum(s[dim] for s in shapes)
+        layouts[name] = TPLayout.split(full,
+                                       tp,
+                                       dim, [s[dim] for s in shapes],
+                                       "row" if dim == 1 else "column",
+                                       role="vocab" if vocab.match(name) else None)
+    return layouts
+
+
+def _sub_param_layout_from_info(name: str, shapes: Sequence[tuple[int, ...]], entry: Mapping[str, Any],
+                                widths: Sequence[Sequence[int]] | None, source: str) -> TPLayout:
+    tp = len(shapes)
+    spec = list(entry["shape"])
+    dim = int(entry["partition_dim"])
+    sizes = spec[dim]
+    if isinstance(sizes, int):  # a count of equal sub-params (pre-0.4 metadata)
+        total = sum(s[dim] for s in shapes) if len(spec) == len(shapes[0]) else None
+        if total is None or total % sizes:
+            raise LayoutError(f"{source}: cannot resolve sub-param sizes of {name!r} from spec {spec}")
+        sizes = [total // sizes] * sizes
+    sizes = [int(s) for s in sizes]
+    if widths is None:
+        if any(s % tp for s in sizes):
+            raise MissingMetadataError(f"{source}: {name!r} has uneven sub-params {sizes} over {tp} ranks but no "
+                                       "sub_param_shard_widths")
+        widths = [[s // tp] * tp for s in sizes]
+    numel = sum(int(torch.Size(s).numel()) for s in shapes)
+    view = list(spec)
+    view[dim] = sum(sizes)
+    known = 1
+    for d in view:
+        if d != -1:
+            known *= int(d)
+    view = [numel // known if d == -1 else int(d) for d in view]
+    last = shapes[0][-1]
+    physical = (numel, ) if len(shapes[0]) == 1 else (numel // last, last)
+    return TPLayout.sub_params(physical, tp, dim, sizes, widths, view_shape=view, role="sub_params")

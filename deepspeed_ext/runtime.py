@@ -1,0 +1,125 @@
+"""Engine integration: ``deepspeed_ext.initialize`` = ``deepspeed.initialize`` + UC tagging and hooks.
+
+After DeepSpeed builds the engine (and AutoTP has sharded the model), every parameter is tagged with
+its :class:`~deepspeed_ext.module_inject.layout.TPLayout`. The engine's ``save_checkpoint`` then also
+writes ``deepspeed_ext.json`` (layouts + model config) into the tag directory, and, when the config
+sets ``"checkpoint": {"load_universal": true}``, ``load_checkpoint`` restores universal checkpoints
+through :mod:`deepspeed_ext.checkpoint.restore`. The training script changes in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import torch
+
+import deepspeed_ext
+from deepspeed_ext.checkpoint.metadata import UCInfo, write_uc_info
+from deepspeed_ext.config import ExtConfig, load_ds_config
+from deepspeed_ext.module_inject.autotp import tag_autotp_model, tp_group_info
+
+ENGINE_ATTR = "deepspeed_ext_uc_info"
+
+
+def _ds_config_of_call(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSpeed config however it was passed to ``deepspeed.initialize``."""
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return load_ds_config(kwargs[key])
+    cli_args = kwargs.get("args", args[0] if args else None)
+    path = getattr(cli_args, "deepspeed_config", None)
+    return load_ds_config(path) if path is not None else {}
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple:
+    """Drop-in replacement for ``deepspeed.initialize``: same arguments, same return tuple."""
+    import deepspeed
+    ds_config = _ds_config_of_call(args, kwargs)
+    ext = ExtConfig.from_ds_config(ds_config)
+    result = deepspeed.initialize(*args, **kwargs)
+    if ext.universal_checkpoint.enabled:
+        attach(result[0], ext, ds_config)
+    return result
+
+
+def _model_config_dict(module: torch.nn.Module) -> dict[str, Any] | None:
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "to_json_string"):
+        return json.loads(config.to_json_string(use_diff=False))
+    try:
+        return json.loads(json.dumps(vars(config), default=str))
+    except TypeError:
+        return None
+
+
+def _versions() -> dict[str, str]:
+    import deepspeed
+    return {"deepspeed_ext": deepspeed_ext.__version__, "deepspeed": deepspeed.__version__, "torch": torch.__version__}
+
+
+def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None) -> UCInfo:
+    """Tag ``engine.module`` and hook the engine's checkpoint methods. Returns the UC info."""
+    tp_size, tp_rank = tp_group_info()
+    grain = int(((ds_config or {}).get("tensor_parallel") or {}).get("tp", {}).get("tp_grain_size", 1) or 1)
+    layouts = tag_autotp_model(engine.module, tp_size=tp_size, tp_rank=tp_rank, tp_grain_size=grain)
+    info = UCInfo(tp_size=tp_size,
+                  layouts=layouts,
+                  model_config=_model_config_dict(engine.module),
+                  model_class=type(engine.module).__name__,
+                  versions=_versions())
+    setattr(engine, ENGINE_ATTR, info)
+    _hook_save(engine, info)
+    if ext.universal_checkpoint.restore == "deepspeed_ext":
+        _hook_load(engine)
+    return info
+
+
+def _hook_save(engine: Any, info: UCInfo) -> None:
+    original = engine.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        if tag is None:
+            tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit
+        tag = str(tag)
+        if engine.global_rank == 0:
+            # Written before DeepSpeed's files and its 'latest' pointer, so a tag that 'latest'
+            # names always has its UC info.
+            write_uc_info(f"{save_dir}/{tag}", info)
+        return original(save_dir, tag, *args, **kwargs)
+
+    engine.save_checkpoint = save_checkpoint
+
+
+def _hook_load(engine: Any) -> None:
+    original = engine.load_checkpoint
+
+    @functools.wraps(original)
+    def load_checkpoint(load_dir,
+                        tag=None,
+                        load_module_strict=True,
+                        load_optimizer_states=True,
+                        load_lr_scheduler_states=True,
+                        load_module_only=False,
+                        custom_load_fn=None):
+        if not engine.load_universal_checkpoint() or custom_load_fn is not None:
+            return original(load_dir,
+                            tag=tag,
+                            load_module_strict=load_module_strict,
+                            load_optimizer_states=load_optimizer_states,
+                            load_lr_scheduler_states=load_lr_scheduler_states,
+                            load_module_only=load_module_only,
+                            custom_load_fn=custom_load_fn)
+        from deepspeed_ext.checkpoint.restore import load_universal_checkpoint
+        return load_universal_checkpoint(engine,
+                                         load_dir,
+                                         tag,
+                                         load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states,
+                                         load_module_only=load_module_only)
+
+    engine.load_checkpoint = load_checkpoint
