@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 SECTION = "deepspeed_ext"
 RESTORE_CHOICES = ("deepspeed_ext", "deepspeed")
@@ -35,7 +36,7 @@ class ExtConfig:
     universal_checkpoint: UniversalCheckpointConfig = field(default_factory=UniversalCheckpointConfig)
 
     @classmethod
-    def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> "ExtConfig":
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> ExtConfig:
         section = (ds_config or {}).get(SECTION) or {}
         if not isinstance(section, Mapping):
             raise ValueError(f"DeepSpeed config: '{SECTION}' must be an object")

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 
@@ -146,7 +147,7 @@ class DeepSpeedCheckpoint:
         return self.model_states(0)
 
     @cached_property
-    def local_shapes(self) -> "OrderedDict[str, list[tuple[int, ...]]]":
+    def local_shapes(self) -> OrderedDict[str, list[tuple[int, ...]]]:
         """``{name: [shape on TP rank 0, rank 1, ...]}`` in flat-buffer order, from ``param_shapes``."""
         per_rank = []
         for tp in range(self.tp_degree):

@@ -11,7 +11,8 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout, layouts_from_json, layouts_to_json
@@ -45,7 +46,7 @@ class UCInfo:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], source: str = "") -> "UCInfo":
+    def from_json(cls, data: Mapping[str, Any], source: str = "") -> UCInfo:
         if data.get("format") != METADATA_FORMAT:
             raise CheckpointError(f"{source}: not a deepspeed-ext UC info file")
         if int(data.get("version", 0)) > METADATA_VERSION:

@@ -32,10 +32,16 @@ def _base_optimizer(engine: Any) -> Any:
 
 
 def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None) -> bool:
-    """Write this rank's fragment of ``value`` (the TP-local tensor) into the optimizer; False if unmanaged."""
+    """Write this rank's fragment of ``value`` (the TP-local tensor) into the optimizer; False if unmanaged.
+
+    ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly
+    in another DP rank's partition, and then this rank has nothing to write.
+    """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    if getattr(param, "_hp_mapping", None) is None and not hasattr(param, "ds_id"):
+    if not hasattr(param, "_hp_mapping") and not hasattr(param, "ds_id"):
         return False
+    if getattr(param, "_hp_mapping", None) is None and not hasattr(param, "ds_id"):
+        return True
     if state is None:
         safe_set_full_fp32_param(param, value)
     else:
@@ -130,7 +136,7 @@ def _restore_step_and_groups(engine: Any, ckpt: UniversalCheckpoint, names: list
                 state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
                                  if torch.is_tensor(old) else type(old)(step) if old is not None else step)
     saved_groups = ckpt.optimizer_state.get("param_groups") or []
-    for live, saved in zip(base.param_groups, saved_groups):
+    for live, saved in zip(base.param_groups, saved_groups, strict=False):
         for key, value in saved.items():
             if key != "params":
                 live[key] = value

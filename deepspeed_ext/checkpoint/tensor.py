@@ -7,7 +7,7 @@ sink that handles one tensor at a time keeps memory at "one tensor" whatever the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

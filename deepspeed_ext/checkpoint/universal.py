@@ -21,7 +21,8 @@ import os
 import shutil
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import torch
 from tqdm import tqdm

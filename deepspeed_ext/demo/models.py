@@ -64,17 +64,23 @@ def tensor_parallel_section(family: str, tp: int) -> dict[str, Any]:
     return section
 
 
+#: Sequences per optimizer step, split over DP ranks, so runs at any DP degree see the same data.
+GLOBAL_BATCH = 4
+SEQ_LEN = 16
+
+
 def ds_config(*,
               tp: int,
+              dp: int = 1,
               zero: int = 1,
               dtype: str = "bf16",
               family: str = "llama",
               ext: bool = True,
               load_universal: bool = False,
-              lr: float = 1e-3) -> dict[str, Any]:
+              lr: float = 1e-2) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section."""
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
@@ -90,7 +96,15 @@ def ds_config(*,
     return config
 
 
-def batch(step: int, dp_rank: int, vocab: int = 101, micro_batch: int = 2, seq_len: int = 16) -> torch.Tensor:
-    """Deterministic token batch for a global step and DP rank (identical on every TP rank)."""
-    generator = torch.Generator().manual_seed(100_003 * step + dp_rank)
-    return torch.randint(0, vocab, (micro_batch, seq_len), generator=generator)
+def batch(step: int, dp_rank: int, dp_size: int, vocab: int = 101) -> torch.Tensor:
+    """This DP rank's share of the deterministic global batch of ``step`` (same on every TP rank)."""
+    if GLOBAL_BATCH % dp_size:
+        raise ValueError(f"DP degree {dp_size} does not divide the global batch of {GLOBAL_BATCH}")
+    # Arithmetic progressions mod vocab: learnable in a few steps, so the loss curve visibly moves
+    # and a resume that lost state would stand out.
+    generator = torch.Generator().manual_seed(100_003 * step)
+    start = torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=generator)
+    stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=generator)
+    tokens = (start + stride * torch.arange(SEQ_LEN)) % vocab
+    micro = GLOBAL_BATCH // dp_size
+    return tokens[dp_rank * micro:(dp_rank + 1) * micro]

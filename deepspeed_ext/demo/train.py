@@ -53,8 +53,12 @@ def main() -> None:
     import deepspeed_ext
     from deepspeed_ext.demo.models import batch, build_model, ds_config
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % args.tp:
+        raise SystemExit(f"world size {world} is not a multiple of --tp {args.tp}")
     model = build_model(args.family)
     config = ds_config(tp=args.tp,
+                       dp=world // args.tp,
                        zero=args.zero,
                        dtype=args.dtype,
                        family=args.family,
@@ -65,14 +69,14 @@ def main() -> None:
 
     from deepspeed_ext.module_inject.autotp import tp_group_info
     tp_size, tp_rank = tp_group_info()
-    dp_rank = dist.get_rank() // tp_size  # AutoTP groups consecutive ranks into one TP group
+    dp_size, dp_rank = world // tp_size, dist.get_rank() // tp_size  # TP groups are consecutive ranks
     if args.load_dir:
         engine.load_checkpoint(args.load_dir)
 
     losses = {}
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
-        tokens = batch(step, dp_rank)
+        tokens = batch(step, dp_rank, dp_size)
         loss = engine(input_ids=tokens, labels=tokens).loss
         engine.backward(loss)
         engine.step()

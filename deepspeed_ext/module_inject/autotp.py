@@ -16,7 +16,8 @@ Three sources of layouts, in order of preference:
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -42,8 +43,14 @@ def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
 class _LayerReader:
     """Reads one AutoTP layer; ``sizes``/``widths`` prefer what the layer froze, else our rule."""
 
-    def __init__(self, layer: torch.nn.Module, tp_size: int, num_kv_heads: int | None, grain: int):
+    def __init__(self,
+                 layer: torch.nn.Module,
+                 tp_size: int,
+                 num_kv_heads: int | None,
+                 grain: int,
+                 use_layer_sizes: bool = True):
         self.layer = layer
+        self.use_layer_sizes = use_layer_sizes
         self.tp_size = tp_size
         self.num_kv_heads = num_kv_heads
         self.grain = grain
@@ -57,11 +64,11 @@ class _LayerReader:
                            grain=self.grain)
 
     def partition_sizes(self, total: int) -> tuple[int, ...]:
-        frozen = getattr(self.layer, "_partition_sizes", None)
+        frozen = getattr(self.layer, "_partition_sizes", None) if self.use_layer_sizes else None
         return tuple(frozen) if frozen is not None else self.rule(total)
 
     def sub_param_widths(self, sub_sizes: Sequence[int], name: str | None = None) -> tuple[tuple[int, ...], ...]:
-        frozen = getattr(self.layer, "_subparam_shard_widths", None)
+        frozen = getattr(self.layer, "_subparam_shard_widths", None) if self.use_layer_sizes else None
         if frozen is not None:
             return tuple(tuple(w) for w in frozen)
         return tuple(self.rule(size, name) for size in sub_sizes)
@@ -206,12 +213,15 @@ def tag_autotp_model(model: torch.nn.Module,
                      tp_size: int | None = None,
                      tp_rank: int | None = None,
                      model_config: Any = None,
-                     tp_grain_size: int = 1) -> dict[str, TPLayout]:
+                     tp_grain_size: int = 1,
+                     use_layer_sizes: bool = True) -> dict[str, TPLayout]:
     """Attach a :class:`TPLayout` to every parameter of ``model`` and return ``{name: layout}``.
 
-    Parameters outside AutoTP layers are replicated. Each layout's :meth:`~TPLayout.local_shape`
-    for this rank is checked against the parameter's actual shard; a mismatch raises LayoutError
-    naming the parameter rather than letting a wrong layout reach a checkpoint.
+    Parameters outside AutoTP layers are replicated. Shard sizes come from what each layer froze when
+    it cut its weight (``use_layer_sizes``), else from :func:`shard_sizes` (older DeepSpeed). Each
+    layout's :meth:`~TPLayout.local_shape` for this rank is checked against the parameter's actual
+    shard; a mismatch raises LayoutError naming the parameter rather than letting a wrong layout
+    reach a checkpoint.
     """
     if tp_size is None or tp_rank is None:
         tp_size, tp_rank = tp_group_info()
@@ -225,7 +235,7 @@ def tag_autotp_model(model: torch.nn.Module,
             continue
         layer_tp = int(getattr(module, "tp_world_size", tp_size))
         grain = getattr(getattr(module, "tp_meta", None), "tp_grain_size", None) or tp_grain_size
-        reader = _LayerReader(module, layer_tp, num_kv_heads, grain)
+        reader = _LayerReader(module, layer_tp, num_kv_heads, grain, use_layer_sizes)
         known = _layer_layouts(module, reader)
         for key in ("weight", "bias"):
             param = getattr(module, key, None)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -74,7 +75,7 @@ class TPLayout:
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod
-    def replicated(cls, shape: Sequence[int], tp_size: int) -> "TPLayout":
+    def replicated(cls, shape: Sequence[int], tp_size: int) -> TPLayout:
         """Every rank holds the whole tensor (norms, non-sharded embeddings, row-parallel biases)."""
         return cls(shape=tuple(shape), tp_size=tp_size)
 
@@ -85,7 +86,7 @@ class TPLayout:
               partition_dim: int,
               sizes: Sequence[int],
               partition_type: str,
-              role: str | None = None) -> "TPLayout":
+              role: str | None = None) -> TPLayout:
         """A plain split of ``partition_dim`` into per-rank ``sizes`` (possibly uneven, possibly 0)."""
         shape = tuple(shape)
         return cls(shape=shape,
@@ -105,7 +106,7 @@ class TPLayout:
                    shard_widths: Sequence[Sequence[int]],
                    partition_type: str = "column",
                    view_shape: Sequence[int] | None = None,
-                   role: str | None = "sub_params") -> "TPLayout":
+                   role: str | None = "sub_params") -> TPLayout:
         """Fused tensors whose sub-parameters (q/k/v, gate/up) are each split over the ranks."""
         view = tuple(view_shape) if view_shape is not None and tuple(view_shape) != tuple(shape) else None
         return cls(shape=tuple(shape),
@@ -136,7 +137,7 @@ class TPLayout:
         self._check_rank(rank)
         pieces = []
         sub_offset = 0
-        for size, widths in zip(self.sub_param_sizes, self.shard_widths):
+        for size, widths in zip(self.sub_param_sizes, self.shard_widths, strict=True):
             pieces.append((sub_offset + sum(widths[:rank]), widths[rank]))
             sub_offset += size
         return pieces
@@ -228,7 +229,7 @@ class TPLayout:
         return data
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "TPLayout":
+    def from_json(cls, data: Mapping[str, Any]) -> TPLayout:
         version = int(data.get("version", LAYOUT_SCHEMA_VERSION))
         if version > LAYOUT_SCHEMA_VERSION:
             raise LayoutError(f"layout schema version {version} is newer than this deepspeed-ext understands "
@@ -281,7 +282,7 @@ class TPLayout:
         if sum(self.sub_param_sizes) != logical[self.partition_dim]:
             raise LayoutError(f"sub-param sizes {self.sub_param_sizes} do not add up to dim {self.partition_dim} "
                               f"of {logical}")
-        for size, widths in zip(self.sub_param_sizes, self.shard_widths):
+        for size, widths in zip(self.sub_param_sizes, self.shard_widths, strict=True):
             if len(widths) != self.tp_size or sum(widths) != size or min(widths) < 0:
                 raise LayoutError(f"shard widths {widths} do not tile a sub-param of size {size} over "
                                   f"{self.tp_size} ranks")

@@ -1,0 +1,36 @@
+"""Our tags vs DeepSpeed's own (``ds_autotp_universal_checkpoint_meta``) on the real engine."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspeed_ext.demo.runner import run_logged
+
+pytestmark = pytest.mark.e2e
+WORKER = Path(__file__).parent / "workers" / "compare_tags.py"
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_our_schema_and_upstream_metadata_describe_the_same_slices(family, tp, tmp_path):
+    out = tmp_path / "tags.json"
+    run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
+                str(WORKER), "--family", family, "--out", str(out)], tmp_path / "worker.log")
+    result = json.loads(out.read_text())
+    sharded = {name for name, r in result.items() if r["ours"]["partition_type"] != "replicated"}
+    assert {name for name, r in result.items() if r["has_upstream_meta"]} == sharded
+    # 2 layers x (q, k, v, o, gate, up, down) + lm_head; phi3 fuses q/k/v and gate/up: 2 x 4 + lm_head.
+    assert len(sharded) == (15 if family == "llama" else 9), sorted(sharded)
+    for name, r in result.items():
+        assert r["tagged"], name
+        assert r["same_as_upstream"], f"{name}: ours {r['ours']} vs DeepSpeed {r['upstream']}"
+        assert r["same_as_rule"], f"{name}: layer-frozen sizes differ from our shard-size rule"
+    if family == "phi3":
+        qkv = result["model.layers.0.self_attn.qkv_proj.weight"]["ours"]
+        assert qkv["sub_param_sizes"] == [64, 16, 16]
+        gate_up = result["model.layers.0.mlp.gate_up_proj.weight"]["ours"]
+        assert gate_up["sub_param_sizes"] == [160, 160]
+    vocab = result["lm_head.weight"]["ours"]
+    assert vocab["role"] == "vocab" and sum(vocab["shard_widths"][0]) == 101

@@ -1,0 +1,150 @@
+"""The user story on the real engine: train with AutoTP + ZeRO, save, convert, resume at another TP/DP.
+
+Every scenario is real: torchrun, gloo, DeepSpeed's engine and optimizer, a transformers Llama with
+GQA (16 query / 4 KV heads) and a vocabulary of 101 (uneven over 2, 3 and 4 ranks).
+"""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.demo.runner import cli, run_logged
+from e2e import assert_losses_continue, assert_universal_matches_live
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def tp2(scenarios):
+    return scenarios("tp2_zero1_bf16", tp=2)
+
+
+# --------------------------------------------------------------- TP=2, ZeRO-1, bf16 → TP=1/3/4
+@pytest.mark.parametrize("target_tp", [1, 3, 4])
+def test_tp2_zero1_bf16_resumes_at_other_tp(tp2, target_tp):
+    assert_losses_continue(tp2, tp2.resume(target_tp))
+
+
+def test_tp2_zero1_bf16_merged_state_equals_live_engine(tp2):
+    assert assert_universal_matches_live(tp2) == 21 * 3 * 2
+
+
+def test_tp2_universal_equals_upstream_ds_to_universal(tp2, tmp_path):
+    """Independent oracle: upstream's converter on the same checkpoint gives the same bits."""
+    upstream = tmp_path / "upstream"
+    run_logged([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tp2.tag_dir),
+                "--output_folder", str(upstream), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+               tmp_path / "upstream.log")
+    names = sorted(p.name for p in (tp2.universal_dir / "zero").iterdir() if p.is_dir())
+    assert names == sorted(p.name for p in (upstream / "zero").iterdir() if p.is_dir())
+    for name in names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours = serialization.load(tp2.universal_dir / "zero" / name / f"{state}.pt")["param"]
+            theirs = serialization.load(upstream / "zero" / name / f"{state}.pt")["param"]
+            assert torch.equal(ours, theirs), f"{name}/{state} differs from upstream ds_to_universal"
+        ours_step = serialization.load(tp2.universal_dir / "zero" / name / "step.pt")
+        theirs_step = serialization.load(upstream / "zero" / name / "step.pt")
+        assert float(ours_step) == float(theirs_step)
+
+
+def test_universal_layout_and_latest_pointer(tp2):
+    universal = tp2.universal_dir
+    assert (tp2.save_dir / "latest_universal").read_text() == universal.name
+    assert (universal / "zero" / "optimizer_state.pt").is_file()
+    assert sorted(p.name for p in universal.glob("mp_rank_*_model_states.pt")) == [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"
+    ]
+    entry = serialization.load(universal / "zero" / "lm_head.weight" / "fp32.pt")
+    assert entry["param"].shape == (101, 64) and entry["cat_dim"] == 0
+    assert serialization.load(universal / "zero" / "model.layers.0.self_attn.o_proj.weight" / "fp32.pt")["cat_dim"] == 1
+    assert not list(tp2.save_dir.glob("*.partial"))
+
+
+def test_saved_checkpoint_still_loads_in_plain_deepspeed_format(tp2):
+    """Our UC info is a JSON file beside DeepSpeed's files; the model states are untouched."""
+    info = json.loads((tp2.tag_dir / "deepspeed_ext.json").read_text())
+    assert info["tp_size"] == 2 and info["model_config"]["num_key_value_heads"] == 4
+    states = serialization.load(tp2.tag_dir / "mp_rank_00_model_states.pt")
+    assert "deepspeed_ext" not in states and states["mp_world_size"] == 2
+
+
+def test_inspect_deepspeed_and_universal(tp2, tmp_path):
+    proc = cli(["inspect", str(tp2.save_dir), "--json"], tmp_path / "inspect.log")
+    summary = json.loads(proc.stdout)
+    assert (summary["tp_degree"], summary["dp_degree"], summary["zero_stage"]) == (2, 1, 1)
+    assert summary["model_dtypes"] == ["bfloat16"] and summary["metadata"] == "deepspeed_ext"
+    from deepspeed_ext.demo.models import build_model
+    assert summary["num_parameters"] == sum(p.numel() for p in build_model().parameters())
+    qkv = summary["parameters"]["model.layers.0.self_attn.q_proj.weight"]
+    assert qkv["partition_type"] == "column" and qkv["shard_widths"] == [[32, 32]]
+    proc = cli(["inspect", str(tp2.universal_dir), "--json"], tmp_path / "inspect_u.log")
+    usummary = json.loads(proc.stdout)
+    assert usummary["kind"] == "universal" and usummary["optimizer_step"] == 3
+    assert usummary["num_parameters"] == summary["num_parameters"]
+    text = cli(["inspect", str(tp2.save_dir)], tmp_path / "inspect_text.log").stdout
+    assert "lm_head.weight" in text and "shards [51, 50] (vocab)" in text
+
+
+# --------------------------------------------------------------- TP=1 → TP=2
+def test_tp1_to_tp2(scenarios):
+    tp1 = scenarios("tp1_zero1_bf16", tp=1)
+    assert_universal_matches_live(tp1)
+    assert_losses_continue(tp1, tp1.resume(2))
+
+
+# --------------------------------------------------------------- ZeRO-2
+@pytest.mark.parametrize("target_tp", [1, 3, 4])
+def test_tp2_zero2_bf16_resumes_at_other_tp(scenarios, target_tp):
+    zero2 = scenarios("tp2_zero2_bf16", tp=2, zero=2)
+    if target_tp == 1:
+        assert_universal_matches_live(zero2)
+    assert_losses_continue(zero2, zero2.resume(target_tp))
+
+
+# --------------------------------------------------------------- fp32 training
+def test_tp2_zero1_fp32_resumes_at_tp3(scenarios):
+    fp32 = scenarios("tp2_zero1_fp32", tp=2, dtype="fp32")
+    assert_universal_matches_live(fp32)
+    assert_losses_continue(fp32, fp32.resume(3))
+
+
+# --------------------------------------------------------------- ZeRO partitions over DP=2
+@pytest.mark.parametrize("target", [(1, 1), (4, 1), (1, 2)])
+def test_tp2_dp2_merges_zero_partitions_and_resumes(scenarios, target):
+    dp2 = scenarios("tp2_dp2_zero1_bf16", tp=2, dp=2)
+    if target == (1, 1):
+        assert_universal_matches_live(dp2)
+    assert_losses_continue(dp2, dp2.resume(*target))
+
+
+# --------------------------------------------------------------- checkpoints saved without our section
+def test_upstream_tagged_checkpoint_converts_and_resumes(scenarios):
+    plain = scenarios("tp2_plain_deepspeed", tp=2, plain=True)
+    assert not (plain.tag_dir / "deepspeed_ext.json").exists()
+    assert "metadata: deepspeed" in cli(["to-universal", str(plain.save_dir), "-o", str(plain.root / "again")],
+                                        plain.root / "again.log").stdout
+    assert_universal_matches_live(plain)
+    assert_losses_continue(plain, plain.resume(1))
+
+
+def test_untagged_checkpoint_fails_naming_the_missing_metadata(scenarios, tmp_path):
+    """A TP=2 checkpoint with no tags at all (as DeepSpeed < 0.18.9 wrote) is refused, clearly."""
+    plain = scenarios("tp2_plain_deepspeed", tp=2, plain=True)
+    save_dir = tmp_path / "untagged"
+    shutil.copytree(plain.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    for path in (save_dir / plain.tag_dir.name).glob("mp_rank_*_model_states.pt"):
+        states = torch.load(path, weights_only=True)
+        del states["universal_checkpoint_info"]
+        torch.save(states, path)
+    before = sorted(p.name for p in save_dir.rglob("*"))
+    proc = cli(["to-universal", str(save_dir)], tmp_path / "fail.log", check=False)
+    assert proc.returncode != 0
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "mp_rank_00_model_states.pt" in message and "no tensor-parallel metadata" in message
+    assert "deepspeed_ext.json" in message and "universal_checkpoint_info" in message
+    assert sorted(p.name for p in save_dir.rglob("*")) == before  # nothing written, source untouched

@@ -1,0 +1,168 @@
+"""The TP slicing math: DeepSpeed's shard-size rule, slice/merge, JSON form (no engine needed)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepspeed_ext.errors import LayoutError
+from deepspeed_ext.module_inject.layout import TPLayout, num_kv_heads_of, shard_sizes
+
+
+# --------------------------------------------------------------------------- shard-size rule
+def test_near_even_split_gives_extra_to_first_ranks():
+    assert shard_sizes(10, 4) == (3, 3, 2, 2)  # not torch.chunk's 3, 3, 3, 1
+    assert shard_sizes(101, 3, name="lm_head") == (34, 34, 33)
+    assert shard_sizes(160, 3, name="model.layers.0.mlp.gate_proj") == (54, 53, 53)
+
+
+def test_head_based_split_keeps_whole_kv_heads():
+    # 6 KV heads of width 8 on 4 ranks: 2, 2, 1, 1 heads.
+    assert shard_sizes(48, 4, name="attn.k_proj", num_kv_heads=6) == (16, 16, 8, 8)
+    # q of 64 with 4 KV groups over 3 ranks: 2, 1, 1 groups.
+    assert shard_sizes(64, 3, name="self_attn.q_proj", num_kv_heads=4) == (32, 16, 16)
+    # Fewer heads than ranks: the last ranks get nothing.
+    assert shard_sizes(16, 4, name="self_attn.k_proj", num_kv_heads=2) == (8, 8, 0, 0)
+
+
+def test_head_rule_skips_mlp_and_output_head():
+    assert shard_sizes(64, 3, name="model.layers.0.mlp.up_proj", num_kv_heads=4) == (22, 21, 21)
+    assert shard_sizes(64, 3, name="lm_head", num_kv_heads=4) == (22, 21, 21)
+
+
+def test_grain_remainder_goes_to_last_rank():
+    # 70 = 8 grains of 8 + 6: grains 3, 3, 2 -> 24, 24, 16 + 6.
+    assert shard_sizes(70, 3, grain=8) == (24, 24, 22)
+    assert shard_sizes(5, 3, grain=8) == (2, 2, 1)  # smaller than one grain: plain near-even
+
+
+def test_kv_heads_probe_order():
+    assert num_kv_heads_of({"num_key_value_heads": 4, "num_attention_heads": 16}) == 4
+    assert num_kv_heads_of({"num_attention_heads": 12}) == 12
+    assert num_kv_heads_of({"text_config": {"num_kv_heads": 2}, "num_attention_heads": 8}) == 2
+    assert num_kv_heads_of(None) is None
+
+
+# --------------------------------------------------------------------------- worked example
+def test_fused_qkv_rank_holds_its_piece_of_each_sub_param():
+    """../shared/docs worked example: q=64, kv=32 fused, TP=2 rank r holds cat(q_r, k_r, v_r)."""
+    layout = TPLayout.sub_params((128, 4), 2, 0, (64, 32, 32), ((32, 32), (16, 16), (16, 16)), role="fused_qkv")
+    full = torch.arange(128 * 4).reshape(128, 4)
+    q, k, v = full[:64], full[64:96], full[96:]
+    for r in range(2):
+        expected = torch.cat([q[32 * r:32 * r + 32], k[16 * r:16 * r + 16], v[16 * r:16 * r + 16]])
+        assert torch.equal(layout.slice(full, r), expected)
+    assert torch.equal(layout.merge([layout.slice(full, r) for r in range(2)]), full)
+
+
+def test_uneven_fused_qkv_tp3():
+    widths = tuple(shard_sizes(s, 3, name="qkv_proj", num_kv_heads=4) for s in (64, 32, 32))
+    assert widths == ((32, 16, 16), (16, 8, 8), (16, 8, 8))
+    layout = TPLayout.sub_params((128, 4), 3, 0, (64, 32, 32), widths)
+    assert [layout.local_shape(r) for r in range(3)] == [(64, 4), (32, 4), (32, 4)]
+
+
+def test_row_split_and_replicated_bias():
+    weight = TPLayout.split((4, 10), 4, 1, shard_sizes(10, 4), "row")
+    full = torch.arange(40.).reshape(4, 10)
+    assert torch.equal(weight.slice(full, 0), full[:, :3])
+    assert torch.equal(weight.slice(full, 3), full[:, 8:])
+    bias = TPLayout.replicated((4, ), 4)
+    b = torch.arange(4.)
+    assert bias.slice(b, 2) is b
+    assert torch.equal(bias.merge([b.clone() for _ in range(4)]), b)
+
+
+def test_replicas_that_differ_are_refused():
+    bias = TPLayout.replicated((3, ), 2)
+    with pytest.raises(LayoutError, match="differs between TP rank 0 and TP rank 1"):
+        bias.merge([torch.zeros(3), torch.ones(3)])
+
+
+def test_plain_slice_is_a_view():
+    layout = TPLayout.split((8, 4), 2, 0, (4, 4), "column")
+    full = torch.randn(8, 4)
+    assert layout.slice(full, 1).data_ptr() == full[4:].data_ptr()
+
+
+def test_bad_layouts_and_shapes_are_refused():
+    with pytest.raises(LayoutError, match="do not tile"):
+        TPLayout.split((10, 4), 2, 0, (6, 5), "column")
+    with pytest.raises(LayoutError, match="out of range"):
+        TPLayout.split((10, 4), 2, 0, (5, 5), "column").local_shape(2)
+    layout = TPLayout.split((10, 4), 2, 0, (5, 5), "column")
+    with pytest.raises(LayoutError, match="does not match layout shape"):
+        layout.slice(torch.zeros(9, 4), 0)
+    with pytest.raises(LayoutError, match="shard has shape"):
+        layout.merge([torch.zeros(5, 4), torch.zeros(4, 4)])
+    with pytest.raises(LayoutError, match="newer than"):
+        TPLayout.from_json({**layout.to_json(), "version": 99})
+
+
+def test_view_shape_split_of_stacked_experts():
+    # 2 experts x 6 rows x 4 cols stored as (12, 4), split on the per-expert row dim.
+    layout = TPLayout.sub_params((12, 4), 2, 1, (6, ), ((3, 3), ), view_shape=(2, 6, 4), role=None)
+    full = torch.arange(48).reshape(12, 4)
+    shard = layout.slice(full, 1)
+    assert shard.shape == (6, 4)
+    assert torch.equal(shard.reshape(2, 3, 4), full.reshape(2, 6, 4)[:, 3:])
+    assert torch.equal(layout.merge([layout.slice(full, r) for r in range(2)]), full)
+
+
+# --------------------------------------------------------------------------- properties
+@st.composite
+def layouts(draw):
+    tp = draw(st.integers(1, 8))
+    inner = draw(st.integers(1, 5))
+    kind = draw(st.sampled_from(["column", "row", "gqa_qkv", "gate_up", "replicated", "expert_view"]))
+    if kind == "replicated":
+        return TPLayout.replicated((draw(st.integers(1, 40)), inner), tp)
+    if kind in ("column", "row"):
+        total = draw(st.integers(0, 60))
+        grain = draw(st.sampled_from([1, 1, 4, 8]))
+        kv = draw(st.one_of(st.none(), st.integers(1, 8)))
+        dim = 0 if kind == "column" else 1
+        shape = [inner, inner]
+        shape[dim] = total
+        return TPLayout.split(shape, tp, dim, shard_sizes(total, tp, name="x", num_kv_heads=kv, grain=grain), kind)
+    if kind == "gqa_qkv":
+        kv_heads = draw(st.integers(1, 8))
+        ratio = draw(st.integers(1, 4))  # query heads per KV head
+        head_dim = draw(st.integers(1, 4))
+        sizes = (kv_heads * ratio * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        widths = tuple(shard_sizes(s, tp, name="self_attn.qkv_proj", num_kv_heads=kv_heads) for s in sizes)
+        return TPLayout.sub_params((sum(sizes), inner), tp, 0, sizes, widths, role="fused_qkv")
+    if kind == "gate_up":
+        half = draw(st.integers(1, 40))
+        widths = (shard_sizes(half, tp, name="mlp"), ) * 2
+        return TPLayout.sub_params((2 * half, inner), tp, 0, (half, half), widths, role="gate_up")
+    experts, rows = draw(st.integers(1, 4)), draw(st.integers(1, 20))
+    return TPLayout.sub_params((experts * rows, inner),
+                               tp,
+                               1, (rows, ), (shard_sizes(rows, tp), ),
+                               view_shape=(experts, rows, inner),
+                               role=None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_split_then_merge_is_identity_and_covers_every_element_once(layout):
+    full = torch.arange(layout.numel, dtype=torch.int64).reshape(layout.shape)
+    shards = [layout.slice(full, r) for r in range(layout.tp_size)]
+    for r, shard in enumerate(shards):
+        assert tuple(shard.shape) == layout.local_shape(r)
+    assert torch.equal(layout.merge(shards), full)
+    if not layout.is_replicated:
+        seen = torch.cat([s.reshape(-1) for s in shards]).sort().values
+        assert torch.equal(seen, torch.arange(layout.numel))
+        assert sum(math.prod(layout.local_shape(r)) for r in range(layout.tp_size)) == layout.numel
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_json_round_trip(layout):
+    again = TPLayout.from_json(layout.to_json())
+    assert again == layout
+    assert again.to_json() == layout.to_json()
