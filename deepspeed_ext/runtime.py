@@ -10,6 +10,7 @@ through :mod:`deepspeed_ext.checkpoint.restore`. The training script changes in 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from typing import Any
 
@@ -97,29 +98,21 @@ def _hook_save(engine: Any, info: UCInfo) -> None:
 
 def _hook_load(engine: Any) -> None:
     original = engine.load_checkpoint
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def load_checkpoint(load_dir,
-                        tag=None,
-                        load_module_strict=True,
-                        load_optimizer_states=True,
-                        load_lr_scheduler_states=True,
-                        load_module_only=False,
-                        custom_load_fn=None):
-        if not engine.load_universal_checkpoint() or custom_load_fn is not None:
-            return original(load_dir,
-                            tag=tag,
-                            load_module_strict=load_module_strict,
-                            load_optimizer_states=load_optimizer_states,
-                            load_lr_scheduler_states=load_lr_scheduler_states,
-                            load_module_only=load_module_only,
-                            custom_load_fn=custom_load_fn)
+    def load_checkpoint(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        options = call.arguments
+        if not engine.load_universal_checkpoint() or options.get("custom_load_fn") is not None:
+            return original(*args, **kwargs)
         from deepspeed_ext.checkpoint.restore import load_universal_checkpoint
         return load_universal_checkpoint(engine,
-                                         load_dir,
-                                         tag,
-                                         load_optimizer_states=load_optimizer_states,
-                                         load_lr_scheduler_states=load_lr_scheduler_states,
-                                         load_module_only=load_module_only)
+                                         options["load_dir"],
+                                         options.get("tag"),
+                                         load_optimizer_states=options.get("load_optimizer_states", True),
+                                         load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
+                                         load_module_only=options.get("load_module_only", False))
 
     engine.load_checkpoint = load_checkpoint

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 WORKER = Path(__file__).parent / "workers" / "compare_tags.py"
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "qwen3"])
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_our_schema_and_upstream_metadata_describe_the_same_slices(family, tp, tmp_path):
     out = tmp_path / "tags.json"
@@ -21,8 +21,9 @@ def test_our_schema_and_upstream_metadata_describe_the_same_slices(family, tp, t
     result = json.loads(out.read_text())
     sharded = {name for name, r in result.items() if r["ours"]["partition_type"] != "replicated"}
     assert {name for name, r in result.items() if r["has_upstream_meta"]} == sharded
-    # 2 layers x (q, k, v, o, gate, up, down) + lm_head; phi3 fuses q/k/v and gate/up: 2 x 4 + lm_head.
-    assert len(sharded) == (15 if family == "llama" else 9), sorted(sharded)
+    # 2 layers x (q, k, v, o, gate, up, down) + lm_head; phi3 fuses q/k/v and gate/up: 2 x 4 + lm_head;
+    # qwen3 ties lm_head to the embedding, which AutoTP then shards over the vocabulary.
+    assert len(sharded) == {"llama": 15, "phi3": 9, "qwen3": 15}[family], sorted(sharded)
     for name, r in result.items():
         assert r["tagged"], name
         assert r["same_as_upstream"], f"{name}: ours {r['ours']} vs DeepSpeed {r['upstream']}"
@@ -32,5 +33,7 @@ def test_our_schema_and_upstream_metadata_describe_the_same_slices(family, tp, t
         assert qkv["sub_param_sizes"] == [64, 16, 16]
         gate_up = result["model.layers.0.mlp.gate_up_proj.weight"]["ours"]
         assert gate_up["sub_param_sizes"] == [160, 160]
-    vocab = result["lm_head.weight"]["ours"]
-    assert vocab["role"] == "vocab" and sum(vocab["shard_widths"][0]) == 101
+    vocab_name = "model.embed_tokens.weight" if family == "qwen3" else "lm_head.weight"
+    assert family != "qwen3" or "lm_head.weight" not in result  # tied: one parameter
+    vocab = result[vocab_name]["ours"]
+    assert vocab["role"] == "vocab" and vocab["partition_dim"] == 0 and sum(vocab["shard_widths"][0]) == 101

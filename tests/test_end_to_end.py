@@ -148,3 +148,12 @@ def test_untagged_checkpoint_fails_naming_the_missing_metadata(scenarios, tmp_pa
     assert "mp_rank_00_model_states.pt" in message and "no tensor-parallel metadata" in message
     assert "deepspeed_ext.json" in message and "universal_checkpoint_info" in message
     assert sorted(p.name for p in save_dir.rglob("*")) == before  # nothing written, source untouched
+
+
+def test_existing_output_is_refused_unless_overwrite(tp2, tmp_path):
+    before = (tp2.universal_dir / "zero" / "lm_head.weight" / "fp32.pt").stat().st_mtime_ns
+    proc = cli(["to-universal", str(tp2.save_dir)], tmp_path / "again.log", check=False)
+    assert proc.returncode == 2 and "already exists; pass --overwrite" in proc.stderr
+    assert (tp2.universal_dir / "zero" / "lm_head.weight" / "fp32.pt").stat().st_mtime_ns == before
+    cli(["to-universal", str(tp2.save_dir), "--overwrite", "--quiet"], tmp_path / "overwrite.log")
+    assert_universal_matches_live(tp2)

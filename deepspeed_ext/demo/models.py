@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3")
+FAMILIES = ("llama", "phi3", "qwen3")
 
 
 def tiny_config(family: str = "llama") -> Any:
@@ -28,6 +28,9 @@ def tiny_config(family: str = "llama") -> Any:
     if family == "phi3":  # fused qkv_proj (q, k, v of unequal size) and fused gate_up_proj
         from transformers import Phi3Config
         return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3":  # q/k norms and tied embeddings: AutoTP makes embedding + lm_head vocab-parallel
+        from transformers import Qwen3Config
+        return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=4)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
