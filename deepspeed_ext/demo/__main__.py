@@ -25,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="keep checkpoints and logs here (default: a temporary directory)")
     args = p.parse_args(argv)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deepspeed_ext_demo_"))
-    if workdir.exists():
+    marker = workdir / ".deepspeed_ext_demo"
+    if workdir.exists() and any(workdir.iterdir()):
+        if not marker.exists():  # never delete a directory a previous demo run did not create
+            p.error(f"--workdir {workdir} is not empty and was not created by the demo")
         shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     save_dir, logs = workdir / "checkpoints", workdir / "logs"
     common = ["--zero", "1", "--dtype", "bf16", "--steps", str(STEPS)]
 
