@@ -13,15 +13,15 @@ from deepspeed_ext.errors import DeepSpeedExtError
 
 
 def _open_any(path: str, tag: str | None):
-    """A DeepSpeedCheckpoint or UniversalCheckpoint for ``path``, whichever it is."""
+    """A UniversalCheckpoint or a DeepSpeedCheckpoint for ``path`` (+ ``tag``), whichever it is."""
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
-    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-    p = Path(path)
-    if (p / "zero").is_dir() or (tag is None and not (p / "latest").is_file() and (p / "latest_universal").is_file()):
-        return UniversalCheckpoint(p, tag)
-    if tag is not None and tag.endswith("_universal"):
-        return UniversalCheckpoint(p, tag)
-    return DeepSpeedCheckpoint(p, tag)
+    from deepspeed_ext.checkpoint.universal import LATEST_UNIVERSAL, ZERO_DIR, UniversalCheckpoint
+    root = Path(path)
+    target = root / tag if tag else root
+    only_universal = (root / LATEST_UNIVERSAL).is_file() and not (root / "latest").is_file() and tag is None
+    if (target / ZERO_DIR).is_dir() or only_universal:
+        return UniversalCheckpoint(root, tag)
+    return DeepSpeedCheckpoint(root, tag)
 
 
 def cmd_to_universal(args: argparse.Namespace) -> int:
@@ -39,14 +39,10 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     ckpt = _open_any(args.checkpoint, args.tag)
     summary: dict[str, Any] = ckpt.summary()
-    if hasattr(ckpt, "layouts"):
-        layouts = ckpt.layouts
-        dtype = "float32"
-    else:
-        layouts = {t.name: t.layout for t in ckpt.tensors()}
-        dtype = "float32"
+    layouts = {t.name: t.layout for t in ckpt.tensors()}
     if args.json:
-        summary["parameters"] = {name: {"dtype": dtype, **layout.to_json()} for name, layout in layouts.items()}
+        # Master weights and moments are fp32 in both formats; model dtypes are in the summary.
+        summary["parameters"] = {name: {"dtype": "float32", **layout.to_json()} for name, layout in layouts.items()}
         print(json.dumps(summary, indent=1))
         return 0
     for key, value in summary.items():

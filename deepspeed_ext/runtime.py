@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 from typing import Any
 
 import torch
@@ -90,7 +91,7 @@ def _hook_save(engine: Any, info: UCInfo) -> None:
         if engine.global_rank == 0:
             # Written before DeepSpeed's files and its 'latest' pointer, so a tag that 'latest'
             # names always has its UC info.
-            write_uc_info(f"{save_dir}/{tag}", info)
+            write_uc_info(os.path.join(save_dir, tag), info)
         return original(save_dir, tag, *args, **kwargs)
 
     engine.save_checkpoint = save_checkpoint

@@ -28,6 +28,7 @@ def test_our_schema_and_upstream_metadata_describe_the_same_slices(family, tp, t
         assert r["tagged"], name
         assert r["same_as_upstream"], f"{name}: ours {r['ours']} vs DeepSpeed {r['upstream']}"
         assert r["same_as_rule"], f"{name}: layer-frozen sizes differ from our shard-size rule"
+        assert r["same_as_uc_info"], f"{name}: layout rebuilt from universal_checkpoint_info differs"
     if family == "phi3":
         qkv = result["model.layers.0.self_attn.qkv_proj.weight"]["ours"]
         assert qkv["sub_param_sizes"] == [64, 16, 16]

@@ -196,7 +196,7 @@ class UniversalCheckpoint:
         states = self.model_states
         opt = self.optimizer_state
         first = self.names[0] if self.names else None
-        dtypes = sorted({str(self.load(n).dtype).replace("torch.", "") for n in self.names[:1]})
+        dtypes = sorted({str(self.load(n).dtype).replace("torch.", "") for n in self.names})
         return {
             "kind": "universal",
             "path": str(self.path),
@@ -204,7 +204,7 @@ class UniversalCheckpoint:
             "source_tp_degree": states.get("mp_world_size"),
             "source_dp_degree": states.get("dp_world_size"),
             "zero_stage": int(opt.get("zero_stage", 1)) if opt else None,
-            "model_dtypes": dtypes,
+            "tensor_dtypes": dtypes,
             "global_steps": states.get("global_steps"),
             "optimizer_step": None if first is None else _as_int(self.step(first)),
             "deepspeed_version": str(states.get("ds_version")),

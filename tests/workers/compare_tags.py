@@ -28,7 +28,8 @@ def main():
 
     import deepspeed_ext
     from deepspeed_ext.demo.models import build_model, ds_config
-    from deepspeed_ext.module_inject import LAYOUT_ATTR, tag_autotp_model, upstream_layouts
+    from deepspeed_ext.module_inject import (LAYOUT_ATTR, layouts_from_universal_checkpoint_info, tag_autotp_model,
+                                            upstream_layouts)
 
     tp = int(os.environ["WORLD_SIZE"])
     model = build_model(args.family)
@@ -38,6 +39,13 @@ def main():
     ours = engine.deepspeed_ext_uc_info.layouts
     theirs = upstream_layouts(engine.module)
     by_rule = tag_autotp_model(engine.module, use_layer_sizes=False)
+    # The converter's path for checkpoints saved without deepspeed-ext: DeepSpeed's model-level
+    # universal_checkpoint_info plus every TP rank's local shapes.
+    local = {name: tuple(p.shape) for name, p in engine.module.named_parameters()}
+    all_local = [None] * tp
+    dist.all_gather_object(all_local, local)
+    from_info = layouts_from_universal_checkpoint_info(engine.module.universal_checkpoint_info,
+                                                       {name: [r[name] for r in all_local] for name in local})
     result = {}
     for name, layout in ours.items():
         param = dict(engine.module.named_parameters())[name]
@@ -48,6 +56,7 @@ def main():
             "tagged": getattr(param, LAYOUT_ATTR, None) is not None,
             "same_as_upstream": same_slices(layout, theirs[name]),
             "same_as_rule": same_slices(layout, by_rule[name]),
+            "same_as_uc_info": same_slices(layout, from_info[name]),
         }
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
