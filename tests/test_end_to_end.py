@@ -157,3 +157,19 @@ def test_existing_output_is_refused_unless_overwrite(tp2, tmp_path):
     assert (tp2.universal_dir / "zero" / "lm_head.weight" / "fp32.pt").stat().st_mtime_ns == before
     cli(["to-universal", str(tp2.save_dir), "--overwrite", "--quiet"], tmp_path / "overwrite.log")
     assert_universal_matches_live(tp2)
+
+
+def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
+    """A replicated parameter (a norm) that differs between TP ranks has no single value: stop and name it."""
+    save_dir = tmp_path / "drifted"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    path = next((save_dir / tp2.tag_dir.name).glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))
+    optim = torch.load(path, weights_only=False)  # our own test file
+    state = optim["optimizer_state_dict"]
+    where = state["param_slice_mappings"][0]["model.norm.weight"]
+    state["base_optimizer_state"]["state"][0]["exp_avg"][where.start] += 1.0
+    torch.save(optim, path)
+    proc = cli(["to-universal", str(save_dir)], tmp_path / "drifted.log", check=False)
+    assert proc.returncode == 2
+    assert "'model.norm.weight'" in proc.stderr and "differs between TP rank 0 and TP rank 1" in proc.stderr
+    assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()

@@ -248,10 +248,12 @@ class DeepSpeedCheckpoint:
         return flat.view(shape)
 
     def full_tensor(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
-        """The full fp32 tensor of ``name`` (master weights or an Adam moment), merged over TP ranks."""
+        """The full fp32 tensor of ``name`` (master weights or an Adam moment), merged over TP ranks.
+
+        May be a view into the memory-mapped optimizer file; sinks copy what they keep.
+        """
         layout = self.layouts[name]
-        if layout.is_replicated:
-            return self.local_tensor(name, 0, state).clone()
+        # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
         shards = [self.local_tensor(name, tp, state) for tp in range(self.tp_degree)]
         try:
             full = layout.merge(shards)
@@ -267,15 +269,6 @@ class DeepSpeedCheckpoint:
         if value is None:
             raise CheckpointError(f"{self._optim_files[(0, 0)]}: no optimizer step for param group {group}")
         return value
-
-    def check_replicas(self, name: str, state: str = MASTER_WEIGHTS) -> None:
-        """Raise if a replicated parameter differs between TP ranks (it then has no single value)."""
-        layout = self.layouts[name]
-        if layout.is_replicated and self.tp_degree > 1:
-            try:
-                layout.merge([self.local_tensor(name, tp, state) for tp in range(self.tp_degree)])
-            except Exception as exc:
-                raise CheckpointError(f"{self.tag_dir}: {name!r} ({state}): {exc}") from exc
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet."""

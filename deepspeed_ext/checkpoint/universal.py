@@ -79,13 +79,27 @@ def write_universal(source: DeepSpeedCheckpoint,
     partial = out.with_name(out.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)  # left over from an interrupted run
+    try:
+        _write_into(source, layouts, partial, progress)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    latest = out.parent / LATEST_UNIVERSAL
+    tmp = latest.with_name(latest.name + ".tmp")
+    tmp.write_text(out.name)
+    os.replace(tmp, latest)
+    return out
+
+
+def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path, progress: bool) -> None:
     zero = partial / ZERO_DIR
     zero.mkdir(parents=True)
-
     for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param", disable=not progress):
         param_dir = zero / tensor.name
         param_dir.mkdir()
-        source.check_replicas(tensor.name)
         for state in TENSOR_STATES:
             serialization.save(_entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
         serialization.save(tensor.load(STEP), param_dir / f"{STEP}.pt")
@@ -102,15 +116,6 @@ def write_universal(source: DeepSpeedCheckpoint,
                model_class=src_info.model_class if src_info else None,
                versions=dict(src_info.versions) if src_info else {},
                kind="universal"))
-
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
-    latest = out.parent / LATEST_UNIVERSAL
-    tmp = latest.with_name(latest.name + ".tmp")
-    tmp.write_text(out.name)
-    os.replace(tmp, latest)
-    return out
 
 
 class UniversalCheckpoint:
