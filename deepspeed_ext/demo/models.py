@@ -6,6 +6,7 @@ MLP width (160) that do not divide by 3, so TP=3 and TP=4 cut uneven shards.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -111,3 +112,21 @@ def batch(step: int, dp_rank: int, dp_size: int, vocab: int = 101) -> torch.Tens
     tokens = (start + stride * torch.arange(SEQ_LEN)) % vocab
     micro = GLOBAL_BATCH // dp_size
     return tokens[dp_rank * micro:(dp_rank + 1) * micro]
+
+
+def finish_distributed() -> None:
+    """End a torchrun worker whose work is complete and written.
+
+    DeepSpeed's CPU backend sometimes aborts during interpreter teardown ("terminate called without an
+    active exception", a joinable C++ thread destroyed at exit), turning a finished run into a failed
+    one. So destroy the process group explicitly and leave without running static destructors.
+    """
+    import sys
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

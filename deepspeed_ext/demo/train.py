@@ -51,7 +51,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import deepspeed_ext
-    from deepspeed_ext.demo.models import batch, build_model, ds_config
+    from deepspeed_ext.demo.models import batch, build_model, ds_config, finish_distributed
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tp:
@@ -90,7 +90,7 @@ def main() -> None:
     if args.result and dist.get_rank() == 0:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses}))
-    dist.barrier()
+    finish_distributed()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def main():
     import deepspeed.comm as dist
 
     import deepspeed_ext
-    from deepspeed_ext.demo.models import build_model, ds_config
+    from deepspeed_ext.demo.models import build_model, ds_config, finish_distributed
     from deepspeed_ext.module_inject import (LAYOUT_ATTR, layouts_from_universal_checkpoint_info, tag_autotp_model,
                                             upstream_layouts)
 
@@ -61,7 +61,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    dist.barrier()
+    finish_distributed()
 
 
 if __name__ == "__main__":
