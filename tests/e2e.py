@@ -20,10 +20,11 @@ class Scenario:
     zero: int = 1
     dtype: str = "bf16"
     plain: bool = False  # deepspeed.initialize without our section: only upstream's tags
+    grad_accum: int = 1
     steps: int = 5
     save_at: int = 3
     baseline: dict[int, float] = field(default_factory=dict)
-    resumed: dict[tuple[int, int], dict[int, float]] = field(default_factory=dict)
+    resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
 
     @property
     def save_dir(self) -> Path:
@@ -42,7 +43,8 @@ class Scenario:
         return self.root / "live"
 
     def common(self, tp: int) -> list[str]:
-        return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps)]
+        return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps),
+                "--grad-accum", str(self.grad_accum)]
 
     def train(self) -> Scenario:
         result = self.root / "baseline.json"
@@ -56,14 +58,16 @@ class Scenario:
         cli(["to-universal", str(self.save_dir), "--quiet"], self.root / "convert.log")
         return self
 
-    def resume(self, tp: int, dp: int = 1) -> dict[int, float]:
-        if (tp, dp) not in self.resumed:
-            result = self.root / f"resume_tp{tp}_dp{dp}.json"
-            torchrun_train(tp * dp,
-                           self.common(tp) + ["--load-dir", str(self.save_dir), "--result", str(result)],
-                           self.root / f"resume_tp{tp}_dp{dp}.log")
-            self.resumed[(tp, dp)] = read_losses(result)
-        return self.resumed[(tp, dp)]
+    def resume(self, tp: int, dp: int = 1, load_dir: Path | None = None, upstream: bool = False) -> dict[int, float]:
+        """Resume at TP×DP from ``load_dir`` (default: our universal output); ``upstream``: plain DeepSpeed restores."""
+        key = (tp, dp, str(load_dir), upstream)
+        if key not in self.resumed:
+            name = f"resume_tp{tp}_dp{dp}" + ("_upstream" if upstream else "") + f"_{len(self.resumed)}"
+            args = self.common(tp) + ["--load-dir", str(load_dir or self.save_dir), "--result",
+                                      str(self.root / f"{name}.json")]
+            torchrun_train(tp * dp, args + (["--plain"] if upstream else []), self.root / f"{name}.log")
+            self.resumed[key] = read_losses(self.root / f"{name}.json")
+        return self.resumed[key]
 
     def live_state(self) -> list[dict[str, dict[str, torch.Tensor]]]:
         """Per TP rank, the TP-local fp32 / exp_avg / exp_avg_sq DeepSpeed itself reported at save time."""

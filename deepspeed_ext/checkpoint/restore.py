@@ -135,6 +135,12 @@ def _restore_step_and_groups(engine: Any, ckpt: UniversalCheckpoint, names: list
                 old = state.get("step")
                 state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
                                  if torch.is_tensor(old) else type(old)(step) if old is not None else step)
+    # Loss-scaler and clipping state live on DeepSpeed's optimizer wrapper (fp16 needs the scale to
+    # continue without re-running the overflow search).
+    optimizer = engine.optimizer
+    for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
+        if key in ckpt.optimizer_state and hasattr(optimizer, key):
+            setattr(optimizer, key, ckpt.optimizer_state[key])
     saved_groups = ckpt.optimizer_state.get("param_groups") or []
     for live, saved in zip(base.param_groups, saved_groups, strict=False):
         for key, value in saved.items():

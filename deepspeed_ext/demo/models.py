@@ -78,17 +78,19 @@ def ds_config(*,
               dp: int = 1,
               zero: int = 1,
               dtype: str = "bf16",
+              grad_accum: int = 1,
               family: str = "llama",
               ext: bool = True,
               load_universal: bool = False,
               lr: float = 1e-2) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section."""
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dp,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
+        "gradient_accumulation_steps": grad_accum,
         "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
         "zero_optimization": {"stage": zero},
         "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 12, "loss_scale_window": 2},
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
         "tensor_parallel": tensor_parallel_section(family, tp),
@@ -100,18 +102,20 @@ def ds_config(*,
     return config
 
 
-def batch(step: int, dp_rank: int, dp_size: int, vocab: int = 101) -> torch.Tensor:
-    """This DP rank's share of the deterministic global batch of ``step`` (same on every TP rank)."""
-    if GLOBAL_BATCH % dp_size:
-        raise ValueError(f"DP degree {dp_size} does not divide the global batch of {GLOBAL_BATCH}")
+def batch(step: int, dp_rank: int, dp_size: int, micro: int = 0, grad_accum: int = 1, vocab: int = 101) -> torch.Tensor:
+    """Micro-batch ``micro`` of this DP rank's share of ``step``'s global batch (same on every TP rank)."""
+    if GLOBAL_BATCH % (dp_size * grad_accum):
+        raise ValueError(f"DP {dp_size} x grad accumulation {grad_accum} does not divide the global batch of "
+                         f"{GLOBAL_BATCH}")
     # Arithmetic progressions mod vocab: learnable in a few steps, so the loss curve visibly moves
     # and a resume that lost state would stand out.
     generator = torch.Generator().manual_seed(100_003 * step)
     start = torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=generator)
     stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=generator)
     tokens = (start + stride * torch.arange(SEQ_LEN)) % vocab
-    micro = GLOBAL_BATCH // dp_size
-    return tokens[dp_rank * micro:(dp_rank + 1) * micro]
+    rows = GLOBAL_BATCH // (dp_size * grad_accum)
+    start = (dp_rank * grad_accum + micro) * rows
+    return tokens[start:start + rows]
 
 
 def finish_distributed() -> None:

@@ -19,12 +19,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--family", default="llama")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--zero", type=int, default=1)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
     p.add_argument("--save-dir")
     p.add_argument("--save-at", type=int, help="save_checkpoint after this global step")
     p.add_argument("--load-dir", help="resume from a universal checkpoint (load_universal)")
-    p.add_argument("--plain", action="store_true", help="deepspeed.initialize without our config section")
+    p.add_argument("--plain", action="store_true",
+                   help="deepspeed.initialize without our config section (saves only upstream's tags; "
+                   "--load-dir then restores through upstream DeepSpeed)")
     p.add_argument("--result", help="write losses (JSON) here")
     p.add_argument("--dump", help="at save time, dump each TP rank's fp32/exp_avg/exp_avg_sq here")
     return p.parse_args()
@@ -61,6 +64,7 @@ def main() -> None:
                        dp=world // args.tp,
                        zero=args.zero,
                        dtype=args.dtype,
+                       grad_accum=args.grad_accum,
                        family=args.family,
                        ext=not args.plain,
                        load_universal=args.load_dir is not None)
@@ -76,13 +80,15 @@ def main() -> None:
     losses = {}
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
-        tokens = batch(step, dp_rank, dp_size)
-        loss = engine(input_ids=tokens, labels=tokens).loss
-        engine.backward(loss)
-        engine.step()
-        value = loss.detach().float().clone()
-        dist.all_reduce(value)  # mean over DP (TP ranks hold the same loss)
-        losses[step] = value.item() / dist.get_world_size()
+        value = torch.zeros(())
+        for micro in range(args.grad_accum):
+            tokens = batch(step, dp_rank, dp_size, micro, args.grad_accum)
+            loss = engine(input_ids=tokens, labels=tokens).loss
+            engine.backward(loss)
+            engine.step()
+            value += loss.detach().float()
+        dist.all_reduce(value)  # mean over micro-batches and DP (TP ranks hold the same loss)
+        losses[step] = value.item() / dist.get_world_size() / args.grad_accum
         if args.save_dir and step == args.save_at:
             if args.dump:
                 dump_live_state(engine, Path(args.dump), tp_rank)
