@@ -21,6 +21,7 @@ class Scenario:
     dtype: str = "bf16"
     plain: bool = False  # deepspeed.initialize without our section: only upstream's tags
     grad_accum: int = 1
+    family: str = "llama"
     steps: int = 5
     save_at: int = 3
     baseline: dict[int, float] = field(default_factory=dict)
@@ -44,7 +45,7 @@ class Scenario:
 
     def common(self, tp: int) -> list[str]:
         return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps),
-                "--grad-accum", str(self.grad_accum)]
+                "--grad-accum", str(self.grad_accum), "--family", self.family]
 
     def train(self) -> Scenario:
         result = self.root / "baseline.json"

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3", "qwen3")
+FAMILIES = ("llama", "phi3", "qwen2", "qwen3")
 
 
 def tiny_config(family: str = "llama") -> Any:
@@ -29,6 +29,9 @@ def tiny_config(family: str = "llama") -> Any:
     if family == "phi3":  # fused qkv_proj (q, k, v of unequal size) and fused gate_up_proj
         from transformers import Phi3Config
         return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen2":  # q/k/v projections with biases (column-split with their weights)
+        from transformers import Qwen2Config
+        return Qwen2Config(**common)
     if family == "qwen3":  # q/k norms and tied embeddings: AutoTP makes embedding + lm_head vocab-parallel
         from transformers import Qwen3Config
         return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=4)
