@@ -21,8 +21,28 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
+# A second environment with DeepSpeed 0.18.8: AutoTP training without AutoTP universal-checkpoint tags,
+# where deepspeed-ext's tags are the only metadata (tests/test_older_deepspeed.py).
+OLD_DS=0.18.8
+OLD_VENV=.venv-deepspeed-$OLD_DS
+old_stamp="$OLD_VENV/.deepspeed_ext-deps-$(cat requirements-dev.txt setup.py | sha1sum | cut -c1-16)"
+if [ ! -f "$old_stamp" ]; then
+  echo "setup: creating $OLD_VENV (DeepSpeed $OLD_DS)" >&2
+  [ -x "$OLD_VENV/bin/python" ] || "$PYTHON" -m venv "$OLD_VENV"
+  "$OLD_VENV/bin/python" -m pip install -q --upgrade pip
+  grep -v '^deepspeed==' requirements-dev.txt > "$OLD_VENV/requirements.txt"
+  "$OLD_VENV/bin/python" -m pip install -q -r "$OLD_VENV/requirements.txt" "deepspeed==$OLD_DS"
+  "$OLD_VENV/bin/python" -m pip install -q --no-deps -e .
+  rm -f "$OLD_VENV"/.deepspeed_ext-deps-*
+  touch "$old_stamp"
+fi
+
 # DeepSpeed JIT-compiles this op on first CPU use (minutes); do it here, cached in torch's extension dir.
 DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' >&2
+from deepspeed.accelerator import get_accelerator
+get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+PY
+DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$PWD/$OLD_VENV/torch_extensions" "$OLD_VENV/bin/python" - <<'PY' >&2
 from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 PY

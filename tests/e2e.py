@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ class Scenario:
     plain: bool = False  # deepspeed.initialize without our section: only upstream's tags
     grad_accum: int = 1
     family: str = "llama"
+    python: str = sys.executable  # the environment (DeepSpeed version) that trains, converts and resumes
     steps: int = 5
     save_at: int = 3
     baseline: dict[int, float] = field(default_factory=dict)
@@ -51,12 +53,15 @@ class Scenario:
         result = self.root / "baseline.json"
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
                                        str(result), "--dump", str(self.dump_dir)]
-        torchrun_train(self.tp * self.dp, args + (["--plain"] if self.plain else []), self.root / "train.log")
+        torchrun_train(self.tp * self.dp,
+                       args + (["--plain"] if self.plain else []),
+                       self.root / "train.log",
+                       python=self.python)
         self.baseline = read_losses(result)
         return self
 
     def convert(self) -> Scenario:
-        cli(["to-universal", str(self.save_dir), "--quiet"], self.root / "convert.log")
+        cli(["to-universal", str(self.save_dir), "--quiet"], self.root / "convert.log", python=self.python)
         return self
 
     def resume(self, tp: int, dp: int = 1, load_dir: Path | None = None, upstream: bool = False) -> dict[int, float]:
@@ -66,7 +71,10 @@ class Scenario:
             name = f"resume_tp{tp}_dp{dp}" + ("_upstream" if upstream else "") + f"_{len(self.resumed)}"
             args = self.common(tp) + ["--load-dir", str(load_dir or self.save_dir), "--result",
                                       str(self.root / f"{name}.json")]
-            torchrun_train(tp * dp, args + (["--plain"] if upstream else []), self.root / f"{name}.log")
+            torchrun_train(tp * dp,
+                           args + (["--plain"] if upstream else []),
+                           self.root / f"{name}.log",
+                           python=self.python)
             self.resumed[key] = read_losses(self.root / f"{name}.json")
         return self.resumed[key]
 

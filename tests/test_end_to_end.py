@@ -96,6 +96,12 @@ def test_tp1_to_tp2(scenarios):
     assert_losses_continue(tp1, tp1.resume(2))
 
 
+def test_tp1_dp1_to_tp2_dp2(scenarios):
+    """Scaling back up: both degrees grow at once (4 processes)."""
+    tp1 = scenarios("tp1_zero1_bf16", tp=1)
+    assert_losses_continue(tp1, tp1.resume(2, dp=2))
+
+
 # --------------------------------------------------------------- ZeRO-2
 @pytest.mark.parametrize("target_tp", [1, 3, 4])
 def test_tp2_zero2_bf16_resumes_at_other_tp(scenarios, target_tp):

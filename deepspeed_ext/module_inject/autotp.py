@@ -67,6 +67,37 @@ class _LayerReader:
         frozen = getattr(self.layer, "_partition_sizes", None) if self.use_layer_sizes else None
         return tuple(frozen) if frozen is not None else self.rule(total)
 
+    def gathered_sizes(self, local: int) -> tuple[int, ...]:
+        """Every TP rank's size along the split dim, asked of the ranks themselves.
+
+        Exact on any DeepSpeed version; used where a layer recorded neither its full shape nor its sizes
+        (DeepSpeed < 0.19). Collective: every rank tags the same layers in the same order.
+        """
+        group = getattr(self.layer, "mp_group", None)
+        if group is None or self.tp_size == 1:
+            return (int(local), )
+        import torch.distributed as dist
+        mine = torch.tensor([int(local)], dtype=torch.int64)
+        sizes = [torch.zeros_like(mine) for _ in range(self.tp_size)]
+        dist.all_gather(sizes, mine, group=group)
+        return tuple(int(size) for size in sizes)
+
+    def plain_split(self,
+                    param: torch.Tensor,
+                    dim: int,
+                    full_shape: Sequence[int] | None,
+                    partition_type: str,
+                    role: str | None = None) -> TPLayout:
+        """A plain split of ``param`` along ``dim``: frozen/rule sizes if the full shape is known, else asked."""
+        if full_shape is not None:
+            sizes = self.partition_sizes(full_shape[dim])
+        else:
+            local = _full_shape(param)
+            sizes = self.gathered_sizes(local[dim])
+            full_shape = list(local)
+            full_shape[dim] = sum(sizes)
+        return TPLayout.split(tuple(full_shape), self.tp_size, dim, sizes, partition_type, role=role)
+
     def sub_param_widths(self, sub_sizes: Sequence[int], name: str | None = None) -> tuple[tuple[int, ...], ...]:
         frozen = getattr(self.layer, "_subparam_shard_widths", None) if self.use_layer_sizes else None
         if frozen is not None:
@@ -111,6 +142,20 @@ def _layer_layouts(layer: torch.nn.Module, reader: _LayerReader) -> dict[str, TP
                                                   role=role)
         return out
 
+    if "GateUpPack_LinearLayer" in names and "SubParamColumnParallel" not in names:
+        # DeepSpeed < 0.19: gate and up halves are cut alike, so each rank holds half its rows of each.
+        for key, param in (("weight", weight), ("bias", bias)):
+            if param is not None:
+                local = _full_shape(param)
+                halves = tuple(size // 2 for size in reader.gathered_sizes(local[0]))
+                full = (2 * sum(halves), *local[1:])
+                out[key] = TPLayout.sub_params(full, tp, 0, (sum(halves), ) * 2, (halves, halves), role="gate_up")
+        return out
+
+    if "fused_LinearLayer" in names and getattr(layer, "_subparam_layout_spec", None) is None:
+        raise LayoutError(f"AutoTP layer {reader.name!r} is a fused QKV layer of a DeepSpeed release that does not "
+                          "describe its split; give it an explicit partition_config spec with 'shape' instead")
+
     if "SubParamColumnParallel" in names:  # fused_LinearLayer (fused QKV), GateUpPack_LinearLayer
         sub_sizes, shard_name = getattr(layer, "_subparam_layout_spec", (None, None))
         if sub_sizes is None:
@@ -124,39 +169,32 @@ def _layer_layouts(layer: torch.nn.Module, reader: _LayerReader) -> dict[str, TP
                 out[key] = TPLayout.sub_params(shape, tp, 0, sub_sizes, widths, role=role)
         return out
 
+    full_weight = getattr(layer, "_orig_weight_shape", None)
+    full_bias = getattr(layer, "_orig_bias_shape", None)
+
     if "VocabParallelEmbedding" in names:
-        shape = tuple(layer._orig_weight_shape)
-        out["weight"] = TPLayout.split(shape, tp, 0, reader.partition_sizes(shape[0]), "column", role="vocab")
+        out["weight"] = reader.plain_split(weight, 0, full_weight, "column", role="vocab")
         return out
 
     if "HiddenParallelEmbedding" in names:
-        shape = tuple(layer._orig_weight_shape)
-        out["weight"] = TPLayout.split(shape,
-                                       tp,
-                                       1,
-                                       reader.partition_sizes(shape[1]),
-                                       "row",
-                                       role="embedding_hidden")
+        out["weight"] = reader.plain_split(weight, 1, full_weight, "row", role="embedding_hidden")
         return out
 
     if names & {"Yuan_LinearLayer", "Yuan_LinearAllreduce", "conv_LinearLayer", "Conv_LinearALlreduce"}:
         return None  # layouts we do not describe ourselves; upstream's meta (if any) is used instead
 
     if "LinearAllreduce" in names:  # also LmHeadLinearAllreduce
-        shape = tuple(layer._orig_weight_shape)
-        out["weight"] = TPLayout.split(shape, tp, 1, reader.partition_sizes(shape[1]), "row")
+        out["weight"] = reader.plain_split(weight, 1, full_weight, "row")
         if bias is not None:
             out["bias"] = TPLayout.replicated(_full_shape(bias), tp)
         return out
 
     if "LinearLayer" in names:  # also VocabParallelLinear
-        shape = tuple(layer._orig_weight_shape)
-        sizes = reader.partition_sizes(shape[0])
         is_vocab = "VocabParallelLinear" in names or str(reader.name).split(".")[-1] in ("lm_head", "embed_out")
         role = "vocab" if is_vocab else None
-        out["weight"] = TPLayout.split(shape, tp, 0, sizes, "column", role=role)
+        out["weight"] = reader.plain_split(weight, 0, full_weight, "column", role=role)
         if bias is not None:
-            out["bias"] = TPLayout.split(tuple(layer._orig_bias_shape), tp, 0, sizes, "column", role=role)
+            out["bias"] = reader.plain_split(bias, 0, full_bias, "column", role=role)
         return out
 
     return None
