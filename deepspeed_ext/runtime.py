@@ -106,7 +106,10 @@ def _hook_load(engine: Any) -> None:
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = call.arguments
-        if not engine.load_universal_checkpoint() or options.get("custom_load_fn") is not None:
+        # ZeRO-3 engines rebuild their partitioned flat groups in DeepSpeed's own universal loader, which
+        # reads our (upstream-compatible) files; everything else is restored here.
+        if (not engine.load_universal_checkpoint() or options.get("custom_load_fn") is not None
+                or engine.zero_optimization_partition_weights()):
             return original(*args, **kwargs)
         from deepspeed_ext.checkpoint.restore import load_universal_checkpoint
         return load_universal_checkpoint(engine,

@@ -64,13 +64,21 @@ class Scenario:
         cli(["to-universal", str(self.save_dir), "--quiet"], self.root / "convert.log", python=self.python)
         return self
 
-    def resume(self, tp: int, dp: int = 1, load_dir: Path | None = None, upstream: bool = False) -> dict[int, float]:
-        """Resume at TP×DP from ``load_dir`` (default: our universal output); ``upstream``: plain DeepSpeed restores."""
-        key = (tp, dp, str(load_dir), upstream)
+    def resume(self,
+               tp: int,
+               dp: int = 1,
+               load_dir: Path | None = None,
+               upstream: bool = False,
+               zero: int | None = None) -> dict[int, float]:
+        """Resume at TP×DP (and ZeRO stage ``zero``, default the saved one) from ``load_dir`` (default: our
+        universal output); ``upstream``: plain DeepSpeed restores."""
+        key = (tp, dp, str(load_dir), upstream, zero)
         if key not in self.resumed:
             name = f"resume_tp{tp}_dp{dp}" + ("_upstream" if upstream else "") + f"_{len(self.resumed)}"
             args = self.common(tp) + ["--load-dir", str(load_dir or self.save_dir), "--result",
                                       str(self.root / f"{name}.json")]
+            if zero is not None:
+                args += ["--zero", str(zero)]
             torchrun_train(tp * dp,
                            args + (["--plain"] if upstream else []),
                            self.root / f"{name}.log",

@@ -179,3 +179,18 @@ def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
     assert proc.returncode == 2
     assert "'model.norm.weight'" in proc.stderr and "differs between TP rank 0 and TP rank 1" in proc.stderr
     assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
+
+
+# --------------------------------------------------------------- ZeRO-3 (parameters partitioned too)
+@pytest.mark.parametrize("target", [(1, 2, 3), (4, 1, 1)])
+def test_tp2_dp2_zero3_converts_and_resumes(scenarios, target):
+    """ZeRO-3 TP=2×DP=2 → TP=1×DP=2 under ZeRO-3 (DeepSpeed's ZeRO-3 loader reads our files) and → TP=4
+    under ZeRO-1 (the universal form does not care which stage wrote it)."""
+    zero3 = scenarios("tp2_dp2_zero3_bf16", tp=2, dp=2, zero=3)
+    if target == (1, 2, 3):
+        assert_universal_matches_live(zero3)
+        assert sorted(p.name for p in zero3.universal_dir.glob("*model_states.pt")) == [
+            f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt" for dp in range(2) for tp in range(2)
+        ]
+    tp, dp, zero = target
+    assert_losses_continue(zero3, zero3.resume(tp, dp=dp, zero=zero))

@@ -80,11 +80,19 @@ class DeepSpeedCheckpoint:
         self.tag_dir = resolve_tag_dir(path, tag)
         self.tag = self.tag_dir.name
         files = sorted(p.name for p in self.tag_dir.iterdir())
-        if any(ZERO3_MODEL_STATES_RE.match(f) for f in files):
-            raise CheckpointError(f"{self.tag_dir}: ZeRO-3 checkpoints are not supported yet")
-        model_files = {int(m.group(1)): self.tag_dir / f for f in files if (m := MODEL_STATES_RE.match(f))}
+        # ZeRO-3 writes zero_pp_rank_{dp}_mp_rank_{tp}_model_states.pt on every rank; the DP-0 file of each
+        # TP rank carries the same metadata a ZeRO-1/2 mp_rank file does.
+        zero3_files = {int(m.group(2)): self.tag_dir / f for f in files
+                       if (m := ZERO3_MODEL_STATES_RE.match(f)) and int(m.group(1)) == 0}
+        self.partitioned_weights = bool(zero3_files)
+        model_files = zero3_files or {
+            int(m.group(1)): self.tag_dir / f
+            for f in files if (m := MODEL_STATES_RE.match(f))
+        }
         if not model_files:
             raise CheckpointError(f"{self.tag_dir}: no mp_rank_*_model_states.pt files")
+        self._all_model_state_files = [self.tag_dir / f for f in files
+                                       if MODEL_STATES_RE.match(f) or ZERO3_MODEL_STATES_RE.match(f)]
         self._model_files = model_files
         first = self.model_states(min(model_files))
         self.tp_degree = int(first.get("mp_world_size") or 1)
@@ -118,7 +126,8 @@ class DeepSpeedCheckpoint:
 
     @property
     def model_state_files(self) -> list[Path]:
-        return [self._model_files[r] for r in sorted(self._model_files)]
+        """Every model-states file (under ZeRO-3 one per rank), copied as is into universal checkpoints."""
+        return list(self._all_model_state_files)
 
     def optimizer_state(self, tp_rank: int, dp_rank: int) -> dict[str, Any]:
         """The ``optimizer_state_dict`` of one (tp, dp) optimizer file (memory-mapped, cached)."""
@@ -129,7 +138,9 @@ class DeepSpeedCheckpoint:
             state = data.get("optimizer_state_dict") if isinstance(data, dict) else None
             if not isinstance(state, dict):
                 raise CheckpointError(f"{path}: no optimizer_state_dict")
-            for required in ("param_slice_mappings", "single_partition_of_fp32_groups", "base_optimizer_state"):
+            required_keys = (("fp32_flat_groups", "optimizer_state_dict") if self.partitioned_weights else
+                             ("param_slice_mappings", "single_partition_of_fp32_groups", "base_optimizer_state"))
+            for required in required_keys:
                 if required not in state:
                     raise CheckpointError(f"{path}: optimizer_state_dict has no {required!r} (elastic or "
                                           "non-ZeRO optimizer checkpoints are not supported)")
@@ -211,7 +222,13 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def _fragments(self) -> dict[tuple[str, int], list[_Fragment]]:
-        """``(name, tp) -> fragments`` in DP order, from every optimizer file's ``param_slice_mappings``."""
+        """``(name, tp) -> fragments`` in DP order.
+
+        ZeRO-1/2 record them (``param_slice_mappings``). ZeRO-3 gives every parameter ``ceil(numel/dp)``
+        slots in each rank's flat partition, in ``param_shapes`` order, the tail rank padded.
+        """
+        if self.partitioned_weights:
+            return self._zero3_fragments()
         out: dict[tuple[str, int], list[_Fragment]] = {}
         for tp in range(self.tp_degree):
             for dp in range(self.dp_degree):
@@ -222,12 +239,40 @@ class DeepSpeedCheckpoint:
                                                                         int(address.numel)))
         return out
 
+    def _zero3_fragments(self) -> dict[tuple[str, int], list[_Fragment]]:
+        out: dict[tuple[str, int], list[_Fragment]] = {}
+        dp = self.dp_degree
+        for tp in range(self.tp_degree):
+            groups = (self.first_model_states if tp == 0 else self.model_states(tp))["param_shapes"]
+            for group, shapes in enumerate(groups if isinstance(groups, list) else [groups]):
+                offset = 0
+                for name, shape in shapes.items():
+                    numel = int(torch.Size(shape).numel())
+                    part = -(-numel // dp)
+                    for dp_rank in range(dp):
+                        length = max(0, min(part, numel - dp_rank * part))
+                        if length:
+                            out.setdefault((name, tp), []).append(_Fragment(dp_rank, group, offset, length))
+                    offset += part
+                flat = self._flat(tp, 0, group, MASTER_WEIGHTS)
+                if offset != flat.numel():
+                    raise CheckpointError(f"{self._optim_files[(tp, 0)]}: flat partition of group {group} has "
+                                          f"{flat.numel()} elements, param_shapes imply {offset} (ZeRO-3 "
+                                          "sub_group_size smaller than a param group is not supported)")
+        return out
+
     # ------------------------------------------------------------------ reading tensors
+    def _base_state(self, tp: int, dp: int) -> dict[str, Any]:
+        """The wrapped torch optimizer's state dict (``state`` keyed by flat group, ``param_groups``)."""
+        opt = self.optimizer_state(tp, dp)
+        return opt["optimizer_state_dict"] if self.partitioned_weights else opt["base_optimizer_state"]
+
     def _flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
         opt = self.optimizer_state(tp, dp)
         if state == MASTER_WEIGHTS:
-            return opt["single_partition_of_fp32_groups"][group]
-        group_state = opt["base_optimizer_state"]["state"].get(group)
+            key = "fp32_flat_groups" if self.partitioned_weights else "single_partition_of_fp32_groups"
+            return opt[key][group]
+        group_state = self._base_state(tp, dp)["state"].get(group)
         if group_state is None or state not in group_state:
             raise CheckpointError(f"{self._optim_files[(tp, dp)]}: no optimizer state {state!r} for param group "
                                   f"{group} (only Adam-family optimizers are supported)")
@@ -264,7 +309,7 @@ class DeepSpeedCheckpoint:
     def step(self, name: str) -> torch.Tensor | int:
         fragments = self._fragments.get((name, 0))
         group = fragments[0].group if fragments else 0
-        group_state = self.optimizer_state(0, fragments[0].dp_rank if fragments else 0)["base_optimizer_state"]
+        group_state = self._base_state(0, fragments[0].dp_rank if fragments else 0)
         value = group_state["state"].get(group, {}).get(STEP)
         if value is None:
             raise CheckpointError(f"{self._optim_files[(0, 0)]}: no optimizer step for param group {group}")
@@ -287,9 +332,18 @@ class DeepSpeedCheckpoint:
     def optimizer_state_for_universal(self) -> dict[str, Any]:
         """What upstream stores as ``zero/optimizer_state.pt``: DP0/TP0 state minus the flat tensors."""
         state = self.optimizer_state(0, 0)
-        out = {k: v for k, v in state.items()
-               if k not in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups")}
-        out["param_groups"] = state["base_optimizer_state"]["param_groups"]
+        flat_keys = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups",
+                     "fp32_flat_groups", "optimizer_state_dict")
+        out = {k: v for k, v in state.items() if k not in flat_keys}
+        base = self._base_state(0, 0)
+        out["param_groups"] = base["param_groups"]
+        if self.partitioned_weights:
+            # DeepSpeed's ZeRO-3 universal loader reads the step and hyper-parameters from here; the flat
+            # moments stay out (they are in zero/<param>/ already).
+            out["optimizer_state_dict"] = {
+                "state": {group: {STEP: st[STEP]} for group, st in base["state"].items() if STEP in st},
+                "param_groups": base["param_groups"],
+            }
         return out
 
     def summary(self) -> dict[str, Any]:

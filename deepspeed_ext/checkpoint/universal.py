@@ -28,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_ext.checkpoint import serialization
-from deepspeed_ext.checkpoint.deepspeed import MODEL_STATES_RE, DeepSpeedCheckpoint, resolve_tag_dir
+from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STATES_RE, DeepSpeedCheckpoint,
+                                                resolve_tag_dir)
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
@@ -176,7 +177,8 @@ class UniversalCheckpoint:
 
     @cached_property
     def model_state_files(self) -> list[Path]:
-        return sorted(p for p in self.path.iterdir() if MODEL_STATES_RE.match(p.name))
+        return sorted(p for p in self.path.iterdir()
+                      if MODEL_STATES_RE.match(p.name) or ZERO3_MODEL_STATES_RE.match(p.name))
 
     @cached_property
     def model_states(self) -> dict[str, Any]:
