@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Conversion is pure CPU work. Without this, importing DeepSpeed probes for an accelerator and prints
+    # its finding on stdout, which would corrupt `inspect --json`.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     parser = build_parser()
     args = parser.parse_args(argv)
     if "--debug" in (argv if argv is not None else sys.argv):

@@ -5,7 +5,9 @@ GQA (16 query / 4 KV heads) and a vocabulary of 101 (uneven over 2, 3 and 4 rank
 """
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -73,7 +75,10 @@ def test_saved_checkpoint_still_loads_in_plain_deepspeed_format(tp2):
 
 
 def test_inspect_deepspeed_and_universal(tp2, tmp_path):
-    proc = cli(["inspect", str(tp2.save_dir), "--json"], tmp_path / "inspect.log")
+    # As a user runs it: no DS_ACCELERATOR in the environment, and stdout must still be pure JSON.
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "inspect", str(tp2.save_dir), "--json"],
+                          env=env, capture_output=True, text=True, check=True)
     summary = json.loads(proc.stdout)
     assert (summary["tp_degree"], summary["dp_degree"], summary["zero_stage"]) == (2, 1, 1)
     assert summary["model_dtypes"] == ["bfloat16"] and summary["metadata"] == "deepspeed_ext"
@@ -189,6 +194,9 @@ def test_tp2_dp2_zero3_converts_and_resumes(scenarios, target):
     zero3 = scenarios("tp2_dp2_zero3_bf16", tp=2, dp=2, zero=3)
     if target == (1, 2, 3):
         assert_universal_matches_live(zero3)
+        summary = json.loads(cli(["inspect", str(zero3.save_dir), "--json"], zero3.root / "inspect.log").stdout)
+        assert (summary["zero_stage"], summary["tp_degree"], summary["dp_degree"]) == (3, 2, 2)
+        assert summary["optimizer_dtype"] == "float32" and summary["num_parameters"] == 95168
         assert sorted(p.name for p in zero3.universal_dir.glob("*model_states.pt")) == [
             f"zero_pp_rank_{dp}_mp_rank_{tp:02d}_model_states.pt" for dp in range(2) for tp in range(2)
         ]

@@ -358,8 +358,7 @@ class DeepSpeedCheckpoint:
             "dp_degree": self.dp_degree,
             "zero_stage": self.zero_stage,
             "model_dtypes": lp_dtypes,
-            "optimizer_dtype": str(self.optimizer_state(0, 0)["single_partition_of_fp32_groups"][0].dtype).replace(
-                "torch.", ""),
+            "optimizer_dtype": str(self._flat(0, 0, 0, MASTER_WEIGHTS).dtype).replace("torch.", ""),
             "global_steps": first.get("global_steps"),
             "deepspeed_version": str(first.get("ds_version")),
             "metadata": self.metadata_source,

@@ -38,10 +38,11 @@ def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None
     in another DP rank's partition, and then this rank has nothing to write.
     """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-    if not hasattr(param, "_hp_mapping") and not hasattr(param, "ds_id"):
-        return False
-    if getattr(param, "_hp_mapping", None) is None and not hasattr(param, "ds_id"):
-        return True
+    if not hasattr(param, "ds_id"):
+        if not hasattr(param, "_hp_mapping"):
+            return False
+        if param._hp_mapping is None:
+            return True
     if state is None:
         safe_set_full_fp32_param(param, value)
     else:

@@ -203,7 +203,7 @@ class UniversalCheckpoint:
         states = self.model_states
         opt = self.optimizer_state
         first = self.names[0] if self.names else None
-        dtypes = sorted({str(self.load(n).dtype).replace("torch.", "") for n in self.names})
+        master = [self.load(n) for n in self.names]  # memory-mapped: only headers are read
         return {
             "kind": "universal",
             "path": str(self.path),
@@ -211,12 +211,12 @@ class UniversalCheckpoint:
             "source_tp_degree": states.get("mp_world_size"),
             "source_dp_degree": states.get("dp_world_size"),
             "zero_stage": int(opt.get("zero_stage", 1)) if opt else None,
-            "tensor_dtypes": dtypes,
+            "tensor_dtypes": sorted({str(t.dtype).replace("torch.", "") for t in master}),
             "global_steps": states.get("global_steps"),
             "optimizer_step": None if first is None else _as_int(self.step(first)),
             "deepspeed_version": str(states.get("ds_version")),
             "metadata": "deepspeed_ext" if self.uc_info else "none",
-            "num_parameters": sum(int(t.layout.numel) for t in self.tensors()),
+            "num_parameters": sum(t.numel() for t in master),
         }
 
 

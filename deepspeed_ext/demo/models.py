@@ -117,8 +117,8 @@ def batch(step: int, dp_rank: int, dp_size: int, micro: int = 0, grad_accum: int
     stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=generator)
     tokens = (start + stride * torch.arange(SEQ_LEN)) % vocab
     rows = GLOBAL_BATCH // (dp_size * grad_accum)
-    start = (dp_rank * grad_accum + micro) * rows
-    return tokens[start:start + rows]
+    first = (dp_rank * grad_accum + micro) * rows
+    return tokens[first:first + rows]
 
 
 def finish_distributed() -> None:
