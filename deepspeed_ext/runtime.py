@@ -89,12 +89,28 @@ def _hook_save(engine: Any, info: UCInfo) -> None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit
         tag = str(tag)
         if engine.global_rank == 0:
+            info.optimizer_param_names = _stage0_optimizer_param_names(engine)
             # Written before DeepSpeed's files and its 'latest' pointer, so a tag that 'latest'
             # names always has its UC info.
             write_uc_info(os.path.join(save_dir, tag), info)
         return original(save_dir, tag, *args, **kwargs)
 
     engine.save_checkpoint = save_checkpoint
+
+
+def _stage0_optimizer_param_names(engine: Any) -> list[list[str]] | None:
+    """Parameter names per optimizer param group, in the optimizer's order, for engines without ZeRO.
+
+    DeepSpeed's stage-0 optimizer state is keyed by position only; ZeRO states name their parameters.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or engine.zero_optimization():
+        return None
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    # FP16_Optimizer / FP16_UnfusedOptimizer keep the model's params per group in fp16_groups (their
+    # param_groups hold the fp32 masters instead); a bare torch optimizer holds the params themselves.
+    groups = getattr(optimizer, "fp16_groups", None) or [group["params"] for group in optimizer.param_groups]
+    return [[names[id(param)] for param in group] for group in groups]
 
 
 def _hook_load(engine: Any) -> None:

@@ -37,10 +37,12 @@ if [ ! -f "$old_stamp" ]; then
   touch "$old_stamp"
 fi
 
-# DeepSpeed JIT-compiles this op on first CPU use (minutes); do it here, cached in torch's extension dir.
+# DeepSpeed JIT-compiles these ops on first CPU use (about a minute each); do it here, cached in torch's
+# extension dir: the shm comm op every run uses, and FusedAdam (the tests' FP16_Optimizer path).
 DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' >&2
 from deepspeed.accelerator import get_accelerator
 get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+get_accelerator().create_op_builder("FusedAdamBuilder").load()
 PY
 DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$PWD/$OLD_VENV/torch_extensions" "$OLD_VENV/bin/python" - <<'PY' >&2
 from deepspeed.accelerator import get_accelerator

@@ -23,6 +23,8 @@ class Scenario:
     plain: bool = False  # deepspeed.initialize without our section: only upstream's tags
     grad_accum: int = 1
     family: str = "llama"
+    grad_accum_dtype: str | None = None  # "fp32" with bf16 + ZeRO-1 selects DeepSpeed's BF16_Optimizer
+    fused_adam: bool = False  # DeepSpeed's FusedAdam instead of torch's Adam
     python: str = sys.executable  # the environment (DeepSpeed version) that trains, converts and resumes
     steps: int = 5
     save_at: int = 3
@@ -47,7 +49,9 @@ class Scenario:
 
     def common(self, tp: int) -> list[str]:
         return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps),
-                "--grad-accum", str(self.grad_accum), "--family", self.family]
+                "--grad-accum", str(self.grad_accum), "--family", self.family] + (
+                    ["--grad-accum-dtype", self.grad_accum_dtype] if self.grad_accum_dtype else []) + (
+                        ["--fused-adam"] if self.fused_adam else [])
 
     def train(self) -> Scenario:
         result = self.root / "baseline.json"
@@ -98,8 +102,9 @@ def assert_losses_continue(scenario: Scenario, resumed: dict[int, float], rel: f
         assert abs(loss - base) <= rel * abs(base), f"step {step}: resumed loss {loss} vs uninterrupted {base}"
 
 
-def assert_universal_matches_live(scenario: Scenario) -> int:
-    """Each merged tensor, cut back with the source layout, equals every rank's live shard bit for bit."""
+def assert_universal_matches_live(scenario: Scenario, optimizer_steps: int | None = None) -> int:
+    """Each merged tensor, cut back with the source layout, equals every rank's live shard bit for bit,
+    and the optimizer step is ``optimizer_steps`` (default: the global step saved at)."""
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     universal = UniversalCheckpoint(scenario.universal_dir)
@@ -117,5 +122,5 @@ def assert_universal_matches_live(scenario: Scenario) -> int:
                 assert torch.equal(got, expected), f"{name}/{state}: TP rank {rank} differs from the live engine"
                 compared += 1
         step = universal.step(name)
-        assert int(step) == scenario.save_at, (name, step)
+        assert int(step) == (scenario.save_at if optimizer_steps is None else optimizer_steps), (name, step)
     return compared

@@ -16,6 +16,7 @@ temporary files, and only the bytes of the parameter being merged are read.
 from __future__ import annotations
 
 import re
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
@@ -73,6 +74,137 @@ class _Fragment:
     numel: int
 
 
+@dataclass
+class _Zero0Slot:
+    """Where one parameter's fp32 master and moments live in a stage-0 optimizer state."""
+
+    key: int  # the entry in the torch optimizer's ``state`` (and in ``_Zero0State.masters``)
+    start: int  # element offset inside that entry (non-zero only in FP16_Optimizer's flat groups)
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+@dataclass
+class _Zero0State:
+    """The optimizer of one TP rank of a checkpoint saved without ZeRO, decoded.
+
+    DeepSpeed's three stage-0 wrappers store it differently (``optimizer`` in the model states):
+
+    * ``FP16_Optimizer`` (fp16/bf16 with a fused Adam): one flat fp32 master per param group
+      (``fp32_groups_flat``), moments keyed by group, parameters concatenated without padding;
+    * ``FP16_UnfusedOptimizer`` (fp16/bf16 with any other optimizer): one fp32 master per parameter
+      (``fp32_groups``), moments keyed by the parameter's running index;
+    * no wrapper (fp32): the torch optimizer's own state dict; the module's fp32 weights are the masters.
+
+    None of them names its parameters. The names come from deepspeed-ext's UC info when it recorded them,
+    else from the module state dict's order (buffers and tied aliases dropped), which is the order
+    ``module.parameters()`` hands the optimizer; every parameter's size is checked against the buffers.
+    """
+
+    kind: str
+    base: dict[str, Any]  # the torch optimizer state dict (``state``, ``param_groups``)
+    masters: dict[int, torch.Tensor]  # key -> 1-D fp32 master
+    slots: OrderedDict[str, _Zero0Slot]
+
+    @classmethod
+    def read(cls, model_states: dict[str, Any], optimizer: dict[str, Any], recorded: list[list[str]] | None,
+             source: Path) -> _Zero0State:
+        module = model_states.get("module") or {}
+
+        def shape(name: str) -> tuple[int, ...]:
+            if name not in module:
+                raise CheckpointError(f"{source}: optimizer parameter {name!r} is not in the module state dict")
+            return tuple(module[name].shape)
+
+        names = _flatten(recorded) if recorded is not None else _param_names_of_module(
+            module, model_states.get("buffer_names") or [])
+        masters: dict[int, torch.Tensor] = {}
+        slots: OrderedDict[str, _Zero0Slot] = OrderedDict()
+        position = 0
+
+        def take(count: int) -> list[str]:
+            nonlocal position
+            if position + count > len(names):
+                raise CheckpointError(f"{source}: the optimizer holds more parameters than the module "
+                                      f"({len(names)} named){_NAMES_HINT}")
+            position += count
+            return names[position - count:position]
+
+        if "fp32_groups_flat" in optimizer:
+            kind, base = "FP16_Optimizer", optimizer.get("optimizer_state_dict")
+            for group, flat in enumerate(optimizer["fp32_groups_flat"]):
+                masters[group] = flat
+                offset = 0
+                while offset < flat.numel():
+                    (name, ) = take(1)
+                    slots[name] = _Zero0Slot(group, offset, shape(name))
+                    offset += slots[name].numel
+                if offset != flat.numel():
+                    raise CheckpointError(f"{source}: flat fp32 group {group} has {flat.numel()} elements, but its "
+                                          f"parameters add up to {offset}{_NAMES_HINT}")
+        elif "fp32_groups" in optimizer:
+            kind, base = "FP16_UnfusedOptimizer", optimizer.get("optimizer_state_dict")
+            key = 0
+            for tensors in optimizer["fp32_groups"]:
+                for name, master in zip(take(len(tensors)), tensors, strict=True):
+                    masters[key] = master.reshape(-1)
+                    slots[name] = _Zero0Slot(key, 0, tuple(master.shape))
+                    key += 1
+        elif "state" in optimizer and "param_groups" in optimizer:
+            kind, base = "torch optimizer (no ZeRO)", optimizer
+            for group in optimizer["param_groups"]:
+                for name, key in zip(take(len(group["params"])), group["params"], strict=True):
+                    if key not in optimizer["state"]:
+                        continue  # frozen, or never stepped: nothing to convert (as ZeRO leaves it out)
+                    slots[name] = _Zero0Slot(int(key), 0, shape(name))
+                    masters[key] = module[name].reshape(-1)
+        else:
+            raise CheckpointError(f"{source}: unsupported optimizer state without ZeRO (keys: "
+                                  f"{sorted(optimizer)[:8]})")
+        if not isinstance(base, dict) or "state" not in base:
+            raise CheckpointError(f"{source}: {kind} state has no wrapped optimizer state dict")
+        for name, slot in slots.items():
+            master = masters[slot.key]
+            if master.dtype != torch.float32:
+                raise CheckpointError(f"{source}: fp32 master of {name!r} is {master.dtype}")
+            if slot.start + slot.numel > master.numel() or (kind != "FP16_Optimizer"
+                                                            and master.numel() != slot.numel):
+                raise CheckpointError(f"{source}: {name!r} {slot.shape} does not fit its optimizer entry "
+                                      f"{slot.key} ({master.numel()} elements){_NAMES_HINT}")
+        return cls(kind=kind, base=base, masters=masters, slots=slots)
+
+
+_NAMES_HINT = ("; the parameter order could not be recovered (several param groups or frozen parameters): save "
+               "through deepspeed_ext.initialize, which records it in deepspeed_ext.json")
+
+
+def _flatten(groups: list[list[str]]) -> list[str]:
+    return [name for group in groups for name in group]
+
+
+def _param_names_of_module(module: dict[str, Any], buffer_names: list[str]) -> list[str]:
+    """Parameter names of a saved module state dict in registration order; tied aliases and buffers dropped.
+
+    ``torch.load`` keeps tensors that shared storage at save time sharing it, which is how a tied
+    ``lm_head.weight`` is recognised as the embedding it aliases.
+    """
+    buffers = set(buffer_names)
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    names = []
+    for name, tensor in module.items():
+        if name in buffers or not torch.is_tensor(tensor):
+            continue
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if identity in seen:
+            continue
+        seen.add(identity)
+        names.append(name)
+    return names
+
+
 class DeepSpeedCheckpoint:
     """A regular DeepSpeed checkpoint tag directory, read lazily."""
 
@@ -110,15 +242,22 @@ class DeepSpeedCheckpoint:
             if m:
                 optim[(int(m.group(3)), int(m.group(2)))] = self.tag_dir / f
         self._optim_files = optim
-        if not optim:
-            raise CheckpointError(f"{self.tag_dir}: no *_optim_states.pt files; only ZeRO-1/2 checkpoints with "
-                                  "optimizer state can be converted")
+        # Without ZeRO (stage 0) DeepSpeed keeps the optimizer (its fp32 master and moments) inside each
+        # TP rank's model-states file; DP ranks hold replicas and only DP rank 0 writes.
+        self.optimizer_in_model_states = not optim
+        self._optim_cache: dict[tuple[int, int], dict[str, Any]] = {}
+        if self.optimizer_in_model_states:
+            for tp in range(self.tp_degree):
+                if not isinstance((first if tp == min(model_files) else self.model_states(tp)).get("optimizer"),
+                                  dict):
+                    raise CheckpointError(f"{self._model_files[tp]}: no optimizer state (no *_optim_states.pt "
+                                          "files and no 'optimizer' entry; was it saved without an optimizer?)")
+            return
         missing = [(tp, dp) for tp in range(self.tp_degree) for dp in range(self.dp_degree) if (tp, dp) not in optim]
         if missing:
             tp, dp = missing[0]
             raise CheckpointError(f"{self.tag_dir}: missing optimizer file for dp_rank {dp}, mp_rank {tp:02d} "
                                   f"({len(missing)} missing)")
-        self._optim_cache: dict[tuple[int, int], dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ files
     def model_states(self, tp_rank: int) -> dict[str, Any]:
@@ -126,12 +265,32 @@ class DeepSpeedCheckpoint:
 
     @property
     def model_state_files(self) -> list[Path]:
-        """Every model-states file (under ZeRO-3 one per rank), copied as is into universal checkpoints."""
+        """Every model-states file (under ZeRO-3 one per rank)."""
         return list(self._all_model_state_files)
 
+    def copy_model_states(self, directory: Path) -> None:
+        """Copy every model-states file into ``directory`` (a universal checkpoint being built).
+
+        Without ZeRO they also hold the whole optimizer, which the universal form already has per
+        parameter, so those copies leave it out instead of doubling the checkpoint.
+        """
+        for path in self.model_state_files:
+            if self.optimizer_in_model_states:
+                states = dict(serialization.load(path))
+                states["optimizer"] = None
+                serialization.save(states, directory / path.name)
+            else:
+                shutil.copy2(path, directory / path.name)
+
     def optimizer_state(self, tp_rank: int, dp_rank: int) -> dict[str, Any]:
-        """The ``optimizer_state_dict`` of one (tp, dp) optimizer file (memory-mapped, cached)."""
+        """The ``optimizer_state_dict`` of one (tp, dp) optimizer file (memory-mapped, cached); without
+        ZeRO, the ``optimizer`` entry of the TP rank's model states."""
         key = (tp_rank, dp_rank)
+        if self.optimizer_in_model_states:
+            key = (tp_rank, 0)
+            if key not in self._optim_cache:
+                self._optim_cache[key] = self.model_states(tp_rank)["optimizer"]
+            return self._optim_cache[key]
         if key not in self._optim_cache:
             path = self._optim_files[key]
             data = serialization.load(path)
@@ -149,8 +308,31 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def zero_stage(self) -> int:
+        if self.optimizer_in_model_states:
+            return 0
         state = self.optimizer_state(0, 0)
         return int(state.get("zero_stage", 1))
+
+    @cached_property
+    def optimizer_kind(self) -> str:
+        """Which DeepSpeed optimizer wrapper wrote the state (decides where its tensors live)."""
+        if self.optimizer_in_model_states:
+            return self._zero0(0).kind
+        if self.partitioned_weights:
+            return "DeepSpeedZeroOptimizer_Stage3"
+        # BF16_Optimizer (bf16 with fp32 gradient accumulation) writes the ZeRO-1 keys minus zero_stage.
+        return "DeepSpeedZeroOptimizer" if "zero_stage" in self.optimizer_state(0, 0) else "BF16_Optimizer"
+
+    def _zero0(self, tp: int) -> _Zero0State:
+        if tp not in self._zero0_cache:
+            names = self.uc_info.optimizer_param_names if self.uc_info is not None else None
+            self._zero0_cache[tp] = _Zero0State.read(self.model_states(tp), self.optimizer_state(tp, 0), names,
+                                                     self._model_files[tp])
+        return self._zero0_cache[tp]
+
+    @cached_property
+    def _zero0_cache(self) -> dict[int, _Zero0State]:
+        return {}
 
     # ------------------------------------------------------------------ metadata
     @cached_property
@@ -162,6 +344,9 @@ class DeepSpeedCheckpoint:
         """``{name: [shape on TP rank 0, rank 1, ...]}`` in flat-buffer order, from ``param_shapes``."""
         per_rank = []
         for tp in range(self.tp_degree):
+            if self.optimizer_in_model_states:
+                per_rank.append(OrderedDict((name, slot.shape) for name, slot in self._zero0(tp).slots.items()))
+                continue
             groups = (self.first_model_states if tp == 0 else self.model_states(tp)).get("param_shapes")
             if groups is None:
                 raise CheckpointError(f"{self._model_files[tp]}: no param_shapes")
@@ -230,6 +415,11 @@ class DeepSpeedCheckpoint:
         if self.partitioned_weights:
             return self._zero3_fragments()
         out: dict[tuple[str, int], list[_Fragment]] = {}
+        if self.optimizer_in_model_states:
+            for tp in range(self.tp_degree):
+                for name, slot in self._zero0(tp).slots.items():
+                    out[(name, tp)] = [_Fragment(0, slot.key, slot.start, slot.numel)]
+            return out
         for tp in range(self.tp_degree):
             for dp in range(self.dp_degree):
                 mappings = self.optimizer_state(tp, dp)["param_slice_mappings"]
@@ -264,10 +454,23 @@ class DeepSpeedCheckpoint:
     # ------------------------------------------------------------------ reading tensors
     def _base_state(self, tp: int, dp: int) -> dict[str, Any]:
         """The wrapped torch optimizer's state dict (``state`` keyed by flat group, ``param_groups``)."""
+        if self.optimizer_in_model_states:
+            return self._zero0(tp).base
         opt = self.optimizer_state(tp, dp)
         return opt["optimizer_state_dict"] if self.partitioned_weights else opt["base_optimizer_state"]
 
     def _flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
+        """The 1-D tensor holding ``state`` for ``group`` (a flat param group; without ZeRO, the key in the
+        optimizer's ``state``)."""
+        if self.optimizer_in_model_states:
+            zero0 = self._zero0(tp)
+            if state == MASTER_WEIGHTS:
+                return zero0.masters[group]
+            moments = zero0.base["state"].get(group) or {}
+            if state not in moments:
+                raise CheckpointError(f"{self._model_files[tp]}: no optimizer state {state!r} for optimizer "
+                                      f"entry {group} (only Adam-family optimizers are supported)")
+            return moments[state].reshape(-1)
         opt = self.optimizer_state(tp, dp)
         if state == MASTER_WEIGHTS:
             key = "fp32_flat_groups" if self.partitioned_weights else "single_partition_of_fp32_groups"
@@ -333,7 +536,8 @@ class DeepSpeedCheckpoint:
         """What upstream stores as ``zero/optimizer_state.pt``: DP0/TP0 state minus the flat tensors."""
         state = self.optimizer_state(0, 0)
         flat_keys = ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups",
-                     "fp32_flat_groups", "optimizer_state_dict")
+                     "fp32_flat_groups", "optimizer_state_dict", "fp32_groups_flat", "fp32_groups", "state",
+                     "param_groups")
         out = {k: v for k, v in state.items() if k not in flat_keys}
         base = self._base_state(0, 0)
         out["param_groups"] = base["param_groups"]
@@ -357,6 +561,7 @@ class DeepSpeedCheckpoint:
             "tp_degree": self.tp_degree,
             "dp_degree": self.dp_degree,
             "zero_stage": self.zero_stage,
+            "optimizer": self.optimizer_kind,
             "model_dtypes": lp_dtypes,
             "optimizer_dtype": str(self._flat(0, 0, 0, MASTER_WEIGHTS).dtype).replace("torch.", ""),
             "global_steps": first.get("global_steps"),

@@ -32,6 +32,9 @@ class UCInfo:
     model_class: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     kind: str = "deepspeed"  # "deepspeed" (a regular tag directory) or "universal"
+    #: Without ZeRO, DeepSpeed's optimizer state does not name its parameters: their names per param
+    #: group, in the optimizer's order, recorded at save time.
+    optimizer_param_names: list[list[str]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -43,6 +46,7 @@ class UCInfo:
             "model_class": self.model_class,
             "model_config": self.model_config,
             "params": layouts_to_json(self.layouts),
+            **({"optimizer_param_names": self.optimizer_param_names} if self.optimizer_param_names else {}),
         }
 
     @classmethod
@@ -57,7 +61,8 @@ class UCInfo:
                    model_config=data.get("model_config"),
                    model_class=data.get("model_class"),
                    versions=dict(data.get("versions") or {}),
-                   kind=data.get("kind", "deepspeed"))
+                   kind=data.get("kind", "deepspeed"),
+                   optimizer_param_names=data.get("optimizer_param_names"))
 
 
 def write_uc_info(directory: str | os.PathLike, info: UCInfo) -> Path:

@@ -7,6 +7,7 @@ this DP rank's part of the slice. So a rank reads the pages of its own TP slice,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,56 @@ def _base_optimizer(engine: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None) -> bool:
+@dataclass
+class _Stage0Slot:
+    """Where a parameter's fp32 master and moments live when the engine runs without ZeRO."""
+
+    master: torch.Tensor  # 1-D fp32 tensor holding the master at [start, start + numel)
+    key: torch.Tensor  # the optimizer's state key (the flat group, the fp32 master or the param)
+    start: int
+
+
+def _stage0_slots(engine: Any) -> dict[torch.nn.Parameter, _Stage0Slot]:
+    """Each parameter's slot in DeepSpeed's stage-0 optimizer (empty under ZeRO).
+
+    FP16_Optimizer flattens each group into one fp32 master (parameters concatenated, no padding);
+    FP16_UnfusedOptimizer keeps one fp32 master per parameter; a bare torch optimizer (fp32) steps the
+    parameters themselves.
+    """
+    optimizer = engine.optimizer
+    if optimizer is None or engine.zero_optimization():
+        return {}
+    slots = {}
+    if hasattr(optimizer, "fp32_groups_flat"):
+        for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
+            offset = 0
+            for param in params:
+                slots[param] = _Stage0Slot(flat.data, flat, offset)
+                offset += param.numel()
+    elif hasattr(optimizer, "fp32_groups"):
+        for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+            for param, master in zip(params, masters, strict=True):
+                slots[param] = _Stage0Slot(master.data.view(-1), master, 0)
+    else:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                slots[param] = _Stage0Slot(param.data.view(-1), param, 0)
+    return slots
+
+
+def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None, engine: Any,
+               stage0: dict[torch.nn.Parameter, _Stage0Slot]) -> bool:
     """Write this rank's fragment of ``value`` (the TP-local tensor) into the optimizer; False if unmanaged.
 
     ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly
     in another DP rank's partition, and then this rank has nothing to write.
     """
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    slot = stage0.get(param)
+    if slot is not None:
+        target = slot.master if state is None else _base_optimizer(engine).state[slot.key][state].view(-1)
+        target.narrow(0, slot.start, value.numel()).copy_(value.reshape(-1))
+        return True
     if not hasattr(param, "ds_id"):
         if not hasattr(param, "_hp_mapping"):
             return False
@@ -74,8 +118,9 @@ def load_universal_checkpoint(engine: Any,
     states = (MASTER_WEIGHTS, *ADAM_STATES) if with_optimizer else (MASTER_WEIGHTS, )
 
     with torch.no_grad():
+        stage0 = _stage0_slots(engine)
         if with_optimizer:
-            _ensure_adam_state(engine, params)
+            _ensure_adam_state(engine, params, stage0)
         for name, param in params:
             if name not in available:
                 continue  # frozen parameter the source did not train: keep its constructor value
@@ -88,7 +133,7 @@ def load_universal_checkpoint(engine: Any,
                     raise CheckpointError(f"{ckpt.file(name, state)}: shape {tuple(full.shape)} does not match "
                                           f"the model's {name!r} {layout.shape}")
                 local = layout.slice(full, tp_rank)
-                managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state)
+                managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state, engine, stage0)
                 if state == MASTER_WEIGHTS:
                     param.data.copy_(local)  # the low-precision copy the forward pass uses
                 elif not managed:
@@ -102,24 +147,35 @@ def load_universal_checkpoint(engine: Any,
     return str(ckpt.path), client_state
 
 
-def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
+                       stage0: dict[torch.nn.Parameter, _Stage0Slot]) -> None:
     """Create the Adam buffers a fresh engine does not have yet and link each parameter's fragment to them.
 
-    torch's Adam creates its state at the first step, so before that there is nowhere to put restored
-    moments. The buffers are the flat fp32 partitions' shape, exactly what Adam would create, so Adam
-    then updates them in place.
+    Adam creates its state at the first step, so before that there is nowhere to put restored
+    moments. The buffers have the shape of the tensor the optimizer steps (a flat fp32 partition, or
+    the parameter), exactly what Adam would create, so Adam then updates them in place.
     """
     base = _base_optimizer(engine)
+    # torch's Adam counts steps in a float tensor; DeepSpeed's fused and CPU Adams in a plain int.
+    fresh_step = (lambda: torch.tensor(0.0)) if isinstance(base, torch.optim.Adam | torch.optim.AdamW) else int
+
+    def ensure(key: torch.Tensor) -> dict[str, Any]:
+        state = base.state[key]
+        if any(name not in state for name in ADAM_STATES):
+            state.setdefault("step", fresh_step())
+            for name in ADAM_STATES:
+                state.setdefault(name, torch.zeros_like(key, memory_format=torch.preserve_format))
+        return state
+
     for _, param in params:
+        if param in stage0:
+            ensure(stage0[param].key)
+            continue
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:
             continue
         flat = base.param_groups[mapping.param_group_index]["params"][0]
-        state = base.state[flat]
-        if any(key not in state for key in ADAM_STATES):
-            state.setdefault("step", torch.tensor(0.0))
-            for key in ADAM_STATES:
-                state.setdefault(key, torch.zeros_like(flat, memory_format=torch.preserve_format))
+        state = ensure(flat)
         if not mapping.optim_fragment or any(key not in mapping.optim_fragment for key in ADAM_STATES):
             mapping.set_optim_state_fragment(flat, state)
 

@@ -106,8 +106,7 @@ def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], parti
         serialization.save(tensor.load(STEP), param_dir / f"{STEP}.pt")
 
     serialization.save(source.optimizer_state_for_universal(), zero / OPTIMIZER_STATE_FILE)
-    for path in source.model_state_files:
-        shutil.copy2(path, partial / path.name)
+    source.copy_model_states(partial)
     src_info = source.uc_info
     write_uc_info(
         partial,

@@ -85,12 +85,14 @@ def ds_config(*,
               family: str = "llama",
               ext: bool = True,
               load_universal: bool = False,
+              grad_accum_dtype: str | None = None,
+              fused_adam: bool = False,
               lr: float = 1e-2) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
-        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": not fused_adam}},
         "zero_optimization": {"stage": zero},
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 12, "loss_scale_window": 2},
@@ -102,6 +104,9 @@ def ds_config(*,
         config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}}
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
+    if grad_accum_dtype is not None:
+        # bf16 + ZeRO-1 + fp32 gradient accumulation selects DeepSpeed's BF16_Optimizer.
+        config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     return config
 
 

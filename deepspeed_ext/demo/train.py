@@ -21,6 +21,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--grad-accum-dtype", choices=["fp32", "bf16", "fp16"],
+                   help="DeepSpeed data_types.grad_accum_dtype (bf16 + ZeRO-1 + fp32 selects BF16_Optimizer)")
+    p.add_argument("--fused-adam", action="store_true",
+                   help="DeepSpeed's FusedAdam instead of torch's Adam (without ZeRO, bf16 then uses the flat "
+                   "FP16_Optimizer instead of FP16_UnfusedOptimizer)")
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
     p.add_argument("--save-dir")
     p.add_argument("--save-at", type=int, help="save_checkpoint after this global step")
@@ -33,16 +38,51 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _zero0_live_state(engine) -> dict:
+    """Without ZeRO DeepSpeed has no fragment API: read its optimizer's own objects.
+
+    bf16 with FusedAdam uses FP16_Optimizer (flat fp32 master per group, unflattened here with torch's
+    own helper), bf16 with another Adam FP16_UnfusedOptimizer; fp32 steps the parameters directly.
+    """
+    from torch._utils import _unflatten_dense_tensors
+    optimizer = engine.optimizer
+    names = {param: name for name, param in engine.module.named_parameters()}
+    state = {}
+    if hasattr(optimizer, "fp32_groups_flat"):
+        base = optimizer.optimizer
+        for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+            moments = base.state[flat]
+            per_state = {"fp32": _unflatten_dense_tensors(flat, group),
+                         "exp_avg": _unflatten_dense_tensors(moments["exp_avg"], group),
+                         "exp_avg_sq": _unflatten_dense_tensors(moments["exp_avg_sq"], group)}
+            for i, param in enumerate(group):
+                state[names[param]] = {key: tensors[i].clone() for key, tensors in per_state.items()}
+    else:
+        # FP16_UnfusedOptimizer: an fp32 master per parameter; bare torch optimizer: the parameter itself.
+        masters = {param: master for params, group_masters in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                   for param, master in zip(params, group_masters)} if hasattr(optimizer, "fp32_groups") else {}
+        base = getattr(optimizer, "optimizer", optimizer)
+        for name, param in engine.module.named_parameters():
+            master = masters.get(param, param)
+            moments = base.state[master]
+            state[name] = {"fp32": master.detach().clone(), "exp_avg": moments["exp_avg"].clone(),
+                           "exp_avg_sq": moments["exp_avg_sq"].clone()}
+    return state
+
+
 def dump_live_state(engine, path: Path, tp_rank: int) -> None:
     """The TP-local full fp32 master weights and Adam moments, gathered over DP by DeepSpeed itself."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    state = {}
-    for name, param in engine.module.named_parameters():
-        state[name] = {
-            "fp32": safe_get_full_fp32_param(param).clone(),
-            "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
-            "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
-        }
+    if not engine.zero_optimization():
+        state = _zero0_live_state(engine)
+    else:
+        state = {}
+        for name, param in engine.module.named_parameters():
+            state[name] = {
+                "fp32": safe_get_full_fp32_param(param).clone(),
+                "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
+                "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
+            }
     if engine.global_rank == tp_rank:  # DP rank 0 of each TP rank writes
         path.mkdir(parents=True, exist_ok=True)
         torch.save(state, path / f"tp_rank_{tp_rank:02d}.pt")
@@ -67,7 +107,9 @@ def main() -> None:
                        grad_accum=args.grad_accum,
                        family=args.family,
                        ext=not args.plain,
-                       load_universal=args.load_dir is not None)
+                       load_universal=args.load_dir is not None,
+                       grad_accum_dtype=args.grad_accum_dtype,
+                       fused_adam=args.fused_adam)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
 
