@@ -50,7 +50,7 @@ def _zero0_live_state(engine) -> dict:
     state = {}
     if hasattr(optimizer, "fp32_groups_flat"):
         base = optimizer.optimizer
-        for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
+        for group, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
             moments = base.state[flat]
             per_state = {"fp32": _unflatten_dense_tensors(flat, group),
                          "exp_avg": _unflatten_dense_tensors(moments["exp_avg"], group),
@@ -59,8 +59,10 @@ def _zero0_live_state(engine) -> dict:
                 state[names[param]] = {key: tensors[i].clone() for key, tensors in per_state.items()}
     else:
         # FP16_UnfusedOptimizer: an fp32 master per parameter; bare torch optimizer: the parameter itself.
-        masters = {param: master for params, group_masters in zip(optimizer.fp16_groups, optimizer.fp32_groups)
-                   for param, master in zip(params, group_masters)} if hasattr(optimizer, "fp32_groups") else {}
+        masters = {}
+        if hasattr(optimizer, "fp32_groups"):
+            for params, group_masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+                masters.update(zip(params, group_masters, strict=True))
         base = getattr(optimizer, "optimizer", optimizer)
         for name, param in engine.module.named_parameters():
             master = masters.get(param, param)
