@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import logging
 import os
 from typing import Any
 
@@ -20,9 +21,10 @@ import torch
 import deepspeed_ext
 from deepspeed_ext.checkpoint.metadata import UCInfo, write_uc_info
 from deepspeed_ext.config import ExtConfig, load_ds_config
-from deepspeed_ext.module_inject.autotp import tag_autotp_model, tp_group_info
+from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, tp_group_info, unsharded_weights
 
 ENGINE_ATTR = "deepspeed_ext_uc_info"
+logger = logging.getLogger("deepspeed_ext")
 
 
 def _ds_config_of_call(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +76,11 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
                   model_class=type(engine.module).__name__,
                   versions=_versions())
     setattr(engine, ENGINE_ATTR, info)
+    stacked = unsharded_weights(layouts, min_ndim=3)
+    if stacked and engine.global_rank == 0:
+        logger.warning("AutoTP cannot shard %d parameters that are not nn.Linear weights (e.g. fused MoE expert "
+                       "stacks); every TP rank keeps them whole, and checkpoints hold them as replicated: %s",
+                       len(stacked), ", ".join(name_patterns(stacked)))
     _hook_save(engine, info)
     if ext.universal_checkpoint.restore == "deepspeed_ext":
         _hook_load(engine)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from deepspeed_ext.demo.runner import cli, read_losses, torchrun_train
+from deepspeed_ext.demo.runner import cli, read_losses, run_logged, torchrun_train
 
 
 @dataclass
@@ -124,3 +124,30 @@ def assert_universal_matches_live(scenario: Scenario, optimizer_steps: int | Non
         step = universal.step(name)
         assert int(step) == (scenario.save_at if optimizer_steps is None else optimizer_steps), (name, step)
     return compared
+
+
+def upstream_ds_to_universal(tag_dir: Path, out: Path) -> Path:
+    """Upstream's own converter (``python -m deepspeed.checkpoint.ds_to_universal``) on ``tag_dir``."""
+    run_logged([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+                "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+               out.with_name(out.name + ".log"))
+    return out
+
+
+def differences_from_upstream(ours: Path, upstream: Path) -> list[str]:
+    """``param/state`` entries where two universal checkpoints differ (names, shapes, bits or steps)."""
+    from deepspeed_ext.checkpoint import serialization
+    names = sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir())
+    theirs_names = sorted(p.name for p in (upstream / "zero").iterdir() if p.is_dir())
+    diffs = [f"{name}: only in ours" for name in names if name not in theirs_names]
+    diffs += [f"{name}: only upstream's" for name in theirs_names if name not in names]
+    for name in (n for n in names if n in theirs_names):
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            a = serialization.load(ours / "zero" / name / f"{state}.pt")["param"]
+            b = serialization.load(upstream / "zero" / name / f"{state}.pt")["param"]
+            if a.shape != b.shape or not torch.equal(a, b):
+                diffs.append(f"{name}/{state}: ours {tuple(a.shape)}, upstream {tuple(b.shape)}")
+        steps = [serialization.load(d / "zero" / name / "step.pt") for d in (ours, upstream)]
+        if float(steps[0]) != float(steps[1]):
+            diffs.append(f"{name}/step: ours {steps[0]}, upstream {steps[1]}")
+    return diffs

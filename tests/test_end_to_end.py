@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
-from deepspeed_ext.demo.runner import cli, run_logged
-from e2e import assert_losses_continue, assert_universal_matches_live
+from deepspeed_ext.demo.runner import cli
+from e2e import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
+                 upstream_ds_to_universal)
 
 pytestmark = pytest.mark.e2e
 
@@ -37,20 +38,8 @@ def test_tp2_zero1_bf16_merged_state_equals_live_engine(tp2):
 
 def test_tp2_universal_equals_upstream_ds_to_universal(tp2, tmp_path):
     """Independent oracle: upstream's converter on the same checkpoint gives the same bits."""
-    upstream = tmp_path / "upstream"
-    run_logged([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tp2.tag_dir),
-                "--output_folder", str(upstream), "--num_extract_workers", "1", "--num_merge_workers", "1"],
-               tmp_path / "upstream.log")
-    names = sorted(p.name for p in (tp2.universal_dir / "zero").iterdir() if p.is_dir())
-    assert names == sorted(p.name for p in (upstream / "zero").iterdir() if p.is_dir())
-    for name in names:
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            ours = serialization.load(tp2.universal_dir / "zero" / name / f"{state}.pt")["param"]
-            theirs = serialization.load(upstream / "zero" / name / f"{state}.pt")["param"]
-            assert torch.equal(ours, theirs), f"{name}/{state} differs from upstream ds_to_universal"
-        ours_step = serialization.load(tp2.universal_dir / "zero" / name / "step.pt")
-        theirs_step = serialization.load(upstream / "zero" / name / "step.pt")
-        assert float(ours_step) == float(theirs_step)
+    upstream = upstream_ds_to_universal(tp2.tag_dir, tmp_path / "upstream")
+    assert differences_from_upstream(tp2.universal_dir, upstream) == []
 
 
 def test_universal_layout_and_latest_pointer(tp2):

@@ -30,7 +30,7 @@ from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, MissingMetadataError
-from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info
+from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info, name_patterns, unsharded_weights
 from deepspeed_ext.module_inject.layout import TPLayout
 
 MODEL_STATES_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -568,4 +568,6 @@ class DeepSpeedCheckpoint:
             "deepspeed_version": str(first.get("ds_version")),
             "metadata": self.metadata_source,
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
+            # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
+            "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
         }

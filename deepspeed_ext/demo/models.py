@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3", "qwen2", "qwen3")
+FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
 def tiny_config(family: str = "llama") -> Any:
@@ -35,6 +35,10 @@ def tiny_config(family: str = "llama") -> Any:
     if family == "qwen3":  # q/k norms and tied embeddings: AutoTP makes embedding + lm_head vocab-parallel
         from transformers import Qwen3Config
         return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=4)
+    if family == "qwen3_moe":  # 4 experts, top-2 routing; transformers stores each layer's experts fused (3-D)
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(**common, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                              decoder_sparse_step=1, norm_topk_prob=True)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -66,6 +70,23 @@ def tensor_parallel_section(family: str, tp: int) -> dict[str, Any]:
                  "shape": [2, -1], "partition_dim": 0},
                 {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
                 {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"},
+            ],
+        }
+    if family == "qwen3_moe":
+        # DeepSpeed rejects transformers' own tp_plan for Qwen3-MoE (its "moe_tp_experts" and
+        # "packed_colwise" styles are unsupported), so users spell out the Linear layers. transformers keeps
+        # each layer's experts as fused 3-D parameters, which AutoTP (nn.Linear only) cannot shard: they and
+        # the router stay replicated on every TP rank.
+        section["partition_config"] = {
+            "use_default_specs": False,
+            "layer_specs": [
+                {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+                {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+                {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+                # q/k norms act on each rank's own heads: replicated, gradients summed over TP (without
+                # this the ranks' copies drift apart, which the converter refuses to merge).
+                {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip",
+                 "grad_allreduce": True},
             ],
         }
     return section

@@ -300,6 +300,22 @@ def tag_autotp_model(model: torch.nn.Module,
     return layouts
 
 
+def unsharded_weights(layouts: Mapping[str, TPLayout], min_ndim: int = 2) -> list[str]:
+    """Parameters of at least ``min_ndim`` dimensions that a TP>1 model keeps whole on every TP rank.
+
+    AutoTP shards ``nn.Linear`` (and embedding) weights only; anything else, such as the fused 3-D expert
+    stacks transformers uses for MoE layers, stays replicated. It is converted and restored correctly
+    as such, but costs memory and compute on every TP rank, so users are told which ones.
+    """
+    return [name for name, layout in layouts.items()
+            if layout.tp_size > 1 and layout.is_replicated and len(layout.shape) >= min_ndim]
+
+
+def name_patterns(names: Iterable[str]) -> list[str]:
+    """``model.layers.0.x`` and ``model.layers.1.x`` as one ``model.layers.*.x`` (order kept)."""
+    return list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name in names))
+
+
 def upstream_layouts(model: torch.nn.Module, tp_size: int | None = None) -> dict[str, TPLayout]:
     """Layouts read from DeepSpeed's own per-parameter metadata (replicated where it left none)."""
     if tp_size is None:
