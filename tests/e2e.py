@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from deepspeed_ext.demo.runner import cli, read_losses, run_logged, torchrun_train
+from deepspeed_ext.demo.runner import cli, read_loss_scales, read_losses, run_logged, torchrun_train
 
 
 @dataclass
@@ -30,6 +30,8 @@ class Scenario:
     save_at: int = 3
     baseline: dict[int, float] = field(default_factory=dict)
     resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
+    #: fp16 loss scale per step: "baseline" for the uninterrupted run, else the resume's key.
+    loss_scales: dict[object, dict[int, float | None]] = field(default_factory=dict)
 
     @property
     def save_dir(self) -> Path:
@@ -51,7 +53,8 @@ class Scenario:
         return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps),
                 "--grad-accum", str(self.grad_accum), "--family", self.family] + (
                     ["--grad-accum-dtype", self.grad_accum_dtype] if self.grad_accum_dtype else []) + (
-                        ["--fused-adam"] if self.fused_adam else [])
+                        ["--fused-adam"] if self.fused_adam else []) + (
+                            ["--allow-cpu-fp16"] if self.dtype == "fp16" else [])
 
     def train(self) -> Scenario:
         result = self.root / "baseline.json"
@@ -62,6 +65,7 @@ class Scenario:
                        self.root / "train.log",
                        python=self.python)
         self.baseline = read_losses(result)
+        self.loss_scales["baseline"] = read_loss_scales(result)
         return self
 
     def convert(self) -> Scenario:
@@ -76,7 +80,7 @@ class Scenario:
                zero: int | None = None) -> dict[int, float]:
         """Resume at TP×DP (and ZeRO stage ``zero``, default the saved one) from ``load_dir`` (default: our
         universal output); ``upstream``: plain DeepSpeed restores."""
-        key = (tp, dp, str(load_dir), upstream, zero)
+        key = (tp, dp, str(load_dir), upstream, zero)  # resumed_loss_scales() rebuilds this key
         if key not in self.resumed:
             name = f"resume_tp{tp}_dp{dp}" + ("_upstream" if upstream else "") + f"_{len(self.resumed)}"
             args = self.common(tp) + ["--load-dir", str(load_dir or self.save_dir), "--result",
@@ -88,7 +92,12 @@ class Scenario:
                            self.root / f"{name}.log",
                            python=self.python)
             self.resumed[key] = read_losses(self.root / f"{name}.json")
+            self.loss_scales[key] = read_loss_scales(self.root / f"{name}.json")
         return self.resumed[key]
+
+    def resumed_loss_scales(self, tp: int, dp: int = 1, zero: int | None = None) -> dict[int, float | None]:
+        """The loss scales of the resume ``resume(tp, dp, zero=zero)`` ran (from our universal output)."""
+        return self.loss_scales[(tp, dp, "None", False, zero)]
 
     def live_state(self) -> list[dict[str, dict[str, torch.Tensor]]]:
         """Per TP rank, the TP-local fp32 / exp_avg / exp_avg_sq DeepSpeed itself reported at save time."""

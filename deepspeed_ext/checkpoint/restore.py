@@ -192,17 +192,37 @@ def _restore_step_and_groups(engine: Any, ckpt: UniversalCheckpoint, names: list
                 old = state.get("step")
                 state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
                                  if torch.is_tensor(old) else type(old)(step) if old is not None else step)
-    # Loss-scaler and clipping state live on DeepSpeed's optimizer wrapper (fp16 needs the scale to
-    # continue without re-running the overflow search).
-    optimizer = engine.optimizer
-    for key in ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad"):
-        if key in ckpt.optimizer_state and hasattr(optimizer, key):
-            setattr(optimizer, key, ckpt.optimizer_state[key])
+    _restore_loss_scale(engine.optimizer, ckpt.optimizer_state)
+    if "clip_grad" in ckpt.optimizer_state and hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = ckpt.optimizer_state["clip_grad"]
     saved_groups = ckpt.optimizer_state.get("param_groups") or []
     for live, saved in zip(base.param_groups, saved_groups, strict=False):
         for key, value in saved.items():
             if key != "params":
                 live[key] = value
+
+
+#: The running state of a dynamic loss scaler; its policy (factor, window, minimum) comes from the
+#: resuming run's config.
+_LOSS_SCALE_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _restore_loss_scale(optimizer: Any, saved: dict[str, Any]) -> None:
+    """Continue fp16 loss scaling where the saved run left it, instead of re-running the overflow search.
+
+    ZeRO optimizers save a ``loss_scaler`` object; the stage-0 FP16 wrappers save its fields flat
+    (``cur_scale``, ``cur_iter``, ...) and keep them in ``loss_scale_config``. Either source goes into
+    either target.
+    """
+    scaler = saved.get("loss_scaler")
+    fields = dict(vars(scaler)) if scaler is not None and hasattr(scaler, "__dict__") else {}
+    fields.update({key: saved[key] for key in _LOSS_SCALE_STATE if key in saved})
+    target = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+    if target is None:
+        return
+    for key in _LOSS_SCALE_STATE:
+        if fields.get(key) is not None and hasattr(target, key):
+            setattr(target, key, fields[key])
 
 
 def _restore_engine_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_scheduler: bool) -> dict[str, Any]:

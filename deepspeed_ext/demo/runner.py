@@ -43,3 +43,8 @@ def cli(args: list[str], log: Path, check: bool = True, python: str = sys.execut
 
 def read_losses(path: Path) -> dict[int, float]:
     return {int(step): loss for step, loss in json.loads(path.read_text())["losses"].items()}
+
+
+def read_loss_scales(path: Path) -> dict[int, float | None]:
+    """Per step, the fp16 loss scale the run ended the step with (None without loss scaling)."""
+    return {int(step): scale for step, scale in json.loads(path.read_text()).get("loss_scales", {}).items()}

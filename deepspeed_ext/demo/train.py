@@ -26,6 +26,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fused-adam", action="store_true",
                    help="DeepSpeed's FusedAdam instead of torch's Adam (without ZeRO, bf16 then uses the flat "
                    "FP16_Optimizer instead of FP16_UnfusedOptimizer)")
+    p.add_argument("--allow-cpu-fp16", action="store_true",
+                   help="let DeepSpeed's CPU accelerator run fp16 although the CPU lacks native fp16 kernels")
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
     p.add_argument("--save-dir")
     p.add_argument("--save-at", type=int, help="save_checkpoint after this global step")
@@ -90,10 +92,29 @@ def dump_live_state(engine, path: Path, tp_rank: int) -> None:
         torch.save(state, path / f"tp_rank_{tp_rank:02d}.pt")
 
 
+def allow_cpu_fp16() -> None:
+    """DeepSpeed's CPU accelerator reports fp16 unsupported unless oneDNN has native fp16 kernels
+    (AVX512-FP16/AMX-FP16). That is a speed gate: torch computes fp16 correctly on any CPU, only slower.
+    Lifting it lets the real fp16 path (FP16 optimizers, dynamic loss scaler) run on such machines."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        type(accelerator).is_fp16_supported = lambda self: True
+
+
+def loss_scale(engine) -> float | None:
+    """The optimizer's current loss scale (fp16), or None without loss scaling."""
+    optimizer = engine.optimizer
+    scaler = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+    return float(scaler.cur_scale) if scaler is not None and hasattr(scaler, "cur_scale") else None
+
+
 def main() -> None:
     args = parse_args()
     import deepspeed
     import torch.distributed as dist
+    if args.allow_cpu_fp16:
+        allow_cpu_fp16()
 
     import deepspeed_ext
     from deepspeed_ext.demo.models import batch, build_model, ds_config, finish_distributed
@@ -121,7 +142,7 @@ def main() -> None:
     if args.load_dir:
         engine.load_checkpoint(args.load_dir)
 
-    losses = {}
+    losses, scales = {}, {}
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
         value = torch.zeros(())
@@ -133,13 +154,14 @@ def main() -> None:
             value += loss.detach().float()
         dist.all_reduce(value)  # mean over micro-batches and DP (TP ranks hold the same loss)
         losses[step] = value.item() / dist.get_world_size() / args.grad_accum
+        scales[step] = loss_scale(engine)
         if args.save_dir and step == args.save_at:
             if args.dump:
                 dump_live_state(engine, Path(args.dump), tp_rank)
             engine.save_checkpoint(args.save_dir)
     if args.result and dist.get_rank() == 0:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses}))
+        Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses, "loss_scales": scales}))
     finish_distributed()
 
 
