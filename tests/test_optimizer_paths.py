@@ -135,8 +135,9 @@ def test_fp16_loss_scaler_resumes(scenarios, tmp_path, zero, target):
 def test_fp16_without_zero_keeps_moments_of_unscaled_gradients_upstream_defect(scenarios):
     """Upstream defect, named (DeepSpeed 0.19.8): with fp16 and no ZeRO, ``engine.backward`` scales the
     loss only for ZeRO optimizers, yet FP16_Optimizer.step still divides the gradients by the loss scale.
-    So the stage-0 fp16 optimizer steps on gradient / loss-scale, and its Adam moments are about
-    loss-scale (2^12..2^13) times smaller than ZeRO-1's after the same three steps from the same weights.
+    So the stage-0 fp16 optimizer steps on gradient / loss-scale, and its Adam moments are ~1,600x
+    smaller than ZeRO-1's after the same three steps from the same weights (loss scale 2^12..2^13; ZeRO-1
+    also clips). Known upstream: open pull request deepspeedai/DeepSpeed#8393.
 
     deepspeed-ext converts what the optimizer holds, bit for bit (test above). A stage-0 fp16 checkpoint
     therefore resumes exactly under stage 0 but, resumed under ZeRO-1/2, carries these shrunken moments
