@@ -150,3 +150,14 @@ def test_fp16_without_zero_keeps_moments_of_unscaled_gradients_upstream_defect(s
     name = "model.layers.0.mlp.down_proj.weight"
     ratio = zero1.load(name, "exp_avg").norm() / stage0.load(name, "exp_avg").norm()
     assert ratio > 1000, f"exp_avg norm ratio ZeRO-1 / stage 0 is {ratio:.1f}"
+
+
+# ------------------------------------------------------------------ the rest of precision x ZeRO stage
+@pytest.mark.parametrize("dtype, zero", [("fp32", 2), ("fp32", 3), ("fp16", 3)])
+def test_precision_by_stage_converts_and_resumes_at_tp1(scenarios, dtype, zero):
+    """TP=2 → universal → TP=1 at the same stage (a ZeRO-3 target is restored by DeepSpeed's own loader)."""
+    scenario = scenarios(f"tp2_zero{zero}_{dtype}", tp=2, zero=zero, dtype=dtype)
+    assert assert_universal_matches_live(scenario) == 21 * 3 * 2
+    assert_losses_continue(scenario, scenario.resume(1))
+    if dtype == "fp16":
+        assert_loss_scale_continues(scenario, 1)
