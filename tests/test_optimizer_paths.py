@@ -9,6 +9,7 @@ and resumed at another TP degree (and across ZeRO stages).
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
 from deepspeed_ext.checkpoint.metadata import METADATA_FILE
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-from deepspeed_ext.demo.runner import cli
+from deepspeed_ext.demo.runner import cli, run_logged
 from e2e import assert_losses_continue, assert_universal_matches_live
 
 pytestmark = pytest.mark.e2e
@@ -60,6 +61,7 @@ def test_zero0_bf16_torch_adam_per_param_masters(zero0_unfused, tmp_path):
     assert _inspect(zero0_unfused, tmp_path)["optimizer"] == "FP16_UnfusedOptimizer"
     assert assert_universal_matches_live(zero0_unfused, optimizer_steps=zero0_unfused.save_at + 1) == 21 * 3 * 2
     assert_losses_continue(zero0_unfused, zero0_unfused.resume(3))
+    assert_losses_continue(zero0_unfused, zero0_unfused.resume(1, dp=2))  # DP replicas, each restored whole
 
 
 def test_zero0_fp32_bare_torch_optimizer(zero0_fp32, tmp_path):
@@ -71,6 +73,14 @@ def test_zero0_fp32_bare_torch_optimizer(zero0_fp32, tmp_path):
         name = f"mp_rank_{rank:02d}_model_states.pt"
         assert serialization.load(zero0_fp32.tag_dir / name)["optimizer"] is not None
         assert serialization.load(zero0_fp32.universal_dir / name)["optimizer"] is None
+
+
+def test_upstream_converter_cannot_read_checkpoints_without_zero(zero0_fp32, tmp_path):
+    """Why stage 0 matters: upstream ds_to_universal only reads *_optim_states.pt files (ZeRO >= 1)."""
+    proc = run_logged([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                       str(zero0_fp32.tag_dir), "--output_folder", str(tmp_path / "upstream")],
+                      tmp_path / "upstream.log", check=False)
+    assert proc.returncode != 0 and "can't find *_optim_states.pt files" in proc.stderr
 
 
 @pytest.mark.parametrize("scenario_name", ["zero0_fused", "zero0_unfused", "zero0_fp32"])
