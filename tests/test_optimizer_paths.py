@@ -83,6 +83,18 @@ def test_upstream_converter_cannot_read_checkpoints_without_zero(zero0_fp32, tmp
     assert proc.returncode != 0 and "can't find *_optim_states.pt files" in proc.stderr
 
 
+def test_stage0_checkpoint_saved_without_optimizer_is_refused_by_name(zero0_fp32, tmp_path):
+    copy = tmp_path / zero0_fp32.tag_dir.name
+    shutil.copytree(zero0_fp32.tag_dir, copy)
+    states = dict(serialization.load(copy / "mp_rank_01_model_states.pt"))
+    states["optimizer"] = None
+    serialization.save(states, copy / "mp_rank_01_model_states.pt")
+    proc = cli(["to-universal", str(copy)], tmp_path / "convert.log", check=False)
+    assert proc.returncode == 2
+    assert f"{copy / 'mp_rank_01_model_states.pt'}: no optimizer state" in proc.stderr
+    assert not (tmp_path / f"{copy.name}_universal").exists()
+
+
 @pytest.mark.parametrize("scenario_name", ["zero0_fused", "zero0_unfused", "zero0_fp32"])
 def test_zero0_parameter_order_recovered_without_recorded_names(scenario_name, request, tmp_path):
     """A stage-0 checkpoint whose UC info lacks the recorded optimizer order (older deepspeed-ext, or

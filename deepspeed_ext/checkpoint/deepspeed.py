@@ -246,6 +246,7 @@ class DeepSpeedCheckpoint:
         # TP rank's model-states file; DP ranks hold replicas and only DP rank 0 writes.
         self.optimizer_in_model_states = not optim
         self._optim_cache: dict[tuple[int, int], dict[str, Any]] = {}
+        self._zero0_cache: dict[int, _Zero0State] = {}
         if self.optimizer_in_model_states:
             for tp in range(self.tp_degree):
                 if not isinstance((first if tp == min(model_files) else self.model_states(tp)).get("optimizer"),
@@ -329,10 +330,6 @@ class DeepSpeedCheckpoint:
             self._zero0_cache[tp] = _Zero0State.read(self.model_states(tp), self.optimizer_state(tp, 0), names,
                                                      self._model_files[tp])
         return self._zero0_cache[tp]
-
-    @cached_property
-    def _zero0_cache(self) -> dict[int, _Zero0State]:
-        return {}
 
     # ------------------------------------------------------------------ metadata
     @cached_property
