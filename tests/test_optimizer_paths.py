@@ -183,3 +183,10 @@ def test_precision_by_stage_converts_and_resumes_at_tp1(scenarios, dtype, zero):
     assert_losses_continue(scenario, scenario.resume(1))
     if dtype == "fp16":
         assert_loss_scale_continues(scenario, 1)
+
+
+@pytest.mark.parametrize("zero, target_tp", [(0, 3), (2, 3), (3, 1)])
+def test_gradient_accumulation_by_stage(scenarios, zero, target_tp):
+    """Two micro-batches per step (bf16) at the stages ``test_interop.py`` (ZeRO-1) does not cover."""
+    ga = scenarios(f"tp2_zero{zero}_bf16_ga2", tp=2, zero=zero, grad_accum=2)
+    assert_losses_continue(ga, ga.resume(target_tp))
