@@ -6,7 +6,8 @@ setup(
     description="Universal checkpoints for DeepSpeed AutoTP + ZeRO: tag, convert, resume at any TP/DP degree",
     packages=find_packages(include=["deepspeed_ext", "deepspeed_ext.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "deepspeed>=0.17", "safetensors", "numpy", "tqdm"],
+    install_requires=["torch>=2.4", "deepspeed>=0.17", "safetensors", "numpy", "tqdm", "jax", "orbax-checkpoint",
+                      "ml_dtypes"],
     extras_require={"test": ["pytest", "hypothesis", "transformers"]},
     entry_points={"console_scripts": ["deepspeed-ext=deepspeed_ext.cli:main"]},
 )

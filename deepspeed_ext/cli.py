@@ -37,6 +37,79 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
+    """The HF model config: ``--config`` if given, else the one deepspeed-ext saved with the checkpoint."""
+    from deepspeed_ext.errors import CheckpointError
+    if config_path:
+        try:
+            return json.loads(Path(config_path).read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{config_path}: cannot read a JSON model config: {exc}") from exc
+    config = ckpt.uc_info.model_config if ckpt.uc_info is not None else None
+    if not config:
+        raise CheckpointError(f"{getattr(ckpt, 'path', None) or ckpt.tag_dir}: no model config saved with the "
+                              "checkpoint (deepspeed_ext.json); pass --config config.json")
+    return config
+
+
+def _global_steps(ckpt: Any) -> int:
+    states = ckpt.model_states if hasattr(ckpt, "model_states") and not callable(ckpt.model_states) else \
+        ckpt.first_model_states
+    return int(states.get("global_steps") or 0)
+
+
+def cmd_to_maxtext(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.maxtext import ModelDims, write_maxtext
+    from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS
+    ckpt = _open_any(args.source, args.tag)
+    config = _model_config(ckpt, args.config)
+    family = get_family(args.family) if args.family else infer_family(config)
+    tensors = {tensor.name: tensor for tensor in ckpt.tensors()}
+
+    def load(name: str):
+        return tensors[name].load(MASTER_WEIGHTS).detach().numpy()
+
+    items = write_maxtext(load, {name: t.shape for name, t in tensors.items()},
+                          family,
+                          ModelDims.from_config(config),
+                          args.output,
+                          scan_layers=args.scan_layers,
+                          dtype=args.dtype,
+                          overwrite=args.overwrite,
+                          progress=not args.quiet,
+                          source=str(args.source),
+                          model_config=config,
+                          step=_global_steps(ckpt))
+    if not args.quiet:
+        print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
+              f"{args.dtype}); load it with load_parameters_path={items}")
+    return 0
+
+
+def cmd_from_maxtext(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
+    from deepspeed_ext.checkpoint.universal import write_universal
+    from deepspeed_ext.errors import CheckpointError
+    stored = stored_model_info(args.source)
+    if args.config:
+        config = json.loads(Path(args.config).read_text())
+    elif stored.get("model_config"):
+        config = stored["model_config"]
+    else:
+        raise CheckpointError(f"{args.source}: no model config recorded with this MaxText checkpoint; pass "
+                              "--config config.json (the HF config of the model)")
+    family = get_family(args.family or stored.get("family")) if (args.family or stored.get("family")) else \
+        infer_family(config)
+    source = MaxTextCheckpoint(args.source, family, config)
+    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    if not args.quiet:
+        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, family {family.name}, fresh "
+              "optimizer state); resume with \"checkpoint\": {\"load_universal\": true} at any TP degree")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     ckpt = _open_any(args.checkpoint, args.tag)
     summary: dict[str, Any] = ckpt.summary()
@@ -67,6 +140,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     p.set_defaults(func=cmd_to_universal)
+
+    p = sub.add_parser("to-maxtext", help="write an Orbax checkpoint in MaxText's layout")
+    p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir) or a universal checkpoint")
+    p.add_argument("-o", "--output", required=True, help="output root; MaxText loads <output>/0/items")
+    p.add_argument("--tag")
+    p.add_argument("--family", help="model family (default: inferred from the model config)")
+    p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="stack decoder layers on axis 1 as MaxText's scan_layers=true expects (default)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_to_maxtext)
+
+    p = sub.add_parser("from-maxtext", help="a MaxText Orbax checkpoint back into the universal form")
+    p.add_argument("source", help="the Orbax item directory (<root>/0/items)")
+    p.add_argument("-o", "--output", required=True, help="universal checkpoint directory to write")
+    p.add_argument("--config", help="HF config.json (default: the one to-maxtext recorded)")
+    p.add_argument("--family", help="model family (default: recorded, else inferred from the config)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.set_defaults(func=cmd_from_maxtext)
 
     p = sub.add_parser("inspect", help="describe a DeepSpeed or universal checkpoint")
     p.add_argument("checkpoint")

@@ -1,3 +1,9 @@
+import os
+
+# JAX reads these once, at import: a simulated 4-device CPU mesh for the MaxText/Orbax tests.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import pytest
 
 from e2e import Scenario

@@ -1,0 +1,80 @@
+"""Model families: how a Hugging Face (= universal) parameter name maps to a MaxText parameter path.
+
+Each family module holds data only: a :class:`Family` with one :class:`Rule` per parameter. The
+transforms the rules name (transpose, per-head reshape, query scaling, RoPE interleave, expert split)
+are part of the MaxText format and live in :mod:`deepspeed_ext.checkpoint.maxtext`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from deepspeed_ext.errors import CheckpointError
+
+LAYER = "{layer}"  # in Rule.hf: the decoder layer index
+LAYERS = "{layers}"  # in Rule.path: "layers" when scanned, "layers_<i>" when not
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF parameter ⇄ one MaxText leaf (an HF tensor may feed several rules, e.g. fused experts)."""
+
+    hf: str  # HF name, with "{layer}" for per-layer parameters
+    path: str  # MaxText path under params/params, "/"-separated, with "{layers}" for per-layer leaves
+    kind: str  # the transform (see maxtext.TRANSFORMS)
+
+    @property
+    def per_layer(self) -> bool:
+        return LAYER in self.hf
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's MaxText conventions."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    #: MaxText bakes 1/sqrt(head_dim) into the query kernel for this family (llama2/3.1, mistral, mixtral).
+    query_scaled: bool
+    #: MaxText uses adjacent-pair (Meta/GPT-J) RoPE for this family (llama3.1): q/k heads are interleaved.
+    rope_interleaved: bool
+    #: The MaxText settings a user loads the checkpoint with (for docs and `inspect`).
+    maxtext_settings: Mapping[str, Any]
+    #: Rules for the untied output projection; dropped when the model ties it to the embedding.
+    untied_rules: tuple[Rule, ...] = ()
+
+    def rules_for(self, tied: bool) -> tuple[Rule, ...]:
+        return self.rules if tied else self.rules + self.untied_rules
+
+
+def _families() -> dict[str, Family]:
+    from deepspeed_ext.checkpoint.families import llama, qwen3, qwen3_moe
+    found = [llama.LLAMA, llama.LLAMA31, llama.MISTRAL, qwen3.QWEN3, qwen3_moe.QWEN3_MOE]
+    return {family.name: family for family in found}
+
+
+def family_names() -> list[str]:
+    return list(_families())
+
+
+def get_family(name: str) -> Family:
+    families = _families()
+    if name not in families:
+        raise CheckpointError(f"unknown model family {name!r}; known: {', '.join(families)}")
+    return families[name]
+
+
+def infer_family(model_config: Mapping[str, Any], source: str = "model config") -> Family:
+    """The family of an HF config (``model_type``; Llama with llama3 RoPE scaling is llama3.1)."""
+    model_type = model_config.get("model_type")
+    rope = model_config.get("rope_scaling") or model_config.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") if isinstance(rope, Mapping) else None
+    if model_type == "llama":
+        return get_family("llama3.1" if rope_type == "llama3" else "llama")
+    by_type = {"mistral": "mistral", "qwen3": "qwen3", "qwen3_moe": "qwen3-moe"}
+    if model_type not in by_type:
+        raise CheckpointError(f"{source}: model_type {model_type!r} has no MaxText mapping; pass --family "
+                              f"({', '.join(family_names())})")
+    return get_family(by_type[model_type])

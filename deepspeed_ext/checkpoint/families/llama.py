@@ -1,0 +1,47 @@
+"""Llama-style decoders (MaxText decoder_block "llama2"/"mistral"): Llama 2/3, Llama 3.1, Mistral."""
+
+from deepspeed_ext.checkpoint.families import Family, Rule
+
+_L = "model.layers.{layer}"
+_M = "decoder/{layers}"
+
+EMBEDDING_AND_NORM = (
+    Rule("model.embed_tokens.weight", "token_embedder/embedding", "copy"),
+    Rule("model.norm.weight", "decoder/decoder_norm/scale", "copy"),
+)
+LM_HEAD = (Rule("lm_head.weight", "decoder/logits_dense/kernel", "linear"), )
+ATTENTION = (
+    Rule(f"{_L}.input_layernorm.weight", f"{_M}/pre_self_attention_layer_norm/scale", "copy"),
+    Rule(f"{_L}.self_attn.q_proj.weight", f"{_M}/self_attention/query/kernel", "query"),
+    Rule(f"{_L}.self_attn.k_proj.weight", f"{_M}/self_attention/key/kernel", "key"),
+    Rule(f"{_L}.self_attn.v_proj.weight", f"{_M}/self_attention/value/kernel", "value"),
+    Rule(f"{_L}.self_attn.o_proj.weight", f"{_M}/self_attention/out/kernel", "out"),
+    Rule(f"{_L}.post_attention_layernorm.weight", f"{_M}/post_self_attention_layer_norm/scale", "copy"),
+)
+DENSE_MLP = (
+    Rule(f"{_L}.mlp.gate_proj.weight", f"{_M}/mlp/wi_0/kernel", "linear"),
+    Rule(f"{_L}.mlp.up_proj.weight", f"{_M}/mlp/wi_1/kernel", "linear"),
+    Rule(f"{_L}.mlp.down_proj.weight", f"{_M}/mlp/wo/kernel", "linear"),
+)
+
+LLAMA = Family(name="llama",
+               rules=EMBEDDING_AND_NORM + ATTENTION + DENSE_MLP,
+               untied_rules=LM_HEAD,
+               query_scaled=True,
+               rope_interleaved=False,
+               maxtext_settings={"decoder_block": "llama2", "mlp_activations": ["silu", "linear"]})
+
+LLAMA31 = Family(name="llama3.1",
+                 rules=LLAMA.rules,
+                 untied_rules=LM_HEAD,
+                 query_scaled=True,
+                 rope_interleaved=True,
+                 maxtext_settings={"decoder_block": "llama2", "rope_type": "llama3.1",
+                                   "mlp_activations": ["silu", "linear"]})
+
+MISTRAL = Family(name="mistral",
+                 rules=LLAMA.rules,
+                 untied_rules=LM_HEAD,
+                 query_scaled=True,
+                 rope_interleaved=False,
+                 maxtext_settings={"decoder_block": "mistral", "mlp_activations": ["silu", "linear"]})

@@ -1,0 +1,26 @@
+"""Qwen3-MoE (MaxText decoder_block "qwen3_moe"): Qwen3 attention + a routed expert block per layer.
+
+transformers 5.x stores a layer's experts fused: ``experts.gate_up_proj`` [E, 2I, H] (gate rows first)
+and ``experts.down_proj`` [E, H, I]; MaxText keeps ``moe_block/wi_0``, ``wi_1`` [E, H, I] and ``wo`` [E, I, H]
+(stacked as [E, L, ...] when scanned).
+"""
+
+from deepspeed_ext.checkpoint.families import Family, Rule
+from deepspeed_ext.checkpoint.families.llama import ATTENTION, EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families.qwen3 import QK_NORMS
+
+_L = "model.layers.{layer}.mlp"
+_M = "decoder/{layers}/moe_block"
+MOE_BLOCK = (
+    Rule(f"{_L}.gate.weight", f"{_M}/gate/kernel", "linear"),
+    Rule(f"{_L}.experts.gate_up_proj", f"{_M}/wi_0", "expert_gate"),
+    Rule(f"{_L}.experts.gate_up_proj", f"{_M}/wi_1", "expert_up"),
+    Rule(f"{_L}.experts.down_proj", f"{_M}/wo", "expert_down"),
+)
+
+QWEN3_MOE = Family(name="qwen3-moe",
+                   rules=EMBEDDING_AND_NORM + ATTENTION + QK_NORMS + MOE_BLOCK,
+                   untied_rules=LM_HEAD,
+                   query_scaled=False,
+                   rope_interleaved=False,
+                   maxtext_settings={"decoder_block": "qwen3_moe", "use_qk_norm": True})

@@ -1,0 +1,576 @@
+"""MaxText parameter checkpoints in Orbax: the sink behind ``to-maxtext`` (and, later, the source behind
+``from-maxtext``). Facts: ../shared/docs/maxtext-orbax.md.
+
+Layout written (what MaxText loads with ``load_parameters_path=<out>/0/items``)::
+
+    <out>/0/_CHECKPOINT_METADATA     custom_metadata {"scan_layers": bool}
+    <out>/0/items/                   Orbax PyTree (OCDBT + zarr3, as MaxText writes it):
+        {"step": 0, "params": {"params": <MaxText parameter tree>}, "opt_state": {}}
+
+The parameter tree follows a :class:`~deepspeed_ext.checkpoint.families.Family`: HF ``(out, in)`` weights
+are transposed to MaxText's ``(in, out)``, attention kernels are split per head, the query kernel of
+families that bake it in is multiplied by 1/sqrt(head_dim) (in fp32), llama3.1's q/k heads are put in
+adjacent-pair RoPE order, and with ``scan_layers`` per-layer leaves are stacked on axis 1.
+
+Streaming: each leaf is a lazy proxy that Orbax materialises just before writing it, one leaf at a
+time, so peak memory is about the largest output array (a whole layer stack when scanned), not the
+model. bf16 is written as ``ml_dtypes.bfloat16`` straight from each fp32 tensor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
+from deepspeed_ext.errors import CheckpointError
+
+ITEM = "items"
+METADATA_KEY = "deepspeed_ext"  # our entry in the step's custom metadata
+STEP_DIR = "0"
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
+
+
+# --------------------------------------------------------------------------- model dimensions
+@dataclass(frozen=True)
+class ModelDims:
+    """What the transforms need from the model config."""
+
+    num_layers: int
+    head_dim: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], source: str = "model config") -> ModelDims:
+        try:
+            heads = int(config["num_attention_heads"])
+            head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+            return cls(num_layers=int(config["num_hidden_layers"]),
+                       head_dim=head_dim,
+                       tied=bool(config.get("tie_word_embeddings", False)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{source}: incomplete model config ({exc}); pass --config config.json") from exc
+
+
+# --------------------------------------------------------------------------- transforms (HF -> MaxText)
+def _interleave(x: np.ndarray) -> np.ndarray:
+    """HF rotate-half order -> adjacent pairs along the last (head_dim) axis: new[2i]=x[i], new[2i+1]=x[i+D/2]."""
+    half = x.shape[-1] // 2
+    return np.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+
+
+def _query_scale(head_dim: int) -> np.float32:
+    # Computed in fp32: np.sqrt of a Python int would promote the kernel to float64.
+    return np.float32(1.0) / np.sqrt(np.float32(head_dim))
+
+
+def _deinterleave(x: np.ndarray) -> np.ndarray:
+    """Adjacent pairs -> HF rotate-half order (evens, then odds) along the last axis."""
+    return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """HF tensor -> MaxText leaf (per layer), the leaf's shape from the HF shape, and the way back.
+
+    ``inverse`` returns the HF tensor, or for a rule that holds part of one (``join_axis`` set), that part;
+    the parts of one HF tensor are concatenated on ``join_axis`` in rule order.
+    """
+
+    forward: Callable[[np.ndarray, ModelDims, Family], np.ndarray]
+    shape: Callable[[tuple[int, ...], ModelDims], tuple[int, ...]]
+    inverse: Callable[[np.ndarray, ModelDims, Family], np.ndarray]
+    hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]  # of what ``inverse`` returns, from the leaf shape
+    join_axis: int | None = None
+
+
+def _heads_in(x: np.ndarray, dims: ModelDims) -> np.ndarray:
+    return x.T.reshape(x.shape[1], -1, dims.head_dim)  # (heads*D, H) -> (H, heads, D)
+
+
+def _query(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    q = _heads_in(x, dims)
+    if family.rope_interleaved:
+        q = _interleave(q)
+    if family.query_scaled:
+        q = q * _query_scale(dims.head_dim)
+    return q
+
+
+def _key(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    k = _heads_in(x, dims)
+    return _interleave(k) if family.rope_interleaved else k
+
+
+def _heads_out(x: np.ndarray) -> np.ndarray:
+    return x.reshape(x.shape[0], -1).T  # (H, heads, D) -> (heads*D, H)
+
+
+def _query_inverse(q: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    if family.query_scaled:
+        q = q * np.sqrt(np.float32(dims.head_dim))  # fp32: the round trip is exact to 1 ulp
+    if family.rope_interleaved:
+        q = _deinterleave(q)
+    return _heads_out(q)
+
+
+def _key_inverse(k: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    return _heads_out(_deinterleave(k) if family.rope_interleaved else k)
+
+
+def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
+    inter = x.shape[1] // 2  # gate_up_proj [E, 2I, H]: gate rows first
+    part = x[:, inter:, :] if second else x[:, :inter, :]
+    return part.transpose(0, 2, 1)
+
+
+def _per_head_shape(s: tuple[int, ...], d: ModelDims) -> tuple[int, ...]:
+    return (s[1], s[0] // d.head_dim, d.head_dim)
+
+
+TRANSFORMS: dict[str, Transform] = {
+    "copy": Transform(lambda x, d, f: x, lambda s, d: s, lambda x, d, f: x, lambda s: s),
+    "linear": Transform(lambda x, d, f: x.T, lambda s, d: (s[1], s[0]), lambda x, d, f: x.T, lambda s: (s[1], s[0])),
+    "query": Transform(_query, _per_head_shape, _query_inverse, lambda s: (s[1] * s[2], s[0])),
+    "key": Transform(_key, _per_head_shape, _key_inverse, lambda s: (s[1] * s[2], s[0])),
+    "value": Transform(lambda x, d, f: _heads_in(x, d), _per_head_shape, lambda x, d, f: _heads_out(x),
+                       lambda s: (s[1] * s[2], s[0])),
+    "out": Transform(lambda x, d, f: x.T.reshape(-1, d.head_dim, x.shape[0]),
+                     lambda s, d: (s[1] // d.head_dim, d.head_dim, s[0]),
+                     lambda x, d, f: x.reshape(-1, x.shape[-1]).T,
+                     lambda s: (s[2], s[0] * s[1])),
+    "expert_gate": Transform(lambda x, d, f: _expert_half(x, False), lambda s, d: (s[0], s[2], s[1] // 2),
+                             lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1),
+    "expert_up": Transform(lambda x, d, f: _expert_half(x, True), lambda s, d: (s[0], s[2], s[1] // 2),
+                           lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1),
+    "expert_down": Transform(lambda x, d, f: x.transpose(0, 2, 1), lambda s, d: (s[0], s[2], s[1]),
+                             lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1])),
+}
+
+
+# --------------------------------------------------------------------------- sharding
+#: MaxText's logical axes per leaf (by path suffix), before the scan axis is inserted at 1.
+LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
+    "token_embedder/embedding": ("vocab", "embed"),
+    "logits_dense/kernel": ("embed", "vocab"),
+    "scale": ("norm", ),
+    "query/kernel": ("embed", "q_heads", "kv"),
+    "key/kernel": ("embed", "kv_heads", "kv_head_dim"),
+    "value/kernel": ("embed", "kv_heads", "kv_head_dim"),
+    "out/kernel": ("heads", "kv", "embed"),
+    "mlp/wi_0/kernel": ("embed", "mlp"),
+    "mlp/wi_1/kernel": ("embed", "mlp"),
+    "mlp/wo/kernel": ("mlp", "embed"),
+    "gate/kernel": ("embed", None),
+    "moe_block/wi_0": ("exp", "embed_moe", "mlp_moe"),
+    "moe_block/wi_1": ("exp", "embed_moe", "mlp_moe"),
+    "moe_block/wo": ("exp", "mlp_moe", "embed_moe"),
+}
+
+#: Logical axis -> mesh axis (MaxText base.yml logical_axis_rules, first choice; norms kept whole).
+MESH_RULES: dict[str, str | None] = {
+    "embed": "fsdp", "embed_vocab": "fsdp", "embed_moe": "fsdp",
+    "vocab": "tensor", "heads": "tensor", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
+    "mlp_moe": "tensor", "exp": "expert", "layers": "stage", "norm": None, "kv": None, "kv_head_dim": None,
+}
+
+
+def logical_axes(leaf: Leaf) -> tuple[str | None, ...]:
+    name = leaf.name
+    matches = [suffix for suffix in LOGICAL_AXES if name == suffix or name.endswith("/" + suffix)]
+    if not matches:
+        raise CheckpointError(f"internal: no logical axes for MaxText leaf {name!r}")
+    axes = LOGICAL_AXES[max(matches, key=len)]
+    return (axes[0], "layers", *axes[1:]) if leaf.stacked else axes
+
+
+def partition_spec(leaf: Leaf, mesh_shape: Mapping[str, int]) -> tuple[str | None, ...]:
+    """Per dimension, the mesh axis the dimension is split over (None: whole), for a target mesh.
+
+    A dimension stays whole where its mesh axis is absent, of size 1, already used by an earlier
+    dimension, or does not divide it.
+    """
+    spec: list[str | None] = []
+    for axis, size in zip(logical_axes(leaf), leaf.shape, strict=True):
+        mesh_axis = MESH_RULES.get(axis) if axis else None
+        ways = mesh_shape.get(mesh_axis, 1) if mesh_axis else 1
+        spec.append(mesh_axis if ways > 1 and size % ways == 0 and mesh_axis not in spec else None)
+    return tuple(spec)
+
+
+# --------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Leaf:
+    """One MaxText leaf to write: its path, shape, and where its data comes from."""
+
+    path: tuple[str, ...]  # under params/params
+    shape: tuple[int, ...]
+    rule: Rule
+    layers: tuple[int, ...] | None  # the decoder layers it holds; None for a global parameter
+    stacked: bool = False  # scanned: ``layers`` stacked on axis 1
+
+    @property
+    def name(self) -> str:
+        return "/".join(self.path)
+
+
+def plan_leaves(family: Family, dims: ModelDims, hf_shapes: Mapping[str, tuple[int, ...]], scan_layers: bool,
+                source: str = "source") -> list[Leaf]:
+    """Every MaxText leaf of the model, checked against the source's parameters in both directions."""
+    rules = family.rules_for(dims.tied)
+    used: set[str] = set()
+    leaves = []
+    for rule in rules:
+        names = [rule.hf.replace(LAYER, str(layer)) for layer in range(dims.num_layers)] if rule.per_layer else [
+            rule.hf
+        ]
+        missing = [name for name in names if name not in hf_shapes]
+        if missing:
+            raise CheckpointError(f"{source}: family {family.name!r} expects {missing[0]!r}"
+                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the "
+                                  "checkpoint does not have; wrong --family?")
+        used.update(names)
+        transform = TRANSFORMS[rule.kind]
+        shapes = {transform.shape(tuple(hf_shapes[name]), dims) for name in names}
+        if len(shapes) != 1:
+            raise CheckpointError(f"{source}: {rule.hf} has different shapes across layers: {sorted(shapes)}")
+        (shape, ) = shapes
+        if not rule.per_layer:
+            leaves.append(Leaf(tuple(rule.path.split("/")), shape, rule, None))
+        elif scan_layers:
+            stacked = (shape[0], dims.num_layers, *shape[1:])
+            leaves.append(Leaf(tuple(rule.path.replace(LAYERS, "layers").split("/")), stacked, rule,
+                               tuple(range(dims.num_layers)), stacked=True))
+        else:
+            for layer in range(dims.num_layers):
+                path = rule.path.replace(LAYERS, f"layers_{layer}")
+                leaves.append(Leaf(tuple(path.split("/")), shape, rule, (layer, )))
+    unmapped = sorted(set(hf_shapes) - used)
+    if unmapped:
+        raise CheckpointError(f"{source}: {len(unmapped)} parameters have no place in family {family.name!r} "
+                              f"(e.g. {unmapped[:3]}); wrong --family?")
+    return leaves
+
+
+# --------------------------------------------------------------------------- lazy leaves for Orbax
+class LazyLeaf:
+    """A numpy-like stand-in Orbax accepts as a leaf; the data is produced only when written."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray]):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        self._produce = produce
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        array = self._produce()
+        if array.shape != self.shape or array.dtype != self.dtype:
+            raise CheckpointError(f"internal: produced {array.shape} {array.dtype}, planned {self.shape} {self.dtype}")
+        return array if dtype is None else array.astype(dtype)
+
+
+def _lazy_leaf_handler() -> Any:
+    """Orbax's numpy handler, writing one lazy leaf at a time (so only one is ever materialised)."""
+    from orbax.checkpoint import type_handlers
+
+    class LazyLeafHandler(type_handlers.NumpyHandler):
+
+        def __init__(self) -> None:
+            # No defensive deep copy: a LazyLeaf owns no data until it is written.
+            super().__init__(deepcopy_host_arrays=False)
+            self._one_at_a_time: asyncio.Semaphore | None = None
+
+        async def _open_and_write(self, value: Any, tspec: dict[str, Any], ts_context: Any) -> None:
+            if self._one_at_a_time is None:
+                self._one_at_a_time = asyncio.Semaphore(1)
+            async with self._one_at_a_time:
+                await super()._open_and_write(np.asarray(value), tspec, ts_context)
+
+    return LazyLeafHandler()
+
+
+_registered = False
+
+
+def _register_lazy_leaf() -> None:
+    global _registered
+    if not _registered:
+        from orbax.checkpoint import type_handlers
+        type_handlers.register_type_handler(LazyLeaf, _lazy_leaf_handler(), override=True)
+        _registered = True
+
+
+# --------------------------------------------------------------------------- sink
+def write_maxtext(load: Callable[[str], np.ndarray],
+                  hf_shapes: Mapping[str, tuple[int, ...]],
+                  family: Family,
+                  dims: ModelDims,
+                  out: str | Path,
+                  *,
+                  scan_layers: bool = True,
+                  dtype: str = "bfloat16",
+                  overwrite: bool = False,
+                  progress: bool = True,
+                  source: str = "source",
+                  model_config: Mapping[str, Any] | None = None,
+                  step: int = 0) -> Path:
+    """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
+
+    ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
+    ``from-maxtext`` needs no ``--config`` for checkpoints written here. ``step`` (the training step the
+    weights are from) goes into the tree's ``step`` leaf, which MaxText ignores for a parameter load and
+    ``from-maxtext`` hands back to DeepSpeed so a resumed run continues its step count and data order.
+
+    ``load(name)`` returns one full fp32 parameter as numpy; it is called once per parameter and layer,
+    when Orbax writes the leaf that needs it.
+    """
+    import ml_dtypes
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    out = Path(out).absolute()  # OCDBT refuses relative paths
+    leaves = plan_leaves(family, dims, hf_shapes, scan_layers, source)  # validates before anything is written
+    if out.exists():
+        if not overwrite:
+            raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
+        shutil.rmtree(out)
+    bar = tqdm(total=len(leaves), desc="to-maxtext", unit="array", disable=not progress)
+
+    def producer(leaf: Leaf) -> Callable[[], np.ndarray]:
+        transform = TRANSFORMS[leaf.rule.kind]
+
+        def one(name: str) -> np.ndarray:
+            return transform.forward(np.asarray(load(name), dtype=np.float32), dims, family).astype(np_dtype)
+
+        def produce() -> np.ndarray:
+            if leaf.layers is None:
+                array = one(leaf.rule.hf)
+            elif not leaf.stacked:
+                array = one(leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
+            else:  # a scanned stack, filled layer by layer: no list of per-layer copies
+                array = np.empty(leaf.shape, dtype=np_dtype)
+                for layer in leaf.layers:
+                    array[:, layer] = one(leaf.rule.hf.replace(LAYER, str(layer)))
+            bar.update(1)
+            return np.ascontiguousarray(array)
+
+        return produce
+
+    params: dict[str, Any] = {}
+    for leaf in leaves:
+        node = params
+        for key in leaf.path[:-1]:
+            node = node.setdefault(key, {})
+        node[leaf.path[-1]] = LazyLeaf(leaf.shape, np_dtype, producer(leaf))
+    tree = {"step": int(step), "params": {"params": params}, "opt_state": {}}
+
+    _register_lazy_leaf()
+    os.makedirs(out, exist_ok=True)
+    try:
+        # MaxText's own storage choice: OCDBT + zarr3. Orbax writes the step into a temporary directory
+        # and renames it when complete, so an interrupted run leaves no "0/" that looks finished.
+        manager = ocp.CheckpointManager(
+            out,
+            item_names=(ITEM, ),
+            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
+            options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+        manager.save(0, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
+                     custom_metadata={"scan_layers": scan_layers,
+                                      METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}})
+        manager.wait_until_finished()
+        manager.close()
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return out / STEP_DIR / ITEM
+
+
+def leaf_names(tree: Mapping[str, Any], prefix: Iterable[str] = ()) -> list[str]:
+    """``a/b/c`` names of every leaf of a nested dict (for tests and ``inspect``)."""
+    names = []
+    for key, value in tree.items():
+        path = (*prefix, key)
+        if isinstance(value, Mapping):
+            names += leaf_names(value, path)
+        else:
+            names.append("/".join(path))
+    return names
+
+
+# --------------------------------------------------------------------------- source
+class MaxTextCheckpoint:
+    """A MaxText Orbax parameter checkpoint (``<root>/0/items``) as a stream of HF-named fp32 tensors.
+
+    Arrays are read one leaf at a time through Orbax's partial restore; a scanned stack stays cached
+    while its layers are handed out (and, for a fused expert tensor, the stack of its other half), so
+    memory stays at about two of the largest arrays. It plugs into the universal writer like a
+    DeepSpeed source: a single TP rank, fresh optimizer state (zero moments, step 0).
+    """
+
+    def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any]):
+        import orbax.checkpoint as ocp
+        self.items = Path(items).absolute()
+        if not (self.items / "_METADATA").is_file():
+            hint = " (point at <root>/0/items)" if (self.items / STEP_DIR / ITEM / "_METADATA").is_file() else ""
+            raise CheckpointError(f"{self.items}: not an Orbax checkpoint item directory (no _METADATA){hint}")
+        self.tag_dir = self.items
+        self.family = family
+        self.model_config = dict(model_config)
+        self.dims = ModelDims.from_config(model_config, source="--config")
+        self._checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+        try:
+            tree = ocp.PyTreeCheckpointer().metadata(self.items).item_metadata.tree
+            stored = ocp.tree.to_flat_dict(tree["params"]["params"], sep="/")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata ({exc})") from exc
+        self.stored = {name: tuple(m.shape) for name, m in stored.items()}
+        self.step = self._read_step(ocp)
+        self.scan_layers = any(name.startswith("decoder/layers/") for name in self.stored)
+        self._sources = self._plan()
+        self._cache: dict[str, np.ndarray] = {}
+
+    def _read_step(self, ocp: Any) -> int:
+        try:
+            restored = self._checkpointer.restore(self.items, args=ocp.args.PyTreeRestore(
+                item={"step": 0}, restore_args={"step": ocp.RestoreArgs(restore_type=int)}, partial_restore=True))
+            return int(restored["step"])
+        except (KeyError, TypeError, ValueError, FileNotFoundError):
+            return 0  # params-only checkpoints need no step
+
+    def _plan(self) -> dict[str, list[tuple[Rule, str, int | None]]]:
+        """HF name -> the (rule, leaf, layer index inside a stack) its parts come from, in rule order."""
+        sources: dict[str, list[tuple[Rule, str, int | None]]] = {}
+        for rule in self.family.rules_for(self.dims.tied):
+            layers = range(self.dims.num_layers) if rule.per_layer else [None]
+            for layer in layers:
+                hf = rule.hf if layer is None else rule.hf.replace(LAYER, str(layer))
+                if layer is None:
+                    leaf, index = rule.path, None
+                elif self.scan_layers:
+                    leaf, index = rule.path.replace(LAYERS, "layers"), layer
+                else:
+                    leaf, index = rule.path.replace(LAYERS, f"layers_{layer}"), None
+                if leaf not in self.stored:
+                    raise CheckpointError(f"{self.items}: MaxText leaf {leaf!r} (for {hf}) is missing; wrong "
+                                          f"--family ({self.family.name}) or config?")
+                sources.setdefault(hf, []).append((rule, leaf, index))
+        used = {leaf for parts in sources.values() for _, leaf, _ in parts}
+        extra = sorted(set(self.stored) - used)
+        if extra:
+            raise CheckpointError(f"{self.items}: {len(extra)} MaxText arrays have no place in family "
+                                  f"{self.family.name!r} (e.g. {extra[:3]}); wrong --family or config?")
+        return sources
+
+    def _leaf(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            import orbax.checkpoint as ocp
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))
+            path = name.split("/")
+            item: dict[str, Any] = {}
+            args: dict[str, Any] = {}
+            node, arg_node = item, args
+            for key in path[:-1]:
+                node, arg_node = node.setdefault(key, {}), arg_node.setdefault(key, {})
+            node[path[-1]] = np.empty(0)  # placeholder: only structure matters for a partial restore
+            arg_node[path[-1]] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32)
+            restored = self._checkpointer.restore(self.items, args=ocp.args.PyTreeRestore(
+                item={"params": {"params": item}}, restore_args={"params": {"params": args}}, partial_restore=True))
+            value = restored["params"]["params"]
+            for key in path:
+                value = value[key]
+            self._cache[name] = np.asarray(value, dtype=np.float32)
+        return self._cache[name]
+
+    def _hf_shape(self, parts: list[tuple[Rule, str, int | None]]) -> tuple[int, ...]:
+        shapes = []
+        for rule, leaf, index in parts:
+            shape = self.stored[leaf]
+            if index is not None:
+                shape = (shape[0], *shape[2:])
+            shapes.append(TRANSFORMS[rule.kind].hf_shape(shape))
+        axis = TRANSFORMS[parts[0][0].kind].join_axis
+        if axis is None:
+            return shapes[0]
+        return tuple(sum(s[axis] for s in shapes) if i == axis else d for i, d in enumerate(shapes[0]))
+
+    def hf_tensor(self, name: str) -> np.ndarray:
+        """The full fp32 HF tensor ``name``, undone from MaxText's layout."""
+        pieces = []
+        for rule, leaf, index in self._sources[name]:
+            array = self._leaf(leaf)
+            if index is not None:
+                array = array[:, index]
+            pieces.append(TRANSFORMS[rule.kind].inverse(np.ascontiguousarray(array), self.dims, self.family))
+        axis = TRANSFORMS[self._sources[name][0][0].kind].join_axis
+        return np.ascontiguousarray(pieces[0] if axis is None else np.concatenate(pieces, axis=axis))
+
+    # ---- the universal writer's source protocol
+    tp_degree = 1
+    dp_degree = 1
+    zero_stage = 0
+
+    @cached_property
+    def layouts(self) -> dict[str, Any]:
+        from deepspeed_ext.module_inject.layout import TPLayout
+        return {name: TPLayout.replicated(self._hf_shape(parts), 1) for name, parts in self._sources.items()}
+
+    @property
+    def uc_info(self) -> Any:
+        from deepspeed_ext.checkpoint.metadata import UCInfo
+        return UCInfo(tp_size=1, layouts=self.layouts, model_config=self.model_config,
+                      model_class=None, versions={"source": f"maxtext ({self.family.name})"})
+
+    def tensors(self) -> Iterable[Any]:
+        import torch
+
+        from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
+        for name, layout in self.layouts.items():
+
+            def loader(state: str, name: str = name, shape: tuple[int, ...] = layout.shape) -> Any:
+                if state == MASTER_WEIGHTS:
+                    return torch.from_numpy(self.hf_tensor(name))
+                if state == STEP:
+                    return 0
+                return torch.zeros(shape, dtype=torch.float32)  # fresh Adam moments
+
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout,
+                                states=(MASTER_WEIGHTS, *ADAM_STATES, STEP), loader=loader)
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        return {"param_groups": []}
+
+    def copy_model_states(self, directory: Path) -> None:
+        """The model-states file a universal checkpoint carries: the recorded step, TP=1, DP=1."""
+        from deepspeed_ext.checkpoint import serialization
+        states = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
+                  "global_steps": self.step, "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
+                  "ds_version": None}
+        serialization.save(states, directory / "mp_rank_00_model_states.pt")
+
+
+def stored_model_info(items: str | Path) -> dict[str, Any]:
+    """What to-maxtext recorded in the step's custom metadata (family, HF model config), or {}."""
+    import orbax.checkpoint as ocp
+    step_dir = Path(items).absolute().parent
+    try:
+        custom = ocp.StandardCheckpointer().metadata(step_dir).custom_metadata or {}
+    except (FileNotFoundError, ValueError, KeyError):
+        return {}
+    return dict(custom.get(METADATA_KEY) or {})
