@@ -60,7 +60,7 @@ def _global_steps(ckpt: Any) -> int:
 
 def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.families import get_family, infer_family
-    from deepspeed_ext.checkpoint.maxtext import ModelDims, write_maxtext
+    from deepspeed_ext.checkpoint.maxtext import ModelDims, parse_mesh, write_maxtext
     from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS
     ckpt = _open_any(args.source, args.tag)
     config = _model_config(ckpt, args.config)
@@ -80,7 +80,8 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
                           progress=not args.quiet,
                           source=str(args.source),
                           model_config=config,
-                          step=_global_steps(ckpt))
+                          step=_global_steps(ckpt),
+                          mesh=parse_mesh(args.mesh) if args.mesh else None)
     if not args.quiet:
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); load it with load_parameters_path={items}")
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="stack decoder layers on axis 1 as MaxText's scan_layers=true expects (default)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--mesh", help="target mesh, e.g. fsdp=16,tensor=2: storage chunks become one device's shard "
+                   "under MaxText's sharding rules (axes: fsdp, tensor, expert, stage)")
     p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")

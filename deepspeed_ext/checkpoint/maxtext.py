@@ -19,7 +19,6 @@ model. bf16 is written as ``ml_dtypes.bfloat16`` straight from each fp32 tensor.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import shutil
@@ -207,6 +206,27 @@ def partition_spec(leaf: Leaf, mesh_shape: Mapping[str, int]) -> tuple[str | Non
     return tuple(spec)
 
 
+def shard_shape(leaf: Leaf, mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
+    """One device's shard of ``leaf`` on the mesh (the storage chunk that makes restores read it once)."""
+    return tuple(size // mesh_shape[axis] if axis else size
+                 for size, axis in zip(leaf.shape, partition_spec(leaf, mesh_shape), strict=True))
+
+
+MESH_AXES = ("fsdp", "tensor", "expert", "stage")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``fsdp=16,tensor=2`` -> ``{"fsdp": 16, "tensor": 2}`` (MaxText's ici_*_parallelism names)."""
+    mesh: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in MESH_AXES or not value.isdigit() or int(value) < 1:
+            raise CheckpointError(f"--mesh {text!r}: expected comma-separated AXIS=N with AXIS one of "
+                                  f"{', '.join(MESH_AXES)} and N >= 1, got {part!r}")
+        mesh[name] = int(value)
+    return mesh
+
+
 # --------------------------------------------------------------------------- the plan
 @dataclass(frozen=True)
 class Leaf:
@@ -265,8 +285,10 @@ def plan_leaves(family: Family, dims: ModelDims, hf_shapes: Mapping[str, tuple[i
 class LazyLeaf:
     """A numpy-like stand-in Orbax accepts as a leaf; the data is produced only when written."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray]):
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray],
+                 write_shape: tuple[int, ...] | None = None):
         self.shape = tuple(shape)
+        self.write_shape = tuple(write_shape) if write_shape else None  # storage chunk: one device's shard
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
@@ -280,26 +302,6 @@ class LazyLeaf:
         return array if dtype is None else array.astype(dtype)
 
 
-def _lazy_leaf_handler() -> Any:
-    """Orbax's numpy handler, writing one lazy leaf at a time (so only one is ever materialised)."""
-    from orbax.checkpoint import type_handlers
-
-    class LazyLeafHandler(type_handlers.NumpyHandler):
-
-        def __init__(self) -> None:
-            # No defensive deep copy: a LazyLeaf owns no data until it is written.
-            super().__init__(deepcopy_host_arrays=False)
-            self._one_at_a_time: asyncio.Semaphore | None = None
-
-        async def _open_and_write(self, value: Any, tspec: dict[str, Any], ts_context: Any) -> None:
-            if self._one_at_a_time is None:
-                self._one_at_a_time = asyncio.Semaphore(1)
-            async with self._one_at_a_time:
-                await super()._open_and_write(np.asarray(value), tspec, ts_context)
-
-    return LazyLeafHandler()
-
-
 _registered = False
 
 
@@ -307,7 +309,9 @@ def _register_lazy_leaf() -> None:
     global _registered
     if not _registered:
         from orbax.checkpoint import type_handlers
-        type_handlers.register_type_handler(LazyLeaf, _lazy_leaf_handler(), override=True)
+
+        from deepspeed_ext.checkpoint.orbax_private import lazy_leaf_handler
+        type_handlers.register_type_handler(LazyLeaf, lazy_leaf_handler(), override=True)
         _registered = True
 
 
@@ -324,13 +328,18 @@ def write_maxtext(load: Callable[[str], np.ndarray],
                   progress: bool = True,
                   source: str = "source",
                   model_config: Mapping[str, Any] | None = None,
-                  step: int = 0) -> Path:
+                  step: int = 0,
+                  mesh: Mapping[str, int] | None = None) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
     ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
     ``from-maxtext`` needs no ``--config`` for checkpoints written here. ``step`` (the training step the
     weights are from) goes into the tree's ``step`` leaf, which MaxText ignores for a parameter load and
     ``from-maxtext`` hands back to DeepSpeed so a resumed run continues its step count and data order.
+
+    ``mesh`` (e.g. ``{"fsdp": 16}``): each array's storage chunks are one device's shard under MaxText's
+    sharding rules for that mesh, the layout MaxText's separate reshard pass would produce, so a restore
+    into that mesh reads each shard's bytes once.
 
     ``load(name)`` returns one full fp32 parameter as numpy; it is called once per parameter and layer,
     when Orbax writes the leaf that needs it.
@@ -375,7 +384,8 @@ def write_maxtext(load: Callable[[str], np.ndarray],
         node = params
         for key in leaf.path[:-1]:
             node = node.setdefault(key, {})
-        node[leaf.path[-1]] = LazyLeaf(leaf.shape, np_dtype, producer(leaf))
+        node[leaf.path[-1]] = LazyLeaf(leaf.shape, np_dtype, producer(leaf),
+                                       shard_shape(leaf, mesh) if mesh else None)
     tree = {"step": int(step), "params": {"params": params}, "opt_state": {}}
 
     _register_lazy_leaf()

@@ -1,0 +1,83 @@
+"""The one place deepspeed-ext touches Orbax internals (written against orbax-checkpoint 0.12.8).
+
+Orbax's public API writes a numpy leaf as one storage chunk (or sub-chunks it by byte size along axes
+of its own choosing). MaxText restores fastest when each chunk is exactly one device's shard of the
+target mesh. Only Orbax's internal write-spec builder takes that shard ("write") shape. This module
+wraps it, plus the numpy handler hooks that write lazy leaves one at a time.
+
+``check_orbax_internals()`` verifies every internal this module uses. The writer calls it before it
+relies on them, and ``tests/test_maxtext.py::test_orbax_internals_we_rely_on_are_still_there`` runs it
+too, so an Orbax upgrade that moves them fails loudly instead of writing silently different chunks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+
+from deepspeed_ext.errors import CheckpointError
+
+TESTED_ORBAX = "0.12.8"
+
+
+def _internals() -> dict[str, Any]:
+    from orbax.checkpoint import type_handlers
+    from orbax.checkpoint._src.serialization import ocdbt_utils
+    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+    return {"NumpyHandler": type_handlers.NumpyHandler, "ts_utils": ts_utils, "ocdbt_utils": ocdbt_utils}
+
+
+def check_orbax_internals() -> None:
+    """Raise a clear error if the Orbax internals used here are not what this module expects."""
+    import orbax.checkpoint as ocp
+    version = getattr(ocp, "__version__", "?")
+    try:
+        parts = _internals()
+        spec_params = inspect.signature(parts["ts_utils"].build_array_write_spec).parameters
+        handler = parts["NumpyHandler"]
+        problems = [name for name in ("global_shape", "local_shape", "dtype", "use_ocdbt", "process_index",
+                                      "metadata_key") if name not in spec_params]
+        problems += [f"NumpyHandler.{name}" for name in ("_background_serialize", "_open_and_write")
+                     if not inspect.iscoroutinefunction(getattr(handler, name, None))]
+        if not hasattr(parts["ocdbt_utils"], "get_process_index_for_subdir"):
+            problems.append("ocdbt_utils.get_process_index_for_subdir")
+    except (ImportError, AttributeError) as exc:
+        problems = [str(exc)]
+    if problems:
+        raise CheckpointError(f"orbax-checkpoint {version} changed internals deepspeed-ext uses for shard-aligned "
+                              f"writes (tested with {TESTED_ORBAX}): {problems}")
+
+
+def lazy_leaf_handler() -> Any:
+    """A numpy handler that materialises each lazy leaf only when writing it, one leaf at a time, with the
+    storage chunk (zarr3 shard) set to the leaf's ``write_shape`` (one device's shard of the target mesh)."""
+    check_orbax_internals()
+    parts = _internals()
+    ts_utils, ocdbt_utils = parts["ts_utils"], parts["ocdbt_utils"]
+
+    class LazyLeafHandler(parts["NumpyHandler"]):
+
+        def __init__(self) -> None:
+            # No defensive deep copy: a lazy leaf owns no data until it is written.
+            super().__init__(deepcopy_host_arrays=False)
+
+        async def _background_serialize(self, values: Any, infos: Any, args: Any = None) -> None:
+            args = args or [None] * len(values)
+            for value, info, arg in zip(values, infos, args, strict=True):  # sequential: one array in memory
+                await info.await_path_creation()
+                spec = ts_utils.build_array_write_spec(
+                    info=info,
+                    arg=arg,
+                    global_shape=value.shape,
+                    local_shape=getattr(value, "write_shape", None) or value.shape,
+                    dtype=value.dtype,
+                    use_ocdbt=info.is_ocdbt_checkpoint,
+                    process_index=ocdbt_utils.get_process_index_for_subdir(
+                        use_ocdbt=info.is_ocdbt_checkpoint,
+                        override_ocdbt_process_id=self._override_ocdbt_process_id),
+                    metadata_key=self._metadata_key)
+                await self._open_and_write(np.asarray(value), spec.json, info.ts_context)
+
+    return LazyLeafHandler()
