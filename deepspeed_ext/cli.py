@@ -129,6 +129,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _writer_options(p: argparse.ArgumentParser) -> None:
+    """Options every command that writes a checkpoint shares."""
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepspeed-ext", description="Universal checkpoints for DeepSpeed AutoTP.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -138,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="save dir (uses its 'latest' file) or a tag directory")
     p.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
     p.add_argument("-o", "--output", help="output dir (default: <save dir>/<tag>_universal)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    _writer_options(p)
     p.set_defaults(func=cmd_to_universal)
 
     p = sub.add_parser("to-maxtext", help="write an Orbax checkpoint in MaxText's layout")
@@ -153,8 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", help="target mesh, e.g. fsdp=16,tensor=2: storage chunks become one device's shard "
                    "under MaxText's sharding rules (axes: fsdp, tensor, expert, stage)")
     p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    _writer_options(p)
     p.set_defaults(func=cmd_to_maxtext)
 
     p = sub.add_parser("from-maxtext", help="a MaxText Orbax checkpoint back into the universal form")
@@ -162,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="universal checkpoint directory to write")
     p.add_argument("--config", help="HF config.json (default: the one to-maxtext recorded)")
     p.add_argument("--family", help="model family (default: recorded, else inferred from the config)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    _writer_options(p)
     p.set_defaults(func=cmd_from_maxtext)
 
     p = sub.add_parser("inspect", help="describe a DeepSpeed or universal checkpoint")
