@@ -61,14 +61,23 @@ def _global_steps(ckpt: Any) -> int:
 def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.families import get_family, infer_family
     from deepspeed_ext.checkpoint.maxtext import ModelDims, parse_mesh, write_maxtext
-    from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS
+    from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, STEP
+    from deepspeed_ext.errors import CheckpointError
     ckpt = _open_any(args.source, args.tag)
     config = _model_config(ckpt, args.config)
     family = get_family(args.family) if args.family else infer_family(config)
     tensors = {tensor.name: tensor for tensor in ckpt.tensors()}
 
-    def load(name: str):
-        return tensors[name].load(MASTER_WEIGHTS).detach().numpy()
+    def load(name: str, state: str = MASTER_WEIGHTS):
+        return tensors[name].load(state).detach().numpy()
+
+    optimizer_step = None
+    if args.with_optimizer:
+        first = next(iter(tensors.values()))
+        if STEP not in first.states:
+            raise CheckpointError(f"{args.source}: no optimizer step to carry (--with-optimizer)")
+        value = first.load(STEP)
+        optimizer_step = int(value.item() if hasattr(value, "item") else value)
 
     items = write_maxtext(load, {name: t.shape for name, t in tensors.items()},
                           family,
@@ -81,7 +90,9 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
                           source=str(args.source),
                           model_config=config,
                           step=_global_steps(ckpt),
-                          mesh=parse_mesh(args.mesh) if args.mesh else None)
+                          mesh=parse_mesh(args.mesh) if args.mesh else None,
+                          with_optimizer=args.with_optimizer,
+                          optimizer_step=optimizer_step)
     if not args.quiet:
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); load it with load_parameters_path={items}")
@@ -157,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--mesh", help="target mesh, e.g. fsdp=16,tensor=2: storage chunks become one device's shard "
                    "under MaxText's sharding rules (axes: fsdp, tensor, expert, stage)")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="also write the Adam moments as MaxText's optax adamw state (opt_state)")
     p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
     _writer_options(p)
     p.set_defaults(func=cmd_to_maxtext)

@@ -132,6 +132,35 @@ def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
     return part.transpose(0, 2, 1)
 
 
+#: Tensor states a leaf can hold: the fp32 master weights and Adam's two moments (universal names).
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _moment_factor(dims: ModelDims, family: Family, state: str) -> np.float32:
+    """How a query-kernel Adam moment scales between HF and MaxText.
+
+    MaxText's query kernel is the HF one times s = 1/sqrt(D), so its gradient is the HF gradient / s:
+    the first moment carries a factor 1/s = sqrt(D), the second 1/s^2 = D.
+    """
+    if not family.query_scaled:
+        return np.float32(1.0)
+    return np.sqrt(np.float32(dims.head_dim)) if state == "exp_avg" else np.float32(dims.head_dim)
+
+
+def to_maxtext(kind: str, x: np.ndarray, dims: ModelDims, family: Family, state: str = "fp32") -> np.ndarray:
+    """One HF tensor (a weight or one of its Adam moments) in the layout of its MaxText leaf."""
+    if kind == "query" and state != "fp32":
+        return _key(x, dims, family) * _moment_factor(dims, family, state)
+    return TRANSFORMS[kind].forward(x, dims, family)
+
+
+def from_maxtext(kind: str, x: np.ndarray, dims: ModelDims, family: Family, state: str = "fp32") -> np.ndarray:
+    """The inverse of :func:`to_maxtext` (for split tensors: this rule's part)."""
+    if kind == "query" and state != "fp32":
+        return _key_inverse(x / _moment_factor(dims, family, state), dims, family)
+    return TRANSFORMS[kind].inverse(x, dims, family)
+
+
 def _per_head_shape(s: tuple[int, ...], d: ModelDims) -> tuple[int, ...]:
     return (s[1], s[0] // d.head_dim, d.head_dim)
 
@@ -316,7 +345,7 @@ def _register_lazy_leaf() -> None:
 
 
 # --------------------------------------------------------------------------- sink
-def write_maxtext(load: Callable[[str], np.ndarray],
+def write_maxtext(load: Callable[..., np.ndarray],
                   hf_shapes: Mapping[str, tuple[int, ...]],
                   family: Family,
                   dims: ModelDims,
@@ -329,7 +358,9 @@ def write_maxtext(load: Callable[[str], np.ndarray],
                   source: str = "source",
                   model_config: Mapping[str, Any] | None = None,
                   step: int = 0,
-                  mesh: Mapping[str, int] | None = None) -> Path:
+                  mesh: Mapping[str, int] | None = None,
+                  with_optimizer: bool = False,
+                  optimizer_step: int | None = None) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
     ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
@@ -341,8 +372,13 @@ def write_maxtext(load: Callable[[str], np.ndarray],
     sharding rules for that mesh, the layout MaxText's separate reshard pass would produce, so a restore
     into that mesh reads each shard's bytes once.
 
-    ``load(name)`` returns one full fp32 parameter as numpy; it is called once per parameter and layer,
-    when Orbax writes the leaf that needs it.
+    ``with_optimizer``: ``opt_state`` also holds the Adam moments in the layout of MaxText's default
+    optimizer (optax ``adamw``: ``[ScaleByAdamState(count, mu, nu), EmptyState, ScaleByScheduleState(count)]``,
+    ``mu``/``nu`` mirroring ``params`` and kept in fp32), with ``count`` = ``optimizer_step``. The query
+    moments are rescaled for MaxText's pre-scaled query kernel (see :func:`_moment_factor`).
+
+    ``load(name, state)`` returns one full fp32 tensor (``state``: ``fp32``, ``exp_avg`` or ``exp_avg_sq``) as
+    numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it.
     """
     import ml_dtypes
     import orbax.checkpoint as ocp
@@ -357,13 +393,14 @@ def write_maxtext(load: Callable[[str], np.ndarray],
         if not overwrite:
             raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
         shutil.rmtree(out)
-    bar = tqdm(total=len(leaves), desc="to-maxtext", unit="array", disable=not progress)
+    states = STATES if with_optimizer else STATES[:1]
+    bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
-    def producer(leaf: Leaf) -> Callable[[], np.ndarray]:
-        transform = TRANSFORMS[leaf.rule.kind]
+    def producer(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> Callable[[], np.ndarray]:
 
         def one(name: str) -> np.ndarray:
-            return transform.forward(np.asarray(load(name), dtype=np.float32), dims, family).astype(np_dtype)
+            array = np.asarray(load(name, state), dtype=np.float32)
+            return to_maxtext(leaf.rule.kind, array, dims, family, state).astype(leaf_dtype)
 
         def produce() -> np.ndarray:
             if leaf.layers is None:
@@ -371,7 +408,7 @@ def write_maxtext(load: Callable[[str], np.ndarray],
             elif not leaf.stacked:
                 array = one(leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
             else:  # a scanned stack, filled layer by layer: no list of per-layer copies
-                array = np.empty(leaf.shape, dtype=np_dtype)
+                array = np.empty(leaf.shape, dtype=leaf_dtype)
                 for layer in leaf.layers:
                     array[:, layer] = one(leaf.rule.hf.replace(LAYER, str(layer)))
             bar.update(1)
@@ -379,14 +416,24 @@ def write_maxtext(load: Callable[[str], np.ndarray],
 
         return produce
 
-    params: dict[str, Any] = {}
-    for leaf in leaves:
-        node = params
-        for key in leaf.path[:-1]:
-            node = node.setdefault(key, {})
-        node[leaf.path[-1]] = LazyLeaf(leaf.shape, np_dtype, producer(leaf),
-                                       shard_shape(leaf, mesh) if mesh else None)
-    tree = {"step": int(step), "params": {"params": params}, "opt_state": {}}
+    def lazy_tree(state: str) -> dict[str, Any]:
+        # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
+        leaf_dtype = np_dtype if state == "fp32" else np.dtype(np.float32)
+        tree: dict[str, Any] = {}
+        for leaf in leaves:
+            node = tree
+            for key in leaf.path[:-1]:
+                node = node.setdefault(key, {})
+            node[leaf.path[-1]] = LazyLeaf(leaf.shape, leaf_dtype, producer(leaf, state, leaf_dtype),
+                                           shard_shape(leaf, mesh) if mesh else None)
+        return tree
+
+    opt_state: Any = {}
+    if with_optimizer:
+        count = np.int32(step if optimizer_step is None else optimizer_step)
+        adam = {"count": count, "mu": {"params": lazy_tree("exp_avg")}, "nu": {"params": lazy_tree("exp_avg_sq")}}
+        opt_state = [adam, None, {"count": count}]
+    tree = {"step": int(step), "params": {"params": lazy_tree("fp32")}, "opt_state": opt_state}
 
     _register_lazy_leaf()
     os.makedirs(out, exist_ok=True)
@@ -424,13 +471,20 @@ def leaf_names(tree: Mapping[str, Any], prefix: Iterable[str] = ()) -> list[str]
 
 
 # --------------------------------------------------------------------------- source
+#: Where optax adamw's moments sit in MaxText's train state, relative to the item root.
+MOMENT_PREFIX = {"exp_avg": ("opt_state", "0", "mu", "params"), "exp_avg_sq": ("opt_state", "0", "nu", "params")}
+PARAMS_PREFIX = ("params", "params")
+
+
 class MaxTextCheckpoint:
-    """A MaxText Orbax parameter checkpoint (``<root>/0/items``) as a stream of HF-named fp32 tensors.
+    """A MaxText Orbax checkpoint (``<root>/<step>/items``) as a stream of HF-named fp32 tensors.
 
     Arrays are read one leaf at a time through Orbax's partial restore; a scanned stack stays cached
-    while its layers are handed out (and, for a fused expert tensor, the stack of its other half), so
-    memory stays at about two of the largest arrays. It plugs into the universal writer like a
-    DeepSpeed source: a single TP rank, fresh optimizer state (zero moments, step 0).
+    while its layers are handed out, with its two moments' stacks (and, for a fused expert tensor, the
+    stacks of its other half), so memory stays at a few of the largest arrays. It plugs into the universal writer like a
+    DeepSpeed source with a single TP rank. When the checkpoint has optax adamw's state (MaxText's
+    default optimizer) its moments and count become the universal ``exp_avg`` / ``exp_avg_sq`` / step;
+    otherwise the optimizer state is fresh (zero moments, step 0).
     """
 
     def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any]):
@@ -445,22 +499,56 @@ class MaxTextCheckpoint:
         self.dims = ModelDims.from_config(model_config, source="--config")
         self._checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
         try:
-            tree = ocp.PyTreeCheckpointer().metadata(self.items).item_metadata.tree
-            stored = ocp.tree.to_flat_dict(tree["params"]["params"], sep="/")
+            self._tree = ocp.PyTreeCheckpointer().metadata(self.items).item_metadata.tree
+            flat = ocp.tree.to_flat_dict(self._tree, sep="/")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata ({exc})") from exc
-        self.stored = {name: tuple(m.shape) for name, m in stored.items()}
-        self.step = self._read_step(ocp)
+            raise CheckpointError(f"{self.items}: cannot read the Orbax metadata ({exc})") from exc
+        params_prefix = "/".join(PARAMS_PREFIX) + "/"
+        self.stored = {name[len(params_prefix):]: tuple(m.shape) for name, m in flat.items()
+                       if name.startswith(params_prefix)}
+        if not self.stored:
+            raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
         self.scan_layers = any(name.startswith("decoder/layers/") for name in self.stored)
         self._sources = self._plan()
-        self._cache: dict[str, np.ndarray] = {}
+        moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
+                   for state, prefix in MOMENT_PREFIX.items()}
+        self.has_optimizer = all(moments.values())
+        if self.has_optimizer and any(names != set(self.stored) for names in moments.values()):
+            raise CheckpointError(f"{self.items}: opt_state mu/nu do not mirror params (not optax adamw's state?)")
+        self.step = self._read_scalar(("step", ))
+        self.optimizer_step = self._read_scalar(("opt_state", "0", "count")) if self.has_optimizer else 0
+        self._cache: dict[tuple[str, ...], np.ndarray] = {}
 
-    def _read_step(self, ocp: Any) -> int:
+    def _request(self, path: tuple[str, ...], leaf: Any, arg: Any) -> tuple[Any, Any]:
+        """A partial-restore item and its args holding only ``path``, shaped like the saved tree (a saved
+        list must be asked for at full length, with None for the entries not wanted)."""
+
+        def build(node: Any, depth: int, value: Any) -> Any:
+            if depth == len(path):
+                return value
+            key = path[depth]
+            if isinstance(node, (list, tuple)):
+                out = [None] * len(node)
+                out[int(key)] = build(node[int(key)], depth + 1, value)
+                return out
+            return {key: build(node[key], depth + 1, value)}
+
+        return build(self._tree, 0, leaf), build(self._tree, 0, arg)
+
+    def _restore(self, path: tuple[str, ...], restore_type: type, dtype: Any = None) -> Any:
+        import orbax.checkpoint as ocp
+        item, args = self._request(path, np.empty(0) if restore_type is np.ndarray else 0,
+                                   ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
+        value = self._checkpointer.restore(self.items, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=args, partial_restore=True))
+        for key in path:
+            value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
+        return value
+
+    def _read_scalar(self, path: tuple[str, ...]) -> int:
         try:
-            restored = self._checkpointer.restore(self.items, args=ocp.args.PyTreeRestore(
-                item={"step": 0}, restore_args={"step": ocp.RestoreArgs(restore_type=int)}, partial_restore=True))
-            return int(restored["step"])
-        except (KeyError, TypeError, ValueError, FileNotFoundError):
+            return int(np.asarray(self._restore(path, int)))
+        except (KeyError, IndexError, TypeError, ValueError, FileNotFoundError):
             return 0  # params-only checkpoints need no step
 
     def _plan(self) -> dict[str, list[tuple[Rule, str, int | None]]]:
@@ -487,26 +575,12 @@ class MaxTextCheckpoint:
                                   f"{self.family.name!r} (e.g. {extra[:3]}); wrong --family or config?")
         return sources
 
-    def _leaf(self, name: str) -> np.ndarray:
-        if name not in self._cache:
-            import orbax.checkpoint as ocp
-            if len(self._cache) >= 2:
+    def _leaf(self, path: tuple[str, ...]) -> np.ndarray:
+        if path not in self._cache:
+            if len(self._cache) >= 6:  # weight + two moments, each possibly split in two (fused experts)
                 self._cache.pop(next(iter(self._cache)))
-            path = name.split("/")
-            item: dict[str, Any] = {}
-            args: dict[str, Any] = {}
-            node, arg_node = item, args
-            for key in path[:-1]:
-                node, arg_node = node.setdefault(key, {}), arg_node.setdefault(key, {})
-            node[path[-1]] = np.empty(0)  # placeholder: only structure matters for a partial restore
-            arg_node[path[-1]] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32)
-            restored = self._checkpointer.restore(self.items, args=ocp.args.PyTreeRestore(
-                item={"params": {"params": item}}, restore_args={"params": {"params": args}}, partial_restore=True))
-            value = restored["params"]["params"]
-            for key in path:
-                value = value[key]
-            self._cache[name] = np.asarray(value, dtype=np.float32)
-        return self._cache[name]
+            self._cache[path] = np.asarray(self._restore(path, np.ndarray, np.float32), dtype=np.float32)
+        return self._cache[path]
 
     def _hf_shape(self, parts: list[tuple[Rule, str, int | None]]) -> tuple[int, ...]:
         shapes = []
@@ -520,14 +594,15 @@ class MaxTextCheckpoint:
             return shapes[0]
         return tuple(sum(s[axis] for s in shapes) if i == axis else d for i, d in enumerate(shapes[0]))
 
-    def hf_tensor(self, name: str) -> np.ndarray:
-        """The full fp32 HF tensor ``name``, undone from MaxText's layout."""
+    def hf_tensor(self, name: str, state: str = "fp32") -> np.ndarray:
+        """The full fp32 HF tensor ``name`` (or one of its Adam moments), undone from MaxText's layout."""
+        prefix = PARAMS_PREFIX if state == "fp32" else MOMENT_PREFIX[state]
         pieces = []
         for rule, leaf, index in self._sources[name]:
-            array = self._leaf(leaf)
+            array = self._leaf((*prefix, *leaf.split("/")))
             if index is not None:
                 array = array[:, index]
-            pieces.append(TRANSFORMS[rule.kind].inverse(np.ascontiguousarray(array), self.dims, self.family))
+            pieces.append(from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state))
         axis = TRANSFORMS[self._sources[name][0][0].kind].join_axis
         return np.ascontiguousarray(pieces[0] if axis is None else np.concatenate(pieces, axis=axis))
 
@@ -551,13 +626,14 @@ class MaxTextCheckpoint:
         import torch
 
         from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
+        # Weights first, then each moment, so a cached scanned stack serves all its layers in a row.
         for name, layout in self.layouts.items():
 
             def loader(state: str, name: str = name, shape: tuple[int, ...] = layout.shape) -> Any:
-                if state == MASTER_WEIGHTS:
-                    return torch.from_numpy(self.hf_tensor(name))
                 if state == STEP:
-                    return 0
+                    return self.optimizer_step
+                if state == MASTER_WEIGHTS or self.has_optimizer:
+                    return torch.from_numpy(self.hf_tensor(name, state))
                 return torch.zeros(shape, dtype=torch.float32)  # fresh Adam moments
 
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout,
