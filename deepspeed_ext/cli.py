@@ -117,8 +117,10 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
     source = MaxTextCheckpoint(args.source, family, config)
     out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
     if not args.quiet:
-        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, family {family.name}, fresh "
-              "optimizer state); resume with \"checkpoint\": {\"load_universal\": true} at any TP degree")
+        optimizer = (f"Adam state at step {source.optimizer_step}" if source.has_optimizer else
+                     "fresh optimizer state")
+        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, family {family.name}, "
+              f"{optimizer}); resume with \"checkpoint\": {{\"load_universal\": true}} at any TP degree")
     return 0
 
 
