@@ -124,6 +124,17 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reshard_orbax(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.maxtext import parse_mesh, reshard_orbax
+    items, whole = reshard_orbax(args.source, args.output, parse_mesh(args.mesh), overwrite=args.overwrite,
+                                 progress=not args.quiet)
+    if whole:
+        print(f"kept whole (no known MaxText logical axes): {', '.join(whole)}", file=sys.stderr)
+    if not args.quiet:
+        print(f"wrote {items} with storage chunks aligned to mesh {args.mesh}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     ckpt = _open_any(args.checkpoint, args.tag)
     summary: dict[str, Any] = ckpt.summary()
@@ -183,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", help="model family (default: recorded, else inferred from the config)")
     _writer_options(p)
     p.set_defaults(func=cmd_from_maxtext)
+
+    p = sub.add_parser("reshard-orbax", help="re-chunk a MaxText Orbax checkpoint for a target mesh, array by array")
+    p.add_argument("source", help="the Orbax item directory (<root>/0/items)")
+    p.add_argument("-o", "--output", required=True, help="output root; the result is <output>/0/items")
+    p.add_argument("--mesh", required=True, help="target mesh, e.g. fsdp=16,tensor=2,expert=4")
+    _writer_options(p)
+    p.set_defaults(func=cmd_reshard_orbax)
 
     p = sub.add_parser("inspect", help="describe a DeepSpeed or universal checkpoint")
     p.add_argument("checkpoint")

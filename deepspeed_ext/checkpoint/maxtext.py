@@ -381,7 +381,6 @@ def write_maxtext(load: Callable[..., np.ndarray],
     numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it.
     """
     import ml_dtypes
-    import orbax.checkpoint as ocp
     from tqdm import tqdm
 
     if dtype not in DTYPES:
@@ -435,6 +434,18 @@ def write_maxtext(load: Callable[..., np.ndarray],
         opt_state = [adam, None, {"count": count}]
     tree = {"step": int(step), "params": {"params": lazy_tree("fp32")}, "opt_state": opt_state}
 
+    custom = {"scan_layers": scan_layers,
+              METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}}
+    try:
+        _save_items(out, tree, custom)
+    finally:
+        bar.close()
+    return out / STEP_DIR / ITEM
+
+
+def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any]) -> None:
+    """Save ``tree`` (lazy leaves allowed) as step 0, item ``items``, the way MaxText's own writers do."""
+    import orbax.checkpoint as ocp
     _register_lazy_leaf()
     os.makedirs(out, exist_ok=True)
     try:
@@ -446,34 +457,46 @@ def write_maxtext(load: Callable[..., np.ndarray],
             item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
             options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
         manager.save(0, args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
-                     custom_metadata={"scan_layers": scan_layers,
-                                      METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}})
+                     custom_metadata=dict(custom_metadata))
         manager.wait_until_finished()
         manager.close()
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
-    finally:
-        bar.close()
-    return out / STEP_DIR / ITEM
-
-
-def leaf_names(tree: Mapping[str, Any], prefix: Iterable[str] = ()) -> list[str]:
-    """``a/b/c`` names of every leaf of a nested dict (for tests and ``inspect``)."""
-    names = []
-    for key, value in tree.items():
-        path = (*prefix, key)
-        if isinstance(value, Mapping):
-            names += leaf_names(value, path)
-        else:
-            names.append("/".join(path))
-    return names
 
 
 # --------------------------------------------------------------------------- source
 #: Where optax adamw's moments sit in MaxText's train state, relative to the item root.
 MOMENT_PREFIX = {"exp_avg": ("opt_state", "0", "mu", "params"), "exp_avg_sq": ("opt_state", "0", "nu", "params")}
 PARAMS_PREFIX = ("params", "params")
+
+
+def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...], restore_type: type,
+                 dtype: Any = None) -> Any:
+    """One leaf of a saved Orbax PyTree (``tree``: its metadata tree), through a partial restore.
+
+    The request holds only ``path``, shaped like the saved tree: a saved list must be asked for at full
+    length, with None for the entries not wanted.
+    """
+    import orbax.checkpoint as ocp
+
+    def build(node: Any, depth: int, value: Any) -> Any:
+        if depth == len(path):
+            return value
+        key = path[depth]
+        if isinstance(node, (list, tuple)):
+            out = [None] * len(node)
+            out[int(key)] = build(node[int(key)], depth + 1, value)
+            return out
+        return {key: build(node[key], depth + 1, value)}
+
+    item = build(tree, 0, np.empty(0) if restore_type is np.ndarray else 0)
+    args = build(tree, 0, ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
+    value = checkpointer.restore(items, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                                     partial_restore=True))
+    for key in path:
+        value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
+    return value
 
 
 class MaxTextCheckpoint:
@@ -519,31 +542,8 @@ class MaxTextCheckpoint:
         self.optimizer_step = self._read_scalar(("opt_state", "0", "count")) if self.has_optimizer else 0
         self._cache: dict[tuple[str, ...], np.ndarray] = {}
 
-    def _request(self, path: tuple[str, ...], leaf: Any, arg: Any) -> tuple[Any, Any]:
-        """A partial-restore item and its args holding only ``path``, shaped like the saved tree (a saved
-        list must be asked for at full length, with None for the entries not wanted)."""
-
-        def build(node: Any, depth: int, value: Any) -> Any:
-            if depth == len(path):
-                return value
-            key = path[depth]
-            if isinstance(node, (list, tuple)):
-                out = [None] * len(node)
-                out[int(key)] = build(node[int(key)], depth + 1, value)
-                return out
-            return {key: build(node[key], depth + 1, value)}
-
-        return build(self._tree, 0, leaf), build(self._tree, 0, arg)
-
     def _restore(self, path: tuple[str, ...], restore_type: type, dtype: Any = None) -> Any:
-        import orbax.checkpoint as ocp
-        item, args = self._request(path, np.empty(0) if restore_type is np.ndarray else 0,
-                                   ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
-        value = self._checkpointer.restore(self.items, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=args, partial_restore=True))
-        for key in path:
-            value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
-        return value
+        return restore_leaf(self._checkpointer, self.items, self._tree, path, restore_type, dtype)
 
     def _read_scalar(self, path: tuple[str, ...]) -> int:
         try:
@@ -660,3 +660,82 @@ def stored_model_info(items: str | Path) -> dict[str, Any]:
     except (FileNotFoundError, ValueError, KeyError):
         return {}
     return dict(custom.get(METADATA_KEY) or {})
+
+
+# --------------------------------------------------------------------------- reshard
+_PARAM_ROOTS = ("params/params/", "opt_state/0/mu/params/", "opt_state/0/nu/params/")
+
+
+def reshard_orbax(items: str | Path,
+                  out: str | Path,
+                  mesh: Mapping[str, int],
+                  *,
+                  overwrite: bool = False,
+                  progress: bool = True) -> tuple[Path, list[str]]:
+    """Re-chunk a MaxText Orbax checkpoint for a target mesh, holding one array at a time.
+
+    Every array is read whole (one partial restore), and rewritten with its storage chunk set to one
+    device's shard on ``mesh``, under MaxText's logical-axis rules. Params and optax adamw moments are
+    both handled; scalars (step, counts) and the step's custom metadata are copied as they are. Returns
+    the output item directory and the arrays whose logical axes are unknown, which are written whole.
+    """
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    items = Path(items).absolute()
+    if not (items / "_METADATA").is_file():
+        raise CheckpointError(f"{items}: not an Orbax checkpoint item directory (no _METADATA)")
+    out = Path(out).absolute()
+    if out.exists():
+        if not overwrite:
+            raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
+        shutil.rmtree(out)
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+    tree = ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree
+    try:
+        custom = ocp.StandardCheckpointer().metadata(items.parent).custom_metadata or {}
+    except (FileNotFoundError, ValueError, KeyError):
+        custom = {}
+    arrays = [name for name, m in ocp.tree.to_flat_dict(tree, sep="/").items() if len(getattr(m, "shape", ())) > 0]
+    bar = tqdm(total=len(arrays), desc="reshard-orbax", unit="array", disable=not progress)
+    whole: list[str] = []
+
+    def read(path: tuple[str, ...], dtype: np.dtype) -> Callable[[], np.ndarray]:
+
+        def produce() -> np.ndarray:
+            array = np.asarray(restore_leaf(checkpointer, items, tree, path, np.ndarray), dtype=dtype)
+            bar.update(1)
+            return np.ascontiguousarray(array)
+
+        return produce
+
+    def rebuild(node: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(node, Mapping):
+            return {key: rebuild(value, (*path, key)) for key, value in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [rebuild(value, (*path, str(i))) for i, value in enumerate(node)]
+        if node is None:
+            return None
+        shape, dtype, name = tuple(node.shape), np.dtype(node.dtype), "/".join(path)
+        if not shape:  # a scalar (step, an optimizer count): copied with its dtype
+            value = restore_leaf(checkpointer, items, tree, path, int if dtype.kind in "iu" else float)
+            return int(value) if dtype == np.int64 else dtype.type(value)
+        root = next((r for r in _PARAM_ROOTS if name.startswith(r)), None)
+        write_shape = None
+        if root is not None:
+            param = name[len(root):]
+            leaf = Leaf(tuple(param.split("/")), shape, None, None, stacked=param.startswith("decoder/layers/"))
+            try:
+                write_shape = shard_shape(leaf, mesh)
+            except CheckpointError:
+                pass
+        if write_shape is None:
+            whole.append(name)
+        return LazyLeaf(shape, dtype, read(path, dtype), write_shape)
+
+    new_tree = rebuild(tree, ())
+    try:
+        _save_items(out, new_tree, custom)
+    finally:
+        bar.close()
+    return out / STEP_DIR / ITEM, whole
