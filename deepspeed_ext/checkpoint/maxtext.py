@@ -241,6 +241,15 @@ def shard_shape(leaf: Leaf, mesh_shape: Mapping[str, int]) -> tuple[int, ...]:
                  for size, axis in zip(leaf.shape, partition_spec(leaf, mesh_shape), strict=True))
 
 
+def storage_chunk(leaf: Leaf, mesh_shape: Mapping[str, int] | None) -> tuple[int, ...] | None:
+    """The zarr3 shard ``to-maxtext`` writes ``leaf`` in: one device's shard on the mesh (None: the whole
+    array), and for a scanned stack one layer thick, so it is produced and written a layer at a time."""
+    chunk = shard_shape(leaf, mesh_shape) if mesh_shape else None
+    if not leaf.stacked:
+        return chunk
+    return tuple(1 if axis == 1 else size for axis, size in enumerate(chunk or leaf.shape))
+
+
 MESH_AXES = ("fsdp", "tensor", "expert", "stage")
 
 
@@ -312,12 +321,21 @@ def plan_leaves(family: Family, dims: ModelDims, hf_shapes: Mapping[str, tuple[i
 
 # --------------------------------------------------------------------------- lazy leaves for Orbax
 class LazyLeaf:
-    """A numpy-like stand-in Orbax accepts as a leaf; the data is produced only when written."""
+    """A numpy-like stand-in Orbax accepts as a leaf; the data is produced only when written.
+
+    ``write_shape`` is the storage chunk (zarr3 shard). A scanned stack also has ``produce_layer``: its
+    chunks are one layer thick (axis 1 of ``write_shape`` is 1), so the writer can produce and write it a
+    layer at a time, each write covering whole chunks, and never holds the stack.
+    """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray],
-                 write_shape: tuple[int, ...] | None = None):
+                 write_shape: tuple[int, ...] | None = None,
+                 produce_layer: Callable[[int], np.ndarray] | None = None):
         self.shape = tuple(shape)
-        self.write_shape = tuple(write_shape) if write_shape else None  # storage chunk: one device's shard
+        self.write_shape = tuple(write_shape) if write_shape else None
+        self.produce_layer = produce_layer
+        if produce_layer is not None and (self.write_shape is None or self.write_shape[1] != 1):
+            raise CheckpointError(f"internal: a layer-by-layer leaf needs one-layer chunks, not {self.write_shape}")
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
@@ -395,25 +413,29 @@ def write_maxtext(load: Callable[..., np.ndarray],
     states = STATES if with_optimizer else STATES[:1]
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
-    def producer(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> Callable[[], np.ndarray]:
+    def lazy_leaf(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
 
         def one(name: str) -> np.ndarray:
             array = np.asarray(load(name, state), dtype=np.float32)
-            return to_maxtext(leaf.rule.kind, array, dims, family, state).astype(leaf_dtype)
+            return np.ascontiguousarray(to_maxtext(leaf.rule.kind, array, dims, family, state), dtype=leaf_dtype)
+
+        def layer_of_stack(layer: int) -> np.ndarray:
+            if layer == leaf.layers[-1]:
+                bar.update(1)
+            return one(leaf.rule.hf.replace(LAYER, str(layer)))
 
         def produce() -> np.ndarray:
-            if leaf.layers is None:
-                array = one(leaf.rule.hf)
-            elif not leaf.stacked:
-                array = one(leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
-            else:  # a scanned stack, filled layer by layer: no list of per-layer copies
+            if leaf.stacked:  # only if Orbax ever asks for the whole stack
                 array = np.empty(leaf.shape, dtype=leaf_dtype)
                 for layer in leaf.layers:
                     array[:, layer] = one(leaf.rule.hf.replace(LAYER, str(layer)))
-            bar.update(1)
-            return np.ascontiguousarray(array)
+            else:
+                array = one(leaf.rule.hf if leaf.layers is None else leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
+                bar.update(1)
+            return array
 
-        return produce
+        return LazyLeaf(leaf.shape, leaf_dtype, produce, storage_chunk(leaf, mesh),
+                        produce_layer=layer_of_stack if leaf.stacked else None)
 
     def lazy_tree(state: str) -> dict[str, Any]:
         # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
@@ -423,8 +445,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
             node = tree
             for key in leaf.path[:-1]:
                 node = node.setdefault(key, {})
-            node[leaf.path[-1]] = LazyLeaf(leaf.shape, leaf_dtype, producer(leaf, state, leaf_dtype),
-                                           shard_shape(leaf, mesh) if mesh else None)
+            node[leaf.path[-1]] = lazy_leaf(leaf, state, leaf_dtype)
         return tree
 
     opt_state: Any = {}

@@ -51,8 +51,10 @@ def check_orbax_internals() -> None:
 
 
 def lazy_leaf_handler() -> Any:
-    """A numpy handler that materialises each lazy leaf only when writing it, one leaf at a time, with the
-    storage chunk (zarr3 shard) set to the leaf's ``write_shape`` (one device's shard of the target mesh)."""
+    """A numpy handler that materialises each lazy leaf only when writing it, one leaf at a time (and a
+    scanned stack one layer at a time), with the storage chunk (zarr3 shard) set to the leaf's
+    ``write_shape``."""
+    import tensorstore as ts
     check_orbax_internals()
     parts = _internals()
     ts_utils, ocdbt_utils = parts["ts_utils"], parts["ocdbt_utils"]
@@ -78,6 +80,14 @@ def lazy_leaf_handler() -> Any:
                         use_ocdbt=info.is_ocdbt_checkpoint,
                         override_ocdbt_process_id=self._override_ocdbt_process_id),
                     metadata_key=self._metadata_key)
-                await self._open_and_write(np.asarray(value), spec.json, info.ts_context)
+                produce_layer = getattr(value, "produce_layer", None)
+                if produce_layer is None:
+                    await self._open_and_write(np.asarray(value), spec.json, info.ts_context)
+                    continue
+                # A scanned stack with one-layer chunks: each layer write covers whole chunks (no
+                # read-modify-write), so only one layer is ever in memory.
+                store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+                for layer in range(value.shape[1]):
+                    await store[:, layer].write(produce_layer(layer))
 
     return LazyLeafHandler()
