@@ -1,11 +1,12 @@
-"""MaxText parameter checkpoints in Orbax: the sink behind ``to-maxtext`` (and, later, the source behind
-``from-maxtext``). Facts: ../shared/docs/maxtext-orbax.md.
+"""MaxText checkpoints in Orbax: the sink behind ``to-maxtext``, the source behind ``from-maxtext``, and
+``reshard-orbax``. Facts: ../shared/docs/maxtext-orbax.md.
 
 Layout written (what MaxText loads with ``load_parameters_path=<out>/0/items``)::
 
-    <out>/0/_CHECKPOINT_METADATA     custom_metadata {"scan_layers": bool}
+    <out>/0/_CHECKPOINT_METADATA     custom_metadata {"scan_layers": bool, "deepspeed_ext": {family, model_config}}
     <out>/0/items/                   Orbax PyTree (OCDBT + zarr3, as MaxText writes it):
-        {"step": 0, "params": {"params": <MaxText parameter tree>}, "opt_state": {}}
+        {"step": N, "params": {"params": <MaxText parameter tree>},
+         "opt_state": {} or optax adamw's [{"count", "mu", "nu"}, None, {"count"}]}
 
 The parameter tree follows a :class:`~deepspeed_ext.checkpoint.families.Family`: HF ``(out, in)`` weights
 are transposed to MaxText's ``(in, out)``, attention kernels are split per head, the query kernel of
@@ -13,8 +14,9 @@ families that bake it in is multiplied by 1/sqrt(head_dim) (in fp32), llama3.1's
 adjacent-pair RoPE order, and with ``scan_layers`` per-layer leaves are stacked on axis 1.
 
 Streaming: each leaf is a lazy proxy that Orbax materialises just before writing it, one leaf at a
-time, so peak memory is about the largest output array (a whole layer stack when scanned), not the
-model. bf16 is written as ``ml_dtypes.bfloat16`` straight from each fp32 tensor.
+time; a scanned stack is stored one layer thick and written a layer at a time. Peak memory is a few
+times the largest single tensor, not the model or a whole stack. bf16 is written as
+``ml_dtypes.bfloat16`` straight from each fp32 tensor.
 """
 
 from __future__ import annotations
@@ -387,8 +389,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
     ``from-maxtext`` hands back to DeepSpeed so a resumed run continues its step count and data order.
 
     ``mesh`` (e.g. ``{"fsdp": 16}``): each array's storage chunks are one device's shard under MaxText's
-    sharding rules for that mesh, the layout MaxText's separate reshard pass would produce, so a restore
-    into that mesh reads each shard's bytes once.
+    sharding rules for that mesh (one layer thick for scanned stacks, see :func:`storage_chunk`), so a
+    restore into that mesh reads each shard's bytes once, with no separate reshard pass.
 
     ``with_optimizer``: ``opt_state`` also holds the Adam moments in the layout of MaxText's default
     optimizer (optax ``adamw``: ``[ScaleByAdamState(count, mu, nu), EmptyState, ScaleByScheduleState(count)]``,
