@@ -53,8 +53,8 @@ def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
 
 
 def _global_steps(ckpt: Any) -> int:
-    states = ckpt.model_states if hasattr(ckpt, "model_states") and not callable(ckpt.model_states) else \
-        ckpt.first_model_states
+    # A DeepSpeed checkpoint's first TP rank, or a universal checkpoint's copied model states.
+    states = getattr(ckpt, "first_model_states", None) or ckpt.model_states
     return int(states.get("global_steps") or 0)
 
 

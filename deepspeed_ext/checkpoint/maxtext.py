@@ -38,7 +38,7 @@ from deepspeed_ext.errors import CheckpointError
 ITEM = "items"
 METADATA_KEY = "deepspeed_ext"  # our entry in the step's custom metadata
 STEP_DIR = "0"
-DTYPES = {"bfloat16": "bfloat16", "float32": "float32"}
+DTYPES = ("bfloat16", "float32")
 
 
 # --------------------------------------------------------------------------- model dimensions
@@ -330,7 +330,7 @@ class LazyLeaf:
     layer at a time, each write covering whole chunks, and never holds the stack.
     """
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray],
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray] | None,
                  write_shape: tuple[int, ...] | None = None,
                  produce_layer: Callable[[int], np.ndarray] | None = None):
         self.shape = tuple(shape)
@@ -345,7 +345,12 @@ class LazyLeaf:
         self._produce = produce
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        array = self._produce()
+        if self._produce is not None:
+            array = self._produce()
+        else:  # a stack asked for whole (the writer normally takes it layer by layer)
+            array = np.empty(self.shape, dtype=self.dtype)
+            for layer in range(self.shape[1]):
+                array[:, layer] = self.produce_layer(layer)
         if array.shape != self.shape or array.dtype != self.dtype:
             raise CheckpointError(f"internal: produced {array.shape} {array.dtype}, planned {self.shape} {self.dtype}")
         return array if dtype is None else array.astype(dtype)
@@ -427,17 +432,13 @@ def write_maxtext(load: Callable[..., np.ndarray],
             return one(leaf.rule.hf.replace(LAYER, str(layer)))
 
         def produce() -> np.ndarray:
-            if leaf.stacked:  # only if Orbax ever asks for the whole stack
-                array = np.empty(leaf.shape, dtype=leaf_dtype)
-                for layer in leaf.layers:
-                    array[:, layer] = one(leaf.rule.hf.replace(LAYER, str(layer)))
-            else:
-                array = one(leaf.rule.hf if leaf.layers is None else leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
-                bar.update(1)
+            array = one(leaf.rule.hf if leaf.layers is None else leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
+            bar.update(1)
             return array
 
-        return LazyLeaf(leaf.shape, leaf_dtype, produce, storage_chunk(leaf, mesh),
-                        produce_layer=layer_of_stack if leaf.stacked else None)
+        if leaf.stacked:
+            return LazyLeaf(leaf.shape, leaf_dtype, None, storage_chunk(leaf, mesh), produce_layer=layer_of_stack)
+        return LazyLeaf(leaf.shape, leaf_dtype, produce, storage_chunk(leaf, mesh))
 
     def lazy_tree(state: str) -> dict[str, Any]:
         # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
