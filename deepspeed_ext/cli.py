@@ -13,16 +13,49 @@ from collections.abc import Sequence
 from deepspeed_ext.errors import DeepSpeedExtError
 
 
-def _open_any(path: str, tag: str | None):
-    """A UniversalCheckpoint or a DeepSpeedCheckpoint for ``path`` (+ ``tag``), whichever it is."""
+def _open_any(path: str, tag: str | None, config: str | None = None, family: str | None = None):
+    """The source at ``path``: a DeepSpeed, universal, HF (safetensors) or MaxText (Orbax) checkpoint."""
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+    from deepspeed_ext.checkpoint.hf import HFCheckpoint
+    from deepspeed_ext.checkpoint.maxtext import ITEM, STEP_DIR
     from deepspeed_ext.checkpoint.universal import LATEST_UNIVERSAL, ZERO_DIR, UniversalCheckpoint
     root = Path(path)
     target = root / tag if tag else root
+    if HFCheckpoint.is_hf(root):
+        return HFCheckpoint(root)
+    if (root / "_METADATA").is_file() or (root / STEP_DIR / ITEM / "_METADATA").is_file():
+        items = root if (root / "_METADATA").is_file() else root / STEP_DIR / ITEM
+        return _maxtext_source(items, config, family)
     only_universal = (root / LATEST_UNIVERSAL).is_file() and not (root / "latest").is_file() and tag is None
     if (target / ZERO_DIR).is_dir() or only_universal:
         return UniversalCheckpoint(root, tag)
     return DeepSpeedCheckpoint(root, tag)
+
+
+def _maxtext_source(items: Path, config_path: str | None, family_name: str | None):
+    """A MaxText checkpoint with its HF config and family: given, else what to-maxtext recorded."""
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
+    from deepspeed_ext.errors import CheckpointError
+    stored = stored_model_info(items)
+    if config_path:
+        config = _read_config(config_path)
+    elif stored.get("model_config"):
+        config = stored["model_config"]
+    else:
+        raise CheckpointError(f"{items}: no model config recorded with this MaxText checkpoint; pass "
+                              "--config config.json (the HF config of the model)")
+    family_name = family_name or stored.get("family")
+    family = get_family(family_name) if family_name else infer_family(config)
+    return MaxTextCheckpoint(items, family, config)
+
+
+def _read_config(config_path: str) -> dict[str, Any]:
+    from deepspeed_ext.errors import CheckpointError
+    try:
+        return json.loads(Path(config_path).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{config_path}: cannot read a JSON model config: {exc}") from exc
 
 
 def cmd_to_universal(args: argparse.Namespace) -> int:
@@ -41,10 +74,7 @@ def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
     """The HF model config: ``--config`` if given, else the one deepspeed-ext saved with the checkpoint."""
     from deepspeed_ext.errors import CheckpointError
     if config_path:
-        try:
-            return json.loads(Path(config_path).read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{config_path}: cannot read a JSON model config: {exc}") from exc
+        return _read_config(config_path)
     config = ckpt.uc_info.model_config if ckpt.uc_info is not None else None
     if not config:
         raise CheckpointError(f"{getattr(ckpt, 'path', None) or ckpt.tag_dir}: no model config saved with the "
@@ -53,7 +83,9 @@ def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
 
 
 def _global_steps(ckpt: Any) -> int:
-    # A DeepSpeed checkpoint's first TP rank, or a universal checkpoint's copied model states.
+    # A DeepSpeed checkpoint's first TP rank, a universal checkpoint's copied model states, MaxText's step.
+    if hasattr(ckpt, "step") and isinstance(ckpt.step, int):
+        return ckpt.step
     states = getattr(ckpt, "first_model_states", None) or ckpt.model_states
     return int(states.get("global_steps") or 0)
 
@@ -69,7 +101,7 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
     tensors = {tensor.name: tensor for tensor in ckpt.tensors()}
 
     def load(name: str, state: str = MASTER_WEIGHTS):
-        return tensors[name].load(state).detach().numpy()
+        return tensors[name].load(state).detach().float().numpy()
 
     optimizer_step = None
     if args.with_optimizer:
@@ -100,27 +132,37 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
 
 
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.families import get_family, infer_family
-    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
     from deepspeed_ext.checkpoint.universal import write_universal
-    from deepspeed_ext.errors import CheckpointError
-    stored = stored_model_info(args.source)
-    if args.config:
-        config = json.loads(Path(args.config).read_text())
-    elif stored.get("model_config"):
-        config = stored["model_config"]
-    else:
-        raise CheckpointError(f"{args.source}: no model config recorded with this MaxText checkpoint; pass "
-                              "--config config.json (the HF config of the model)")
-    family = get_family(args.family or stored.get("family")) if (args.family or stored.get("family")) else \
-        infer_family(config)
-    source = MaxTextCheckpoint(args.source, family, config)
+    source = _maxtext_source(Path(args.source), args.config, args.family)
     out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if source.has_optimizer else
                      "fresh optimizer state")
-        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, family {family.name}, "
+        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, family {source.family.name}, "
               f"{optimizer}); resume with \"checkpoint\": {{\"load_universal\": true}} at any TP degree")
+    return 0
+
+
+def cmd_to_hf(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.hf import write_hf
+    ckpt = _open_any(args.source, args.tag, args.config, args.family)
+    config = _model_config(ckpt, args.config)
+    out = write_hf(ckpt.tensors(), args.output, model_config=config, dtype=args.dtype,
+                   max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
+                   source=str(args.source))
+    if not args.quiet:
+        print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def cmd_from_hf(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.hf import HFCheckpoint
+    from deepspeed_ext.checkpoint.universal import write_universal
+    source = HFCheckpoint(args.source, dtype=args.dtype)
+    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    if not args.quiet:
+        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, fresh optimizer state); train "
+              "from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
     return 0
 
 
@@ -172,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_to_universal)
 
     p = sub.add_parser("to-maxtext", help="write an Orbax checkpoint in MaxText's layout")
-    p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir) or a universal checkpoint")
+    p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir), a universal checkpoint or an HF "
+                   "model directory")
     p.add_argument("-o", "--output", required=True, help="output root; MaxText loads <output>/0/items")
     p.add_argument("--tag")
     p.add_argument("--family", help="model family (default: inferred from the model config)")
@@ -194,6 +237,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", help="model family (default: recorded, else inferred from the config)")
     _writer_options(p)
     p.set_defaults(func=cmd_from_maxtext)
+
+    p = sub.add_parser("to-hf", help="write a Hugging Face checkpoint (config.json + sharded safetensors)")
+    p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir), a universal checkpoint or a MaxText "
+                   "checkpoint (<root> or <root>/0/items)")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("--tag")
+    p.add_argument("--dtype", choices=["source", "bfloat16", "float32"], default="source",
+                   help="weights dtype (default: the dtype the source model had)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
+    p.add_argument("--family", help="MaxText sources: model family (default: recorded or inferred)")
+    _writer_options(p)
+    p.set_defaults(func=cmd_to_hf)
+
+    p = sub.add_parser("from-hf", help="a Hugging Face checkpoint (safetensors) into the universal form")
+    p.add_argument("source", help="HF model directory: config.json and *.safetensors (with or without an index)")
+    p.add_argument("-o", "--output", required=True, help="universal checkpoint directory to write")
+    p.add_argument("--dtype", choices=["source", "bfloat16", "float32"], default="source",
+                   help="dtype of the stored weights (default: the files' dtype)")
+    _writer_options(p)
+    p.set_defaults(func=cmd_from_hf)
 
     p = sub.add_parser("reshard-orbax", help="re-chunk a MaxText Orbax checkpoint for a target mesh, array by array")
     p.add_argument("source", help="the Orbax item directory (<root>/0/items)")

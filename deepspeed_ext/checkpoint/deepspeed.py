@@ -517,16 +517,19 @@ class DeepSpeedCheckpoint:
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet."""
+        module = self.first_model_states.get("module") or {}
         for name, layout in self.layouts.items():
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
                 return self.step(name) if state == STEP else self.full_tensor(name, state)
 
+            weights = module.get(name)
             yield LogicalTensor(name=name,
                                 shape=layout.shape,
                                 layout=layout,
                                 states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
-                                loader=loader)
+                                loader=loader,
+                                dtype=weights.dtype if torch.is_tensor(weights) else torch.float32)
 
     # ------------------------------------------------------------------ summary
     def optimizer_state_for_universal(self) -> dict[str, Any]:

@@ -553,6 +553,8 @@ class MaxTextCheckpoint:
         params_prefix = "/".join(PARAMS_PREFIX) + "/"
         self.stored = {name[len(params_prefix):]: tuple(m.shape) for name, m in flat.items()
                        if name.startswith(params_prefix)}
+        self.stored_dtypes = {name[len(params_prefix):]: str(m.dtype) for name, m in flat.items()
+                              if name.startswith(params_prefix)}
         if not self.stored:
             raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
         self.scan_layers = any(name.startswith("decoder/layers/") for name in self.stored)
@@ -650,29 +652,28 @@ class MaxTextCheckpoint:
         import torch
 
         from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
+        from deepspeed_ext.checkpoint.hf import torch_dtype
+        # Without optax state there are only weights: the resuming optimizer starts fresh.
+        states = (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer else (MASTER_WEIGHTS, )
         # Weights first, then each moment, so a cached scanned stack serves all its layers in a row.
         for name, layout in self.layouts.items():
 
-            def loader(state: str, name: str = name, shape: tuple[int, ...] = layout.shape) -> Any:
+            def loader(state: str, name: str = name) -> Any:
                 if state == STEP:
                     return self.optimizer_step
-                if state == MASTER_WEIGHTS or self.has_optimizer:
-                    return torch.from_numpy(self.hf_tensor(name, state))
-                return torch.zeros(shape, dtype=torch.float32)  # fresh Adam moments
+                return torch.from_numpy(self.hf_tensor(name, state))
 
-            yield LogicalTensor(name=name, shape=layout.shape, layout=layout,
-                                states=(MASTER_WEIGHTS, *ADAM_STATES, STEP), loader=loader)
+            leaf = self._sources[name][0][1]
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
+                                dtype=torch_dtype(self.stored_dtypes[leaf]))
 
     def optimizer_state_for_universal(self) -> dict[str, Any]:
         return {"param_groups": []}
 
     def copy_model_states(self, directory: Path) -> None:
         """The model-states file a universal checkpoint carries: the recorded step, TP=1, DP=1."""
-        from deepspeed_ext.checkpoint import serialization
-        states = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
-                  "global_steps": self.step, "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
-                  "ds_version": None}
-        serialization.save(states, directory / "mp_rank_00_model_states.pt")
+        from deepspeed_ext.checkpoint.universal import write_fresh_model_states
+        write_fresh_model_states(directory, self.step)
 
 
 def stored_model_info(items: str | Path) -> dict[str, Any]:

@@ -114,7 +114,9 @@ def load_universal_checkpoint(engine: Any,
     if missing:
         raise CheckpointError(f"{ckpt.zero}: no universal tensors for {len(missing)} model parameters, e.g. "
                               f"{missing[:3]}")
-    with_optimizer = load_optimizer_states and not load_module_only
+    # A universal checkpoint made from weights alone (HF, params-only MaxText) has no moments: the
+    # optimizer keeps its fresh state, as when training starts from pretrained weights.
+    with_optimizer = load_optimizer_states and not load_module_only and ckpt.has_optimizer_states
     states = (MASTER_WEIGHTS, *ADAM_STATES) if with_optimizer else (MASTER_WEIGHTS, )
 
     with torch.no_grad():

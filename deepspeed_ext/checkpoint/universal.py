@@ -101,9 +101,13 @@ def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], parti
     for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param", disable=not progress):
         param_dir = zero / tensor.name
         param_dir.mkdir()
+        # A source without optimizer state (HF weights, a params-only MaxText checkpoint) has only fp32:
+        # no moment files, and the resuming optimizer starts fresh.
         for state in TENSOR_STATES:
-            serialization.save(_entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
-        serialization.save(tensor.load(STEP), param_dir / f"{STEP}.pt")
+            if state in tensor.states:
+                serialization.save(_entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
+        if STEP in tensor.states:
+            serialization.save(tensor.load(STEP), param_dir / f"{STEP}.pt")
 
     serialization.save(source.optimizer_state_for_universal(), zero / OPTIMIZER_STATE_FILE)
     source.copy_model_states(partial)
@@ -116,6 +120,15 @@ def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], parti
                model_class=src_info.model_class if src_info else None,
                versions=dict(src_info.versions) if src_info else {},
                kind="universal"))
+
+
+def write_fresh_model_states(directory: Path, global_steps: int) -> None:
+    """The model-states file of a universal checkpoint from a source that never ran in DeepSpeed:
+    TP=1, DP=1, the training step it records, no module copy, no scheduler."""
+    states = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
+              "global_steps": int(global_steps), "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
+              "ds_version": None}
+    serialization.save(states, directory / "mp_rank_00_model_states.pt")
 
 
 class UniversalCheckpoint:
@@ -185,6 +198,17 @@ class UniversalCheckpoint:
             raise CheckpointError(f"{self.path}: no mp_rank_*_model_states.pt files")
         return serialization.load(self.model_state_files[0])
 
+    @cached_property
+    def has_optimizer_states(self) -> bool:
+        """Whether the checkpoint holds Adam moments (a universal checkpoint from HF weights does not)."""
+        return any(self.has(name, state) for name in self.names[:1] for state in ADAM_STATES)
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        """The dtype the source model held ``name`` in: its copied module weights', else the stored tensor's."""
+        module = self.model_states.get("module") if self.model_state_files else None
+        value = module.get(name) if isinstance(module, dict) else None
+        return value.dtype if torch.is_tensor(value) else self.load(name).dtype
+
     def tensors(self) -> Iterator[LogicalTensor]:
         layouts = self.uc_info.layouts if self.uc_info else {}
         for name in self.names:
@@ -196,7 +220,8 @@ class UniversalCheckpoint:
             layout = layouts.get(name)
             if layout is None:
                 layout = TPLayout.replicated(tuple(self.load(name).shape), 1)
-            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader)
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
+                                dtype=self.model_dtype(name))
 
     def summary(self) -> dict[str, Any]:
         states = self.model_states

@@ -147,6 +147,11 @@ def batch(step: int, dp_rank: int, dp_size: int, micro: int = 0, grad_accum: int
     return tokens[first:first + rows]
 
 
+def eval_batch() -> torch.Tensor:
+    """A fixed batch no training step sees, for comparing a model's logits across formats."""
+    return batch(10_000, 0, 1)
+
+
 def finish_distributed() -> None:
     """End a torchrun worker whose work is complete and written.
 

@@ -87,9 +87,14 @@ def dump_live_state(engine, path: Path, tp_rank: int) -> None:
                 "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
                 "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
             }
+    from deepspeed_ext.demo.models import eval_batch
+    with torch.no_grad():  # every rank runs the forward: TP (and ZeRO-3) layers communicate
+        logits = engine.module(input_ids=eval_batch()).logits.float()
     if engine.global_rank == tp_rank:  # DP rank 0 of each TP rank writes
         path.mkdir(parents=True, exist_ok=True)
         torch.save(state, path / f"tp_rank_{tp_rank:02d}.pt")
+        # Full logits, or this rank's vocab shard where the output projection is vocab-parallel.
+        torch.save(logits, path / f"logits_tp_rank_{tp_rank:02d}.pt")
 
 
 def allow_cpu_fp16() -> None:

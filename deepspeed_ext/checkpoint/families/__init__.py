@@ -1,8 +1,10 @@
-"""Model families: how a Hugging Face (= universal) parameter name maps to a MaxText parameter path.
+"""Model families: how a model's (= universal) parameter names map to MaxText paths and HF file names.
 
-Each family module holds data only: a :class:`Family` with one :class:`Rule` per parameter. The
+Each family module holds data only: a :class:`Family` with one :class:`Rule` per parameter, and where
+transformers' files name parameters differently from the model, :class:`ExpertSplit` entries. The
 transforms the rules name (transpose, per-head reshape, query scaling, RoPE interleave, expert split)
-are part of the MaxText format and live in :mod:`deepspeed_ext.checkpoint.maxtext`.
+are part of the MaxText format and live in :mod:`deepspeed_ext.checkpoint.maxtext`; the HF file layout
+lives in :mod:`deepspeed_ext.checkpoint.hf`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from deepspeed_ext.errors import CheckpointError
 
 LAYER = "{layer}"  # in Rule.hf: the decoder layer index
 LAYERS = "{layers}"  # in Rule.path: "layers" when scanned, "layers_<i>" when not
+EXPERT = "{expert}"  # in ExpertSplit.pieces: the expert index
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,19 @@ class Family:
         return self.rules if tied else self.rules + self.untied_rules
 
 
+@dataclass(frozen=True)
+class ExpertSplit:
+    """A fused expert parameter that HF checkpoint files store one tensor per expert.
+
+    transformers 5.x models hold a layer's experts as one 3-D parameter ``[E, ...]`` but read and write
+    the per-expert tensors of older checkpoints. Expert ``e``'s slice ``param[e]`` is cut into
+    ``len(pieces)`` equal parts along its first axis, in the order of ``pieces`` (gate rows before up rows).
+    """
+
+    param: str  # the model's name, with "{layer}"
+    pieces: tuple[str, ...]  # the file's names, with "{layer}" and "{expert}"
+
+
 def _families() -> dict[str, Family]:
     from deepspeed_ext.checkpoint.families import llama, qwen3, qwen3_moe
     found = [llama.LLAMA, llama.LLAMA31, llama.MISTRAL, qwen3.QWEN3, qwen3_moe.QWEN3_MOE]
@@ -64,6 +80,12 @@ def get_family(name: str) -> Family:
     if name not in families:
         raise CheckpointError(f"unknown model family {name!r}; known: {', '.join(families)}")
     return families[name]
+
+
+def hf_expert_splits(model_type: str | None) -> tuple[ExpertSplit, ...]:
+    """How ``model_type``'s HF files split its fused expert parameters (none: the files use the model's names)."""
+    from deepspeed_ext.checkpoint.families import qwen3_moe
+    return {"qwen3_moe": qwen3_moe.HF_EXPERTS}.get(model_type or "", ())
 
 
 def infer_family(model_config: Mapping[str, Any], source: str = "model config") -> Family:

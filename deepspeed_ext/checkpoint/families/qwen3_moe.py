@@ -5,7 +5,7 @@ and ``experts.down_proj`` [E, H, I]; MaxText keeps ``moe_block/wi_0``, ``wi_1`` 
 (stacked as [E, L, ...] when scanned).
 """
 
-from deepspeed_ext.checkpoint.families import Family, Rule
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule
 from deepspeed_ext.checkpoint.families.llama import ATTENTION, EMBEDDING_AND_NORM, LM_HEAD
 from deepspeed_ext.checkpoint.families.qwen3 import QK_NORMS
 
@@ -24,3 +24,10 @@ QWEN3_MOE = Family(name="qwen3-moe",
                    query_scaled=False,
                    rope_interleaved=False,
                    maxtext_settings={"decoder_block": "qwen3_moe", "use_qk_norm": True})
+
+#: transformers' save_pretrained writes the experts one by one (``experts.<e>.gate_proj.weight`` [I, H], ...).
+HF_EXPERTS = (
+    ExpertSplit(f"{_L}.experts.gate_up_proj",
+                (f"{_L}.experts.{{expert}}.gate_proj.weight", f"{_L}.experts.{{expert}}.up_proj.weight")),
+    ExpertSplit(f"{_L}.experts.down_proj", (f"{_L}.experts.{{expert}}.down_proj.weight", )),
+)

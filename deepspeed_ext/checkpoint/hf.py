@@ -1,0 +1,476 @@
+"""Hugging Face checkpoints (sharded safetensors): the sink behind ``to-hf``, the source behind ``from-hf``.
+
+Layout written (what ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads)::
+
+    OUT/config.json                          the model's HF config (dtype = the weights' dtype)
+    OUT/model-0000K-of-0000N.safetensors     the weights, cut at --max-shard-size (one file: model.safetensors)
+    OUT/model.safetensors.index.json         {"metadata": {total_parameters, total_size}, "weight_map": ...}
+
+Names: HF names are the model's parameter names, which are the universal names, except where a family
+says transformers' files store a fused parameter in pieces (:class:`~deepspeed_ext.checkpoint.families.
+ExpertSplit`: Qwen3-MoE's experts one by one). A tied output projection is left out, as
+``save_pretrained`` does.
+
+Streaming: the shard plan (names, shapes, dtypes, offsets) is known before any data is read, so every
+shard file gets its safetensors header up front and each tensor is written at its offset as the source
+produces it, once. The safetensors library serialises only whole in-memory dictionaries, which would hold
+a shard (5 GB by default) in memory; the format itself is a length-prefixed JSON header followed by raw
+little-endian bytes (https://github.com/huggingface/safetensors#format), and every file written here is
+read back by ``safetensors.safe_open`` in the tests. Reading uses ``safe_open`` (memory-mapped, lazy).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
+from deepspeed_ext.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+FILENAME_PATTERN = "model{suffix}.safetensors"
+DTYPES = ("source", "bfloat16", "float32")
+#: The parameter a tied output projection shares (all supported families).
+TIED_PAIR = ("lm_head.weight", "model.embed_tokens.weight")
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def output_dtype(choice: str, source_dtype: torch.dtype) -> torch.dtype:
+    """``--dtype``: ``source`` keeps the dtype the source model had; otherwise the named dtype."""
+    if choice == "source":
+        return source_dtype
+    if choice not in _TORCH_DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {choice!r}")
+    return _TORCH_DTYPES[choice]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """A dtype from its numpy/torch/safetensors name (``bfloat16``, ``float32``, ``BF16``, ...)."""
+    name = str(name).replace("torch.", "")
+    by_name = {**_TORCH_DTYPES, **{v: k for k, v in _SAFETENSORS_DTYPES.items()}}
+    if name not in by_name:
+        raise CheckpointError(f"unsupported tensor dtype {name!r} (supported: float32, bfloat16, float16)")
+    value = by_name[name]
+    return value if isinstance(value, torch.dtype) else _TORCH_DTYPES[name]
+
+
+# --------------------------------------------------------------------------- model names <-> file names
+@dataclass(frozen=True)
+class FileTensor:
+    """One tensor of the HF files, and where it lies in a model parameter."""
+
+    name: str  # the name in the files
+    param: str  # the model (universal) parameter it is cut from
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    expert: int | None = None  # cut from param[expert] ...
+    piece: int = 0  # ... as the piece-th of `pieces` equal parts along that slice's first axis
+    pieces: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        if self.expert is None:
+            return full
+        rows = self.shape[0]
+        return full[self.expert].narrow(0, self.piece * rows, rows)
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    text = re.escape(template).replace(re.escape(LAYER), r"(?P<layer>\d+)")
+    return re.compile("^" + text.replace(re.escape(EXPERT), r"(?P<expert>\d+)") + "$")
+
+
+def _split_of(param: str, splits: tuple[ExpertSplit, ...]) -> tuple[ExpertSplit, str] | None:
+    """The split that applies to model parameter ``param``, with its layer index."""
+    for split in splits:
+        match = _pattern(split.param).match(param)
+        if match:
+            return split, match.group("layer")
+    return None
+
+
+def file_tensors(param: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 splits: tuple[ExpertSplit, ...]) -> list[FileTensor]:
+    """The file tensors model parameter ``param`` becomes (itself, unless a split says otherwise)."""
+    found = _split_of(param, splits)
+    if found is None:
+        return [FileTensor(param, param, tuple(shape), dtype)]
+    split, layer = found
+    count = len(split.pieces)
+    if len(shape) < 2 or shape[1] % count:
+        raise CheckpointError(f"{param}: shape {list(shape)} cannot be cut into {count} expert pieces")
+    piece_shape = (shape[1] // count, *shape[2:])
+    return [FileTensor(template.replace(LAYER, layer).replace(EXPERT, str(expert)), param, piece_shape, dtype,
+                       expert, piece, count)
+            for expert in range(shape[0]) for piece, template in enumerate(split.pieces)]
+
+
+def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
+                     source: str) -> dict[str, dict[tuple[int, int], str] | None]:
+    """Model parameter -> its pieces in the files, ``{(expert, piece): file name}`` (None: stored whole)."""
+    patterns = [(split, piece, _pattern(template)) for split in splits for piece, template in enumerate(split.pieces)]
+    params: dict[str, dict[tuple[int, int], str] | None] = {}
+    for name in names:
+        for split, piece, pattern in patterns:
+            match = pattern.match(name)
+            if match:
+                param = split.param.replace(LAYER, match.group("layer"))
+                if params.get(param, {}) is None:
+                    raise CheckpointError(f"{source}: holds {param} both fused and as per-expert tensors")
+                params.setdefault(param, {})[(int(match.group("expert")), piece)] = name
+                break
+        else:
+            if name in params:
+                raise CheckpointError(f"{source}: holds {name} both fused and as per-expert tensors")
+            params[name] = None
+    for param, pieces in params.items():
+        if pieces is None:
+            continue
+        split, _ = _split_of(param, splits)
+        experts = 1 + max(expert for expert, _ in pieces)
+        missing = [(e, p) for e in range(experts) for p in range(len(split.pieces)) if (e, p) not in pieces]
+        if missing:
+            e, p = missing[0]
+            layer = _pattern(split.param).match(param).group("layer")
+            raise CheckpointError(f"{source}: {split.pieces[p].replace(LAYER, layer).replace(EXPERT, str(e))} is "
+                                  f"missing ({len(missing)} expert tensors of {param} in all)")
+    return params
+
+
+# --------------------------------------------------------------------------- sink
+def _header(entries: list[FileTensor], metadata: Mapping[str, str]) -> bytes:
+    """A safetensors header: u64 little-endian length, then JSON padded with spaces to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for entry in entries:
+        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                              "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def causal_lm_class(model_type: str) -> str | None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source: str) -> Any:
+    """The transformers config object of a recorded config dict (validated by transformers itself)."""
+    from transformers import AutoConfig
+    values = dict(model_config)
+    model_type = values.pop("model_type", None)
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{source}: the model config is not one transformers knows "
+                              f"(model_type {model_type!r}): {exc}") from exc
+    if not config.architectures:
+        architecture = causal_lm_class(model_type)
+        config.architectures = [architecture] if architecture else None
+    if dtype is not None:
+        config.dtype = dtype
+    return config
+
+
+def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
+    """The parameters transformers' model for ``config`` has (built on the meta device: no memory)."""
+    from transformers import AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except ValueError:
+        return None  # a model type with no causal-LM class: nothing to check against
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def write_hf(tensors: Iterable[LogicalTensor],
+             out: str | Path,
+             *,
+             model_config: Mapping[str, Any],
+             dtype: str = "source",
+             max_shard_size: int | str = "5GB",
+             overwrite: bool = False,
+             progress: bool = True,
+             source: str = "source") -> Path:
+    """Write the stream ``tensors`` (full parameters, HF/universal names) as an HF checkpoint at ``out``.
+
+    Each tensor's master weights (``fp32`` state) are cast to ``dtype`` (``source``: the dtype the
+    source model had, ``LogicalTensor.dtype``) and written once, straight into its shard. The parameter
+    names and shapes are checked against transformers' model for ``model_config`` before anything is
+    written, so the output loads with no missing or unexpected keys.
+    """
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from tqdm import tqdm
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
+    tensors = {tensor.name: tensor for tensor in tensors}
+    tied = bool(model_config.get("tie_word_embeddings", False))
+    dropped_tied = tied and all(name in tensors for name in TIED_PAIR)
+    params = [tensor for name, tensor in tensors.items() if not (dropped_tied and name == TIED_PAIR[0])]
+    if not params:
+        raise CheckpointError(f"{source}: no parameters to write")
+    out_dtypes = {t.name: output_dtype(dtype, t.dtype) for t in params}
+    weights_dtype = max(out_dtypes.values(), key=list(out_dtypes.values()).count)
+    config = hf_config(model_config, weights_dtype, source)
+    expected = _expected_parameters(config)
+    if expected is not None:
+        have = {t.name: tuple(t.shape) for t in params}
+        if have != expected:
+            missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+            wrong = sorted(n for n in set(have) & set(expected) if have[n] != expected[n])
+            detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
+                      f"{wrong[0]} is {list(have[wrong[0]])}, the config says {list(expected[wrong[0]])}")
+            raise CheckpointError(f"{source}: parameters do not fit {type(config).__name__}'s model ({detail}); "
+                                  "wrong --config?")
+
+    splits = hf_expert_splits(model_config.get("model_type"))
+    plan = [entry for t in params for entry in file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits)]
+    split = split_state_dict_into_shards_factory({entry.name: entry for entry in plan},
+                                                 get_storage_size=lambda entry: entry.nbytes,
+                                                 filename_pattern=FILENAME_PATTERN,
+                                                 max_shard_size=max_shard_size)
+    by_name = {entry.name: entry for entry in plan}
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)  # left over from an interrupted run
+    partial.mkdir(parents=True)
+    bar = tqdm(total=sum(entry.nbytes for entry in plan), desc="to-hf", unit="B", unit_scale=True,
+               disable=not progress)
+    files: dict[str, Any] = {}
+    try:
+        where: dict[str, tuple[str, int]] = {}  # file tensor -> (shard, absolute offset)
+        for filename, names in split.filename_to_tensors.items():
+            entries = [by_name[name] for name in names]
+            header = _header(entries, {"format": "pt"})
+            handle = open(partial / filename, "wb")  # noqa: SIM115 - closed in finally
+            files[filename] = handle
+            handle.write(header)
+            offset = len(header)
+            for entry in entries:
+                where[entry.name] = (filename, offset)
+                offset += entry.nbytes
+            handle.truncate(offset)
+        if dropped_tied:
+            _check_tied(tensors, source)
+        for tensor in params:
+            full = tensor.load(MASTER_WEIGHTS)
+            for entry in file_tensors(tensor.name, tuple(tensor.shape), out_dtypes[tensor.name], splits):
+                data = entry.cut(full).to(entry.dtype).contiguous()
+                filename, offset = where[entry.name]
+                handle = files[filename]
+                handle.seek(offset)
+                handle.write(data.reshape(-1).view(torch.uint8).numpy().data)
+                bar.update(entry.nbytes)
+            del full
+        for handle in files.values():
+            handle.close()
+        config.save_pretrained(partial)
+        if split.is_sharded:  # the index is written last: without it a multi-shard output does not load
+            index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
+                                  "total_size": split.metadata["total_size"]},
+                     "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+            tmp = partial / (INDEX_FILE + ".tmp")
+            tmp.write_text(json.dumps(index, indent=2) + "\n")
+            os.replace(tmp, partial / INDEX_FILE)
+    except BaseException:
+        for handle in files.values():
+            handle.close()
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    return out
+
+
+def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:
+    head, embedding = (tensors[name].load(MASTER_WEIGHTS) for name in TIED_PAIR)
+    if not torch.equal(head, embedding):
+        raise CheckpointError(f"{source}: the config ties {TIED_PAIR[0]} to {TIED_PAIR[1]}, but they differ; "
+                              "fix tie_word_embeddings in the config")
+
+
+# --------------------------------------------------------------------------- source
+class HFCheckpoint:
+    """An HF model directory (``config.json`` + safetensors) as a stream of full parameters.
+
+    Files are opened with ``safe_open`` (memory-mapped); a tensor is read when a sink asks for it, in
+    the file's dtype unless ``dtype`` says otherwise. No transformers model is built. There is no
+    optimizer state: a universal checkpoint written from here starts a fresh optimizer at step 0.
+    """
+
+    tp_degree = 1
+    dp_degree = 1
+    zero_stage = 0
+
+    def __init__(self, path: str | Path, dtype: str = "source"):
+        self.path = Path(path)
+        self.tag_dir = self.path
+        self.dtype_choice = dtype
+        output_dtype(dtype, torch.float32)  # validates the choice
+        config_path = self.path / CONFIG_FILE
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: file not found (an HF model directory needs its config.json)")
+        try:
+            self.model_config: dict[str, Any] = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{config_path}: cannot read JSON: {exc}") from exc
+        self._handles: dict[Path, Any] = {}
+        self._file_of = self._weight_files()
+        self.splits = hf_expert_splits(self.model_config.get("model_type"))
+        self._pieces = group_file_names(self._file_of, self.splits, str(self.path))
+        if self.model_config.get("tie_word_embeddings") and all(name in self._pieces for name in TIED_PAIR):
+            self._tied_head = True  # transformers ties it on load; the model has one parameter
+            del self._pieces[TIED_PAIR[0]]
+        else:
+            self._tied_head = False
+
+    @staticmethod
+    def is_hf(path: str | Path) -> bool:
+        path = Path(path)
+        return (path / CONFIG_FILE).is_file() and ((path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
+
+    def _weight_files(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+            files = {name: self.path / filename for name, filename in weight_map.items()}
+            for file in sorted(set(files.values())):
+                if not file.is_file():
+                    raise CheckpointError(f"{file}: file not found (listed in {INDEX_FILE})")
+            return files
+        paths = [self.path / SINGLE_FILE] if (self.path / SINGLE_FILE).is_file() else sorted(
+            self.path.glob("*.safetensors"))
+        if not paths:
+            raise CheckpointError(f"{self.path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
+        files = {}
+        for file in paths:
+            for name in self._handle(file).keys():
+                if name in files:
+                    raise CheckpointError(f"{file}: tensor {name!r} is also in {files[name]}")
+                files[name] = file
+        return files
+
+    def _handle(self, file: Path) -> Any:
+        from safetensors import SafetensorError, safe_open
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
+        return self._handles[file]
+
+    def _slice(self, name: str) -> Any:
+        file = self._file_of[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except Exception as exc:  # safetensors raises its own error types for names not in a file
+            raise CheckpointError(f"{file}: no tensor {name!r} ({exc})") from exc
+
+    def _read(self, name: str) -> torch.Tensor:
+        file = self._file_of[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except Exception as exc:
+            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every model parameter (fused experts assembled), from the headers alone."""
+        shapes = {}
+        for param, pieces in self._pieces.items():
+            if pieces is None:
+                shapes[param] = tuple(self._slice(param).get_shape())
+                continue
+            piece_shapes = {tuple(self._slice(name).get_shape()) for name in pieces.values()}
+            if len(piece_shapes) != 1:
+                raise CheckpointError(f"{self.path}: the expert tensors of {param} differ in shape: "
+                                      f"{sorted(piece_shapes)}")
+            (shape, ) = piece_shapes
+            experts = 1 + max(expert for expert, _ in pieces)
+            count = len(pieces) // experts
+            shapes[param] = (experts, shape[0] * count, *shape[1:])
+        return shapes
+
+    def file_dtype(self, param: str) -> torch.dtype:
+        pieces = self._pieces[param]
+        return torch_dtype(self._slice(param if pieces is None else pieces[(0, 0)]).get_dtype())
+
+    def load(self, param: str) -> torch.Tensor:
+        """The full parameter in its file dtype (or the ``dtype`` asked for)."""
+        pieces = self._pieces[param]
+        if pieces is None:
+            tensor = self._read(param)
+        else:
+            tensor = torch.empty(self.shapes[param], dtype=self.file_dtype(param))
+            count = len(pieces) // tensor.shape[0]
+            rows = tensor.shape[1] // count
+            for (expert, piece), name in pieces.items():
+                tensor[expert].narrow(0, piece * rows, rows).copy_(self._read(name))
+        return tensor.to(output_dtype(self.dtype_choice, tensor.dtype))
+
+    # ---- the universal writer's source protocol
+    @cached_property
+    def layouts(self) -> dict[str, Any]:
+        from deepspeed_ext.module_inject.layout import TPLayout
+        return {name: TPLayout.replicated(shape, 1) for name, shape in self.shapes.items()}
+
+    @property
+    def uc_info(self) -> Any:
+        from deepspeed_ext.checkpoint.metadata import UCInfo
+        return UCInfo(tp_size=1, layouts=self.layouts, model_config=self.model_config,
+                      model_class=(self.model_config.get("architectures") or [None])[0],
+                      versions={"source": "huggingface safetensors"})
+
+    model_states: dict[str, Any] = {}  # no training state: step 0
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        if self._tied_head:
+            head, embedding = self._read(TIED_PAIR[0]), self.load(TIED_PAIR[1])
+            if not torch.equal(head.to(embedding.dtype), embedding):
+                raise CheckpointError(f"{self._file_of[TIED_PAIR[0]]}: the config ties {TIED_PAIR[0]} to "
+                                      f"{TIED_PAIR[1]}, but the files hold different values")
+        for name, layout in self.layouts.items():
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=(MASTER_WEIGHTS, ),
+                                loader=lambda state, name=name: self.load(name),
+                                dtype=output_dtype(self.dtype_choice, self.file_dtype(name)))
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        return {"param_groups": []}
+
+    def copy_model_states(self, directory: Path) -> None:
+        from deepspeed_ext.checkpoint.universal import write_fresh_model_states
+        write_fresh_model_states(directory, global_steps=0)
+
+    def summary(self) -> dict[str, Any]:
+        return {"kind": "huggingface", "path": str(self.path), "model_type": self.model_config.get("model_type"),
+                "files": len(set(self._file_of.values())),
+                "tensor_dtypes": sorted({str(self.file_dtype(n)).replace("torch.", "") for n in self.shapes}),
+                "num_parameters": sum(int(torch.Size(s).numel()) for s in self.shapes.values())}
