@@ -22,27 +22,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from maxtext_rss import build_universal, peak_rss  # noqa: E402
+from maxtext_rss import cached_universal, model_arguments, peak_rss  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--vocab", type=int, default=32000)
+    model_arguments(p)
     p.add_argument("--max-shard-size", default="1GB")
-    p.add_argument("--workdir", default="/tmp/deepspeed_ext_bench")
     args = p.parse_args()
-    tag = f"llama_h{args.hidden}_l{args.layers}_i{args.intermediate}_v{args.vocab}"
-    work = Path(args.workdir)
-    universal = work / tag / "universal"
-    if not universal.is_dir():
-        print(f"building {universal} ...", flush=True)
-        universal.parent.mkdir(parents=True, exist_ok=True)
-        build_universal(args, universal)
+    work, universal = cached_universal(args)
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     numel = {t.name: int(torch.Size(t.shape).numel()) for t in UniversalCheckpoint(universal).tensors()}
     largest = max(numel, key=numel.get)
@@ -50,17 +38,17 @@ def main() -> None:
     baseline, _ = peak_rss([python, "-c", "import deepspeed_ext.cli, deepspeed_ext.checkpoint.hf, "
                             "deepspeed_ext.checkpoint.universal, transformers, safetensors, torch"])
     cli = [python, "-m", "deepspeed_ext"]
-    hf_bf16, hf_fp32 = work / tag / "hf_bf16", work / tag / "hf_fp32"
+    hf_bf16, hf_fp32 = work / "hf_bf16", work / "hf_fp32"
     runs = [("universal -> to-hf bf16", cli + ["to-hf", str(universal), "-o", str(hf_bf16), "--dtype", "bfloat16"]),
             ("universal -> to-hf fp32", cli + ["to-hf", str(universal), "-o", str(hf_fp32), "--dtype", "float32"]),
-            ("HF bf16 -> from-hf", cli + ["from-hf", str(hf_bf16), "-o", str(work / tag / "from_hf")]),
-            ("HF bf16 -> to-hf (re-shard)", cli + ["to-hf", str(hf_bf16), "-o", str(work / tag / "hf_again")])]
+            ("HF bf16 -> from-hf", cli + ["from-hf", str(hf_bf16), "-o", str(work / "from_hf")]),
+            ("HF bf16 -> to-hf (re-shard)", cli + ["to-hf", str(hf_bf16), "-o", str(work / "hf_again")])]
     rows = []
     for label, cmd in runs:
         rss, wall = peak_rss(cmd + ["--max-shard-size", args.max_shard_size] * ("to-hf" in cmd) +
                              ["--overwrite", "--quiet"])
         rows.append((label, rss, wall))
-    for path in (hf_fp32, work / tag / "from_hf", work / tag / "hf_again", hf_bf16):
+    for path in (hf_fp32, work / "from_hf", work / "hf_again", hf_bf16):
         shutil.rmtree(path, ignore_errors=True)
     gib = 2**30
     total = sum(numel.values())

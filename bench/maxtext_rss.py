@@ -75,8 +75,8 @@ def peak_rss(cmd: list[str]) -> tuple[float, float]:
     return kib / 2**20, wall
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark model's shape (default: the 246M Llama) and the cache directory."""
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--heads", type=int, default=16)
@@ -84,14 +84,24 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=2816)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--workdir", default="/tmp/deepspeed_ext_bench")
-    args = p.parse_args()
-    tag = f"llama_h{args.hidden}_l{args.layers}_i{args.intermediate}_v{args.vocab}"
-    work = Path(args.workdir)
-    universal = work / tag / "universal"
+
+
+def cached_universal(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(this model's work directory, its universal checkpoint), built on first use."""
+    work = Path(args.workdir) / f"llama_h{args.hidden}_l{args.layers}_i{args.intermediate}_v{args.vocab}"
+    universal = work / "universal"
     if not universal.is_dir():
         print(f"building {universal} ...", flush=True)
-        universal.parent.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
         build_universal(args, universal)
+    return work, universal
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    model_arguments(p)
+    args = p.parse_args()
+    work, universal = cached_universal(args)
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     shapes = {t.name: t.shape for t in UniversalCheckpoint(universal).tensors()}
     numel = {name: int(torch.Size(shape).numel()) for name, shape in shapes.items()}
@@ -108,7 +118,7 @@ def main() -> None:
     rows = []
     for dtype in ("bfloat16", "float32"):
         for scan in (True, False):
-            out = work / tag / f"maxtext_{dtype}_{'scan' if scan else 'noscan'}"
+            out = work / f"maxtext_{dtype}_{'scan' if scan else 'noscan'}"
             cmd = [python, "-m", "deepspeed_ext", "to-maxtext", str(universal), "-o", str(out), "--dtype", dtype,
                    "--overwrite", "--quiet", "--scan-layers" if scan else "--no-scan-layers"]
             rss, wall = peak_rss(cmd)

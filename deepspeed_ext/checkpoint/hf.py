@@ -339,7 +339,6 @@ class HFCheckpoint:
             self.model_config: dict[str, Any] = json.loads(config_path.read_text())
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{config_path}: cannot read JSON: {exc}") from exc
-        self._handles: dict[Path, Any] = {}
         self._file_of = self._weight_files()
         self.splits = hf_expert_splits(self.model_config.get("model_type"))
         self._pieces = group_file_names(self._file_of, self.splits, str(self.path))
@@ -372,33 +371,47 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
         files = {}
         for file in paths:
-            for name in self._handle(file).keys():
+            with self._open(file) as handle:
+                names = list(handle.keys())
+            for name in names:
                 if name in files:
                     raise CheckpointError(f"{file}: tensor {name!r} is also in {files[name]}")
                 files[name] = file
         return files
 
-    def _handle(self, file: Path) -> Any:
+    @staticmethod
+    def _open(file: Path) -> Any:
+        """A fresh ``safe_open`` handle. Handles are not kept: a file's touched pages stay mapped (and count
+        in RSS) while its handle lives, which with 5 GB shards would be far more than one tensor."""
         from safetensors import SafetensorError, safe_open
-        if file not in self._handles:
-            try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
-        return self._handles[file]
-
-    def _slice(self, name: str) -> Any:
-        file = self._file_of[name]
         try:
-            return self._handle(file).get_slice(name)
-        except Exception as exc:  # safetensors raises its own error types for names not in a file
-            raise CheckpointError(f"{file}: no tensor {name!r} ({exc})") from exc
+            return safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
+
+    @cached_property
+    def _headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, dtype) of every tensor in the files, from their headers."""
+        headers = {}
+        for file in sorted(set(self._file_of.values())):
+            with self._open(file) as handle:
+                for name in handle.keys():
+                    if self._file_of.get(name) == file:
+                        info = handle.get_slice(name)
+                        headers[name] = (tuple(info.get_shape()), info.get_dtype())
+        missing = sorted(set(self._file_of) - set(headers))
+        if missing:
+            raise CheckpointError(f"{self._file_of[missing[0]]}: no tensor {missing[0]!r} (listed in {INDEX_FILE})")
+        return headers
 
     def _read(self, name: str) -> torch.Tensor:
         file = self._file_of[name]
         try:
-            return self._handle(file).get_tensor(name)
-        except Exception as exc:
+            with self._open(file) as handle:
+                return handle.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
 
     @cached_property
@@ -407,9 +420,9 @@ class HFCheckpoint:
         shapes = {}
         for param, pieces in self._pieces.items():
             if pieces is None:
-                shapes[param] = tuple(self._slice(param).get_shape())
+                shapes[param] = self._headers[param][0]
                 continue
-            piece_shapes = {tuple(self._slice(name).get_shape()) for name in pieces.values()}
+            piece_shapes = {self._headers[name][0] for name in pieces.values()}
             if len(piece_shapes) != 1:
                 raise CheckpointError(f"{self.path}: the expert tensors of {param} differ in shape: "
                                       f"{sorted(piece_shapes)}")
@@ -421,7 +434,7 @@ class HFCheckpoint:
 
     def file_dtype(self, param: str) -> torch.dtype:
         pieces = self._pieces[param]
-        return torch_dtype(self._slice(param if pieces is None else pieces[(0, 0)]).get_dtype())
+        return torch_dtype(self._headers[param if pieces is None else pieces[(0, 0)]][1])
 
     def load(self, param: str) -> torch.Tensor:
         """The full parameter in its file dtype (or the ``dtype`` asked for)."""

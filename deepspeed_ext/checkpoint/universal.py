@@ -125,9 +125,11 @@ def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], parti
 def write_fresh_model_states(directory: Path, global_steps: int) -> None:
     """The model-states file of a universal checkpoint from a source that never ran in DeepSpeed:
     TP=1, DP=1, the training step it records, no module copy, no scheduler."""
+    from importlib.metadata import version
+    # DeepSpeed's loader refuses a checkpoint without ds_version; the files follow the installed release's layout.
     states = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
               "global_steps": int(global_steps), "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
-              "ds_version": None}
+              "ds_version": version("deepspeed")}
     serialization.save(states, directory / "mp_rank_00_model_states.pt")
 
 
