@@ -42,11 +42,14 @@ def tiny_config(family: str = "llama") -> Any:
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
-def build_model(family: str = "llama", seed: int = 1234) -> torch.nn.Module:
-    """The same initial weights on every rank (AutoTP cuts its slices from this full model)."""
+def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> torch.nn.Module:
+    """The same initial weights on every rank (AutoTP cuts its slices from this full model).
+
+    ``config`` (a transformers config) replaces the family's tiny one, e.g. for the benchmarks' 246M Llama.
+    """
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(config or tiny_config(family), attn_implementation="eager")
 
 
 def tensor_parallel_section(family: str, tp: int) -> dict[str, Any]:

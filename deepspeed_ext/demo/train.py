@@ -17,6 +17,8 @@ import torch
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--family", default="llama")
+    p.add_argument("--model-config", help="build the model from this HF config.json instead of the family's tiny "
+                   "one (the family still picks the tensor_parallel section)")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -127,7 +129,12 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tp:
         raise SystemExit(f"world size {world} is not a multiple of --tp {args.tp}")
-    model = build_model(args.family)
+    config = None
+    if args.model_config:
+        from transformers import AutoConfig
+        values = json.loads(Path(args.model_config).read_text())
+        config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model = build_model(args.family, config=config)
     config = ds_config(tp=args.tp,
                        dp=world // args.tp,
                        zero=args.zero,
