@@ -246,6 +246,9 @@ class DeepSpeedCheckpoint:
         # TP rank's model-states file; DP ranks hold replicas and only DP rank 0 writes.
         self.optimizer_in_model_states = not optim
         self._optim_cache: dict[tuple[int, int], dict[str, Any]] = {}
+        # Memory-mapped optimizer-file pieces the last full_tensor() read, and where each file is mapped.
+        self._in_flight: list[tuple[tuple[int, int], torch.Tensor]] = []
+        self._mappings: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._zero0_cache: dict[int, _Zero0State] = {}
         if self.optimizer_in_model_states:
             for tp in range(self.tp_degree):
@@ -486,6 +489,8 @@ class DeepSpeedCheckpoint:
         if numel == 0:
             return torch.empty(shape, dtype=torch.float32)
         pieces = [self._flat(tp, f.dp_rank, f.group, state).narrow(0, f.start, f.numel) for f in fragments]
+        if not self.optimizer_in_model_states:
+            self._in_flight.extend(((tp, f.dp_rank), piece) for f, piece in zip(fragments, pieces, strict=True))
         if sum(f.numel for f in fragments) != numel:
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r} on TP rank {tp}: DP fragments cover "
                                   f"{sum(f.numel for f in fragments)} of {numel} elements")
@@ -497,6 +502,7 @@ class DeepSpeedCheckpoint:
 
         May be a view into the memory-mapped optimizer file; sinks copy what they keep.
         """
+        self._release_in_flight()
         layout = self.layouts[name]
         # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
         shards = [self.local_tensor(name, tp, state) for tp in range(self.tp_degree)]
@@ -505,6 +511,16 @@ class DeepSpeedCheckpoint:
         except Exception as exc:
             raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: {exc}") from exc
         return full
+
+    def _release_in_flight(self) -> None:
+        """Drop the optimizer-file pages the previous tensor read from RSS (it has been consumed by now).
+
+        Releasing is safe even if a caller still holds a view: the pages are read back from the file."""
+        for key, piece in self._in_flight:
+            if key not in self._mappings:
+                self._mappings[key] = serialization.file_mappings(self._optim_files[key])
+            serialization.release_pages(piece, self._mappings[key])
+        self._in_flight.clear()
 
     def step(self, name: str) -> torch.Tensor | int:
         fragments = self._fragments.get((name, 0))

@@ -8,8 +8,10 @@ memory-mapped: a tensor's bytes are paged in only when (and where) they are touc
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import pickle
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -61,3 +63,40 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+_MADV_DONTNEED = 4
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def file_mappings(path: str | os.PathLike) -> list[tuple[int, int]]:
+    """The address ranges where this process has ``path`` memory-mapped (Linux; elsewhere none)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    target = str(Path(path).resolve())
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == target:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((low, high))
+    return ranges
+
+
+def release_pages(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -> None:
+    """Drop the pages of a tensor memory-mapped from a checkpoint file out of this process's resident set.
+
+    A mapped file's touched pages count in RSS until the mapping goes, so streaming through a multi-GB
+    optimizer file would end with all of it resident. The pages stay in the page cache, and touching the
+    tensor again reads them back, so this never loses data. Only ranges inside ``mappings`` (read-only
+    file mappings from :func:`file_mappings`) are released: on ordinary memory the call would zero it.
+    """
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    for low, high in mappings:
+        if low <= start and end <= high:
+            first = max(low, start // _PAGE * _PAGE)
+            last = min(high, -(-end // _PAGE) * _PAGE)
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+            return
