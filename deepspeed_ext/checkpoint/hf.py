@@ -62,11 +62,10 @@ def output_dtype(choice: str, source_dtype: torch.dtype) -> torch.dtype:
 def torch_dtype(name: str) -> torch.dtype:
     """A dtype from its numpy/torch/safetensors name (``bfloat16``, ``float32``, ``BF16``, ...)."""
     name = str(name).replace("torch.", "")
-    by_name = {**_TORCH_DTYPES, **{v: k for k, v in _SAFETENSORS_DTYPES.items()}}
+    by_name = {**_TORCH_DTYPES, **{code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}}
     if name not in by_name:
         raise CheckpointError(f"unsupported tensor dtype {name!r} (supported: float32, bfloat16, float16)")
-    value = by_name[name]
-    return value if isinstance(value, torch.dtype) else _TORCH_DTYPES[name]
+    return by_name[name]
 
 
 # --------------------------------------------------------------------------- model names <-> file names
