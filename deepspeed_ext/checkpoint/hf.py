@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
@@ -219,7 +219,6 @@ def write_hf(tensors: Iterable[LogicalTensor],
     written, so the output loads with no missing or unexpected keys.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
-    from tqdm import tqdm
 
     out = Path(out)
     if out.exists() and not overwrite:
@@ -245,46 +244,14 @@ def write_hf(tensors: Iterable[LogicalTensor],
                                   "wrong --config?")
 
     splits = hf_expert_splits(model_config.get("model_type"))
-    plan = [entry for t in params for entry in file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits)]
-    split = split_state_dict_into_shards_factory({entry.name: entry for entry in plan},
-                                                 get_storage_size=lambda entry: entry.nbytes,
-                                                 filename_pattern=FILENAME_PATTERN,
-                                                 max_shard_size=max_shard_size)
-    by_name = {entry.name: entry for entry in plan}
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)  # left over from an interrupted run
-    partial.mkdir(parents=True)
-    bar = tqdm(total=sum(entry.nbytes for entry in plan), desc="to-hf", unit="B", unit_scale=True,
-               disable=not progress)
-    files: dict[str, Any] = {}
-    try:
-        where: dict[str, tuple[str, int]] = {}  # file tensor -> (shard, absolute offset)
-        for filename, names in split.filename_to_tensors.items():
-            entries = [by_name[name] for name in names]
-            header = _header(entries, {"format": "pt"})
-            handle = open(partial / filename, "wb")  # noqa: SIM115 - closed in finally
-            files[filename] = handle
-            handle.write(header)
-            offset = len(header)
-            for entry in entries:
-                where[entry.name] = (filename, offset)
-                offset += entry.nbytes
-            handle.truncate(offset)
-        if dropped_tied:
-            _check_tied(tensors, source)
-        for tensor in params:
-            full = tensor.load(MASTER_WEIGHTS)
-            for entry in file_tensors(tensor.name, tuple(tensor.shape), out_dtypes[tensor.name], splits):
-                data = entry.cut(full).to(entry.dtype).contiguous()
-                filename, offset = where[entry.name]
-                handle = files[filename]
-                handle.seek(offset)
-                handle.write(data.reshape(-1).view(torch.uint8).numpy().data)
-                bar.update(entry.nbytes)
-            del full
-        for handle in files.values():
-            handle.close()
+    pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
+    plan = {entry.name: entry for entries in pieces.values() for entry in entries}
+    split = split_state_dict_into_shards_factory(plan, get_storage_size=lambda entry: entry.nbytes,
+                                                 filename_pattern=FILENAME_PATTERN, max_shard_size=max_shard_size)
+    if dropped_tied:
+        _check_tied(tensors, source)
+    with serialization.staged_directory(out) as partial:
+        _write_shards(partial, split.filename_to_tensors, plan, params, pieces, progress)
         config.save_pretrained(partial)
         if split.is_sharded:  # the index is written last: without it a multi-shard output does not load
             index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
@@ -293,17 +260,41 @@ def write_hf(tensors: Iterable[LogicalTensor],
             tmp = partial / (INDEX_FILE + ".tmp")
             tmp.write_text(json.dumps(index, indent=2) + "\n")
             os.replace(tmp, partial / INDEX_FILE)
-    except BaseException:
+    return out
+
+
+def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],
+                  params: list[LogicalTensor], pieces: Mapping[str, list[FileTensor]], progress: bool) -> None:
+    """Create every shard with its header, then write each parameter's pieces at their offsets, in stream order."""
+    from tqdm import tqdm
+    bar = tqdm(total=sum(entry.nbytes for entry in plan.values()), desc="to-hf", unit="B", unit_scale=True,
+               disable=not progress)
+    files: dict[str, Any] = {}
+    where: dict[str, tuple[str, int]] = {}  # file tensor -> (shard, absolute offset)
+    try:
+        for filename, names in shards.items():
+            entries = [plan[name] for name in names]
+            header = _header(entries, {"format": "pt"})
+            files[filename] = handle = open(directory / filename, "wb")  # noqa: SIM115 - closed below
+            handle.write(header)
+            offset = len(header)
+            for entry in entries:
+                where[entry.name] = (filename, offset)
+                offset += entry.nbytes
+            handle.truncate(offset)
+        for tensor in params:
+            full = tensor.load(MASTER_WEIGHTS)
+            for entry in pieces[tensor.name]:
+                data = entry.cut(full).to(entry.dtype).contiguous()
+                filename, offset = where[entry.name]
+                files[filename].seek(offset)
+                files[filename].write(data.reshape(-1).view(torch.uint8).numpy().data)
+                bar.update(entry.nbytes)
+            del full
+    finally:
         for handle in files.values():
             handle.close()
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    finally:
         bar.close()
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
-    return out
 
 
 def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:

@@ -670,6 +670,11 @@ class MaxTextCheckpoint:
     def optimizer_state_for_universal(self) -> dict[str, Any]:
         return {"param_groups": []}
 
+    @property
+    def model_states(self) -> dict[str, Any]:
+        """The training state a DeepSpeed model-states file would hold: the step the weights are from."""
+        return {"global_steps": self.step}
+
     def copy_model_states(self, directory: Path) -> None:
         """The model-states file a universal checkpoint carries: the recorded step, TP=1, DP=1."""
         from deepspeed_ext.checkpoint.universal import write_fresh_model_states

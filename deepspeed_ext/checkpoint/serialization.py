@@ -11,8 +11,11 @@ import collections
 import ctypes
 import os
 import pickle
+import shutil
 import sys
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +66,27 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+@contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """Build an output directory under ``<out>.partial``; rename it to ``out`` only when the block completes.
+
+    An interrupted or failed run leaves no directory under the final name (a stale ``.partial`` from an
+    earlier interrupted run is cleared first), so nothing half-written ever looks like a checkpoint.
+    """
+    partial = out.with_name(out.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
 
 
 _MADV_DONTNEED = 4

@@ -18,7 +18,6 @@ interrupted run never leaves a directory that looks like a finished checkpoint.
 from __future__ import annotations
 
 import os
-import shutil
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -77,17 +76,8 @@ def write_universal(source: DeepSpeedCheckpoint,
     if out.resolve() == source.tag_dir.resolve():
         raise CheckpointError(f"{out}: output would overwrite the source checkpoint")
     layouts = source.layouts  # validates metadata before anything is written
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)  # left over from an interrupted run
-    try:
+    with serialization.staged_directory(out) as partial:
         _write_into(source, layouts, partial, progress)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
     latest = out.parent / LATEST_UNIVERSAL
     tmp = latest.with_name(latest.name + ".tmp")
     tmp.write_text(out.name)
@@ -97,7 +87,7 @@ def write_universal(source: DeepSpeedCheckpoint,
 
 def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path, progress: bool) -> None:
     zero = partial / ZERO_DIR
-    zero.mkdir(parents=True)
+    zero.mkdir()
     for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param", disable=not progress):
         param_dir = zero / tensor.name
         param_dir.mkdir()
