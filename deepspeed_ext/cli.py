@@ -83,9 +83,7 @@ def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
 
 
 def _global_steps(ckpt: Any) -> int:
-    # A DeepSpeed checkpoint's first TP rank; the model states of the other sources.
-    states = getattr(ckpt, "first_model_states", None) or ckpt.model_states
-    return int(states.get("global_steps") or 0)
+    return int(ckpt.model_states.get("global_steps") or 0)
 
 
 def cmd_to_maxtext(args: argparse.Namespace) -> int:

@@ -131,15 +131,51 @@ def _hook_load(engine: Any) -> None:
         options = call.arguments
         # ZeRO-3 engines rebuild their partitioned flat groups in DeepSpeed's own universal loader, which
         # reads our (upstream-compatible) files; everything else is restored here.
-        if (not engine.load_universal_checkpoint() or options.get("custom_load_fn") is not None
-                or engine.zero_optimization_partition_weights()):
+        if options.get("custom_load_fn") is not None or engine.zero_optimization_partition_weights():
             return original(*args, **kwargs)
-        from deepspeed_ext.checkpoint.restore import load_universal_checkpoint
-        return load_universal_checkpoint(engine,
-                                         options["load_dir"],
-                                         options.get("tag"),
-                                         load_optimizer_states=options.get("load_optimizer_states", True),
-                                         load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
-                                         load_module_only=options.get("load_module_only", False))
+        route = _load_route(engine, options["load_dir"], options.get("tag"))
+        if route is None:
+            return original(*args, **kwargs)
+        return route(engine,
+                     options["load_dir"],
+                     options.get("tag"),
+                     load_optimizer_states=options.get("load_optimizer_states", True),
+                     load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
+                     load_module_only=options.get("load_module_only", False))
 
     engine.load_checkpoint = load_checkpoint
+
+
+def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
+    """Which restore serves ``load_checkpoint(load_dir, tag)``; None: DeepSpeed's own.
+
+    * ``load_universal`` and a universal checkpoint: ours, at any TP/DP degree;
+    * a regular DeepSpeed checkpoint saved at other TP/DP degrees (or with ``load_universal`` set): read
+      directly, resharding at load time, no conversion step;
+    * a regular checkpoint at the engine's own degrees: DeepSpeed's native loader (it is already exact).
+    """
+    from deepspeed_ext.checkpoint import restore, serialization
+    from deepspeed_ext.checkpoint.deepspeed import resolve_tag_dir
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    from deepspeed_ext.errors import CheckpointError
+    if engine.load_universal_checkpoint() and tag is None and UniversalCheckpoint.is_universal(load_dir):
+        return restore.load_universal_checkpoint
+    try:
+        tag_dir = resolve_tag_dir(load_dir, tag)
+    except CheckpointError:
+        if engine.load_universal_checkpoint():
+            return restore.load_universal_checkpoint  # let it report what is missing
+        return None
+    if (tag_dir / "zero").is_dir():
+        return restore.load_universal_checkpoint if engine.load_universal_checkpoint() else None
+    if engine.load_universal_checkpoint():
+        return restore.load_deepspeed_checkpoint
+    model_files = sorted(tag_dir.glob("*mp_rank_*_model_states.pt"))
+    if not model_files:
+        return None
+    saved = serialization.load(model_files[0])
+    tp_size, _ = tp_group_info()
+    dp_size = engine.dp_world_size if hasattr(engine, "dp_world_size") else None
+    same = (int(saved.get("mp_world_size") or 1) == tp_size
+            and (dp_size is None or int(saved.get("dp_world_size") or 1) == dp_size))
+    return None if same else restore.load_deepspeed_checkpoint

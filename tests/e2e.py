@@ -95,6 +95,19 @@ class Scenario:
             self.loss_scales[key] = read_loss_scales(self.root / f"{name}.json")
         return self.resumed[key]
 
+    def loaded(self, tp: int, dp: int, load_dir: Path, load_universal: bool = True
+               ) -> tuple[list[dict[str, dict[str, torch.Tensor]]], dict[int, float]]:
+        """Load ``load_dir`` at TP×DP, dump every TP rank's state right after ``load_checkpoint``, train one
+        step: (per TP rank {param: {fp32, exp_avg, exp_avg_sq}}, {step: loss})."""
+        name = f"loaded_tp{tp}_dp{dp}_{load_dir.name}" + ("" if load_universal else "_native_config")
+        dump = self.root / name
+        args = self.common(tp) + ["--load-dir", str(load_dir), "--dump-loaded", str(dump), "--steps",
+                                  str(self.save_at + 1), "--result", str(self.root / f"{name}.json")]
+        torchrun_train(tp * dp, args + ([] if load_universal else ["--no-load-universal"]), self.root / f"{name}.log",
+                       python=self.python)
+        states = [torch.load(dump / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(tp)]
+        return states, read_losses(self.root / f"{name}.json")
+
     def resumed_loss_scales(self, tp: int, dp: int = 1, zero: int | None = None) -> dict[int, float | None]:
         """The loss scales of the resume ``resume(tp, dp, zero=zero)`` ran (from our universal output)."""
         return self.loss_scales[(tp, dp, "None", False, zero)]

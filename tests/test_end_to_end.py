@@ -36,6 +36,25 @@ def test_tp2_zero1_bf16_merged_state_equals_live_engine(tp2):
     assert assert_universal_matches_live(tp2) == 21 * 3 * 2
 
 
+@pytest.mark.parametrize("target", [(1, 1, True), (4, 1, True), (1, 2, False), (3, 1, False)])
+def test_direct_load_of_the_deepspeed_checkpoint_equals_loading_its_universal_form(tp2, target):
+    """engine.load_checkpoint(tag_dir) at another TP/DP degree reshards the ORIGINAL TP=2 checkpoint at load
+    time; every rank's weights and Adam state then equal, bit for bit, what loading the converted universal
+    checkpoint gives, and so does the next step's loss. ``load_universal`` False: routed by the degree
+    mismatch alone."""
+    tp, dp, load_universal = target
+    direct, direct_losses = tp2.loaded(tp, dp, tp2.tag_dir, load_universal=load_universal)
+    converted, converted_losses = tp2.loaded(tp, dp, tp2.universal_dir)
+    for rank in range(tp):
+        assert sorted(direct[rank]) == sorted(converted[rank]) and len(direct[rank]) == 21
+        for name, states in converted[rank].items():
+            for state, expected in states.items():
+                assert torch.equal(direct[rank][name][state], expected), f"TP rank {rank}: {name}/{state}"
+    assert direct_losses == converted_losses and list(direct_losses) == [tp2.save_at + 1]
+    step = tp2.save_at + 1
+    assert abs(direct_losses[step] - tp2.baseline[step]) <= 1e-2 * abs(tp2.baseline[step])
+
+
 def test_tp2_universal_equals_upstream_ds_to_universal(tp2, tmp_path):
     """Independent oracle: upstream's converter on the same checkpoint gives the same bits."""
     upstream = upstream_ds_to_universal(tp2.tag_dir, tmp_path / "upstream")

@@ -113,12 +113,13 @@ def test_view_shape_split_of_stacked_experts():
 
 # --------------------------------------------------------------------------- properties
 @st.composite
-def layouts(draw):
-    tp = draw(st.integers(1, 8))
+def layout_families(draw):
+    """A function ``tp -> layout`` giving one tensor's layout at any TP degree (AutoTP's cutting rules)."""
     inner = draw(st.integers(1, 5))
     kind = draw(st.sampled_from(["column", "row", "gqa_qkv", "gate_up", "replicated", "expert_view"]))
     if kind == "replicated":
-        return TPLayout.replicated((draw(st.integers(1, 40)), inner), tp)
+        rows = draw(st.integers(1, 40))
+        return lambda tp: TPLayout.replicated((rows, inner), tp)
     if kind in ("column", "row"):
         total = draw(st.integers(0, 60))
         grain = draw(st.sampled_from([1, 1, 4, 8]))
@@ -126,24 +127,29 @@ def layouts(draw):
         dim = 0 if kind == "column" else 1
         shape = [inner, inner]
         shape[dim] = total
-        return TPLayout.split(shape, tp, dim, shard_sizes(total, tp, name="x", num_kv_heads=kv, grain=grain), kind)
+        return lambda tp: TPLayout.split(shape, tp, dim, shard_sizes(total, tp, name="x", num_kv_heads=kv,
+                                                                     grain=grain), kind)
     if kind == "gqa_qkv":
         kv_heads = draw(st.integers(1, 8))
         ratio = draw(st.integers(1, 4))  # query heads per KV head
         head_dim = draw(st.integers(1, 4))
         sizes = (kv_heads * ratio * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        widths = tuple(shard_sizes(s, tp, name="self_attn.qkv_proj", num_kv_heads=kv_heads) for s in sizes)
-        return TPLayout.sub_params((sum(sizes), inner), tp, 0, sizes, widths, role="fused_qkv")
+        return lambda tp: TPLayout.sub_params(
+            (sum(sizes), inner), tp, 0, sizes,
+            tuple(shard_sizes(s, tp, name="self_attn.qkv_proj", num_kv_heads=kv_heads) for s in sizes),
+            role="fused_qkv")
     if kind == "gate_up":
         half = draw(st.integers(1, 40))
-        widths = (shard_sizes(half, tp, name="mlp"), ) * 2
-        return TPLayout.sub_params((2 * half, inner), tp, 0, (half, half), widths, role="gate_up")
+        return lambda tp: TPLayout.sub_params((2 * half, inner), tp, 0, (half, half),
+                                              (shard_sizes(half, tp, name="mlp"), ) * 2, role="gate_up")
     experts, rows = draw(st.integers(1, 4)), draw(st.integers(1, 20))
-    return TPLayout.sub_params((experts * rows, inner),
-                               tp,
-                               1, (rows, ), (shard_sizes(rows, tp), ),
-                               view_shape=(experts, rows, inner),
-                               role=None)
+    return lambda tp: TPLayout.sub_params((experts * rows, inner), tp, 1, (rows, ), (shard_sizes(rows, tp), ),
+                                          view_shape=(experts, rows, inner), role=None)
+
+
+@st.composite
+def layouts(draw):
+    return draw(layout_families())(draw(st.integers(1, 8)))
 
 
 @settings(max_examples=300, deadline=None)
@@ -166,3 +172,39 @@ def test_json_round_trip(layout):
     again = TPLayout.from_json(layout.to_json())
     assert again == layout
     assert again.to_json() == layout.to_json()
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout_families(), st.integers(1, 8), st.integers(1, 8), st.booleans())
+def test_reshard_equals_slicing_the_full_tensor_and_reads_each_element_once(family, tp_from, tp_to,
+                                                                           to_replicated):
+    """Load-time resharding (saved at TP=tp_from, loaded at tp_to) gives exactly target.slice(full), and
+    over all target ranks reads every element of the sharded source once: only the overlapping pieces."""
+    source = family(tp_from)
+    target = TPLayout.replicated(source.shape, tp_to) if to_replicated else family(tp_to)
+    full = torch.arange(source.numel, dtype=torch.int64).reshape(source.shape)
+    shards = [source.slice(full, r) for r in range(tp_from)]
+    read = []
+
+    def region(src, offset, length):
+        view = shards[src].reshape(source.local_view_shape(src))
+        piece = view if offset is None else view.narrow(source.partition_dim, offset, length)
+        read.append(piece.numel())
+        return piece
+
+    for rank in range(tp_to):
+        got = source.reshard(target, rank, region)
+        assert tuple(got.shape) == target.local_shape(rank)
+        assert torch.equal(got, target.slice(full, rank))
+    if source.is_replicated:
+        assert read == [source.numel] * tp_to  # TP rank 0's copy only
+    elif not target.is_replicated:
+        assert sum(read) == source.numel
+    else:
+        assert sum(read) == source.numel * tp_to
+
+
+def test_reshard_refuses_a_different_shape():
+    source = TPLayout.split((8, 4), 2, 0, (4, 4), "column")
+    with pytest.raises(LayoutError, match=r"saved shape \(8, 4\) does not match the model's \(6, 4\)"):
+        source.reshard(TPLayout.split((6, 4), 2, 0, (3, 3), "column"), 0, lambda *a: None)

@@ -15,6 +15,7 @@ temporary files, and only the bytes of the parameter being merged are read.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from collections import OrderedDict
@@ -29,7 +30,7 @@ import torch
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
-from deepspeed_ext.errors import CheckpointError, MissingMetadataError
+from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
 from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info, name_patterns, unsharded_weights
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -226,7 +227,7 @@ class DeepSpeedCheckpoint:
         self._all_model_state_files = [self.tag_dir / f for f in files
                                        if MODEL_STATES_RE.match(f) or ZERO3_MODEL_STATES_RE.match(f)]
         self._model_files = model_files
-        first = self.model_states(min(model_files))
+        first = self.rank_model_states(min(model_files))
         self.tp_degree = int(first.get("mp_world_size") or 1)
         dims = first.get("checkpoint_parallel_dimensions") or {}
         if int(dims.get("pp_degree", 1) or 1) != 1:
@@ -252,7 +253,7 @@ class DeepSpeedCheckpoint:
         self._zero0_cache: dict[int, _Zero0State] = {}
         if self.optimizer_in_model_states:
             for tp in range(self.tp_degree):
-                if not isinstance((first if tp == min(model_files) else self.model_states(tp)).get("optimizer"),
+                if not isinstance((first if tp == min(model_files) else self.rank_model_states(tp)).get("optimizer"),
                                   dict):
                     raise CheckpointError(f"{self._model_files[tp]}: no optimizer state (no *_optim_states.pt "
                                           "files and no 'optimizer' entry; was it saved without an optimizer?)")
@@ -263,8 +264,22 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.tag_dir}: missing optimizer file for dp_rank {dp}, mp_rank {tp:02d} "
                                   f"({len(missing)} missing)")
 
+    @property
+    def path(self) -> Path:
+        return self.tag_dir
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.layouts)
+
+    #: Every parameter has master weights and Adam moments (a checkpoint without them is refused).
+    has_optimizer_states = True
+
+    def has(self, name: str, state: str = MASTER_WEIGHTS) -> bool:
+        return name in self.layouts
+
     # ------------------------------------------------------------------ files
-    def model_states(self, tp_rank: int) -> dict[str, Any]:
+    def rank_model_states(self, tp_rank: int) -> dict[str, Any]:
         return serialization.load(self._model_files[tp_rank])
 
     @property
@@ -293,7 +308,7 @@ class DeepSpeedCheckpoint:
         if self.optimizer_in_model_states:
             key = (tp_rank, 0)
             if key not in self._optim_cache:
-                self._optim_cache[key] = self.model_states(tp_rank)["optimizer"]
+                self._optim_cache[key] = self.rank_model_states(tp_rank)["optimizer"]
             return self._optim_cache[key]
         if key not in self._optim_cache:
             path = self._optim_files[key]
@@ -330,14 +345,14 @@ class DeepSpeedCheckpoint:
     def _zero0(self, tp: int) -> _Zero0State:
         if tp not in self._zero0_cache:
             names = self.uc_info.optimizer_param_names if self.uc_info is not None else None
-            self._zero0_cache[tp] = _Zero0State.read(self.model_states(tp), self.optimizer_state(tp, 0), names,
+            self._zero0_cache[tp] = _Zero0State.read(self.rank_model_states(tp), self.optimizer_state(tp, 0), names,
                                                      self._model_files[tp])
         return self._zero0_cache[tp]
 
     # ------------------------------------------------------------------ metadata
     @cached_property
-    def first_model_states(self) -> dict[str, Any]:
-        return self.model_states(0)
+    def model_states(self) -> dict[str, Any]:
+        return self.rank_model_states(0)
 
     @cached_property
     def local_shapes(self) -> OrderedDict[str, list[tuple[int, ...]]]:
@@ -347,7 +362,7 @@ class DeepSpeedCheckpoint:
             if self.optimizer_in_model_states:
                 per_rank.append(OrderedDict((name, slot.shape) for name, slot in self._zero0(tp).slots.items()))
                 continue
-            groups = (self.first_model_states if tp == 0 else self.model_states(tp)).get("param_shapes")
+            groups = (self.model_states if tp == 0 else self.rank_model_states(tp)).get("param_shapes")
             if groups is None:
                 raise CheckpointError(f"{self._model_files[tp]}: no param_shapes")
             if isinstance(groups, dict):
@@ -372,7 +387,7 @@ class DeepSpeedCheckpoint:
     def metadata_source(self) -> str:
         if self.uc_info is not None:
             return "deepspeed_ext"
-        if self.first_model_states.get(UC_INFO_KEY):
+        if self.model_states.get(UC_INFO_KEY):
             return "deepspeed"
         return "none (TP=1)" if self.tp_degree == 1 else "none"
 
@@ -384,8 +399,8 @@ class DeepSpeedCheckpoint:
             if self.uc_info.tp_size != self.tp_degree:
                 raise CheckpointError(f"{self.tag_dir}: deepspeed_ext.json describes TP={self.uc_info.tp_size}, "
                                       f"model states say TP={self.tp_degree}")
-        elif self.first_model_states.get(UC_INFO_KEY):
-            layouts = layouts_from_universal_checkpoint_info(self.first_model_states[UC_INFO_KEY],
+        elif self.model_states.get(UC_INFO_KEY):
+            layouts = layouts_from_universal_checkpoint_info(self.model_states[UC_INFO_KEY],
                                                              self.local_shapes,
                                                              source=str(self._model_files[0]))
         elif self.tp_degree == 1:
@@ -433,7 +448,7 @@ class DeepSpeedCheckpoint:
         out: dict[tuple[str, int], list[_Fragment]] = {}
         dp = self.dp_degree
         for tp in range(self.tp_degree):
-            groups = (self.first_model_states if tp == 0 else self.model_states(tp))["param_shapes"]
+            groups = (self.model_states if tp == 0 else self.rank_model_states(tp))["param_shapes"]
             for group, shapes in enumerate(groups if isinstance(groups, list) else [groups]):
                 offset = 0
                 for name, shape in shapes.items():
@@ -481,21 +496,63 @@ class DeepSpeedCheckpoint:
                                   f"{group} (only Adam-family optimizers are supported)")
         return group_state[state]
 
+    def _flat_range(self, name: str, tp: int, state: str, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name``, read from the DP
+        fragments that hold them (a view into the memory-mapped file when one fragment does)."""
+        pieces, offset = [], 0
+        for f in self._fragments.get((name, tp), []):
+            first, last = max(low, offset), min(high, offset + f.numel)
+            if first < last:
+                piece = self._flat(tp, f.dp_rank, f.group, state).narrow(0, f.start + first - offset, last - first)
+                pieces.append(piece)
+                if not self.optimizer_in_model_states:
+                    self._in_flight.append(((tp, f.dp_rank), piece))
+            offset += f.numel
+        if sum(p.numel() for p in pieces) != high - low:
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r} on TP rank {tp}: DP fragments cover "
+                                  f"{sum(p.numel() for p in pieces)} of elements [{low}, {high})")
+        if not pieces:
+            return torch.empty(0, dtype=torch.float32)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
     def local_tensor(self, name: str, tp: int, state: str) -> torch.Tensor:
         """TP rank ``tp``'s shard of ``name`` for ``state``, reassembled from its DP fragments."""
         shape = self.local_shapes[name][tp]
-        numel = int(torch.Size(shape).numel())
-        fragments = self._fragments.get((name, tp), [])
-        if numel == 0:
-            return torch.empty(shape, dtype=torch.float32)
-        pieces = [self._flat(tp, f.dp_rank, f.group, state).narrow(0, f.start, f.numel) for f in fragments]
-        if not self.optimizer_in_model_states:
-            self._in_flight.extend(((tp, f.dp_rank), piece) for f, piece in zip(fragments, pieces, strict=True))
-        if sum(f.numel for f in fragments) != numel:
-            raise CheckpointError(f"{self.tag_dir}: parameter {name!r} on TP rank {tp}: DP fragments cover "
-                                  f"{sum(f.numel for f in fragments)} of {numel} elements")
-        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return flat.view(shape)
+        return self._flat_range(name, tp, state, 0, int(torch.Size(shape).numel())).view(shape)
+
+    def region(self, name: str, tp: int, state: str, offset: int | None, length: int | None) -> torch.Tensor:
+        """``narrow(partition_dim, offset, length)`` of TP rank ``tp``'s shard in its split view (``offset``
+        None: the whole shard), reading only the flat range that the narrowed rows span."""
+        layout = self.layouts[name]
+        view = layout.local_view_shape(tp)
+        if offset is None:
+            return self.local_tensor(name, tp, state).reshape(view)
+        dim = layout.partition_dim
+        size = list(view)
+        size[dim] = length
+        if not length or 0 in view:
+            return torch.empty(size, dtype=torch.float32)
+        strides = torch.empty(view, device="meta").stride()
+        outer = math.prod(view[:dim])
+        low = offset * strides[dim]
+        high = ((outer - 1) * view[dim] + offset + length) * strides[dim]
+        flat = self._flat_range(name, tp, state, low, high)
+        # Element (o, offset + i, k) of the shard sits at o*view[dim]*stride + i*stride + k of ``flat``.
+        return flat.as_strided(size, strides, flat.storage_offset())
+
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``name`` under the *target* layout (another TP degree), read directly
+        from this checkpoint's TP slices and ZeRO partitions: only the overlapping byte ranges.
+
+        May be a view into a memory-mapped file; the caller copies what it keeps.
+        """
+        self._release_in_flight()
+        try:
+            return self.layouts[name].reshard(target, rank,
+                                              lambda src, offset, length: self.region(name, src, state, offset,
+                                                                                      length))
+        except LayoutError as exc:
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r}: {exc}") from exc
 
     def full_tensor(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
         """The full fp32 tensor of ``name`` (master weights or an Adam moment), merged over TP ranks.
@@ -533,7 +590,7 @@ class DeepSpeedCheckpoint:
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet."""
-        module = self.first_model_states.get("module") or {}
+        module = self.model_states.get("module") or {}
         for name, layout in self.layouts.items():
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
@@ -567,7 +624,7 @@ class DeepSpeedCheckpoint:
         return out
 
     def summary(self) -> dict[str, Any]:
-        first = self.first_model_states
+        first = self.model_states
         module = first.get("module") or {}
         lp_dtypes = sorted({str(t.dtype).replace("torch.", "") for t in module.values() if torch.is_tensor(t)})
         return {

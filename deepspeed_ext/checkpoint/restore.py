@@ -1,15 +1,17 @@
-"""Sink: load a universal checkpoint into a live DeepSpeed engine at any TP/DP degree.
+"""Sink: load a universal checkpoint, or a regular DeepSpeed checkpoint, into a live engine at any TP/DP degree.
 
-Each rank opens the universal files memory-mapped and cuts its TP slice with the *target* model's
-:class:`TPLayout` (computed by the live AutoTP layers); DeepSpeed's fragment API then keeps only
-this DP rank's part of the slice. So a rank reads the pages of its own TP slice, not whole tensors.
+Each rank asks the checkpoint for its TP slice under the *target* model's :class:`TPLayout` (computed by
+the live AutoTP layers). A universal checkpoint cuts it from the memory-mapped full tensor; a DeepSpeed
+checkpoint assembles it from the overlapping pieces of the saved TP slices and ZeRO partitions
+(load-time resharding, no conversion step). DeepSpeed's fragment API then keeps only this DP rank's part.
+So a rank reads the pages of its own TP slice, not whole tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -17,6 +19,7 @@ from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tag_autotp_model, tp_group_info
+from deepspeed_ext.module_inject.layout import TPLayout
 
 #: Model-states keys that belong to DeepSpeed; everything else is the user's client state.
 _DEEPSPEED_STATE_KEYS = {
@@ -94,15 +97,51 @@ def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None
     return True
 
 
+class ReshardingSource(Protocol):
+    """What the restore needs from a checkpoint: each parameter's shard at the live TP layout."""
+
+    path: Path
+    names: list[str]
+    has_optimizer_states: bool
+    model_states: dict[str, Any]
+
+    def has(self, name: str, state: str) -> bool: ...
+
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor: ...
+
+    def step(self, name: str) -> torch.Tensor | int | None: ...
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]: ...
+
+
 def load_universal_checkpoint(engine: Any,
                               load_dir: str | Path,
                               tag: str | None = None,
-                              *,
-                              load_optimizer_states: bool = True,
-                              load_lr_scheduler_states: bool = True,
-                              load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
-    """Restore ``engine`` from a universal checkpoint; returns ``(load_path, client_state)`` like DeepSpeed."""
-    ckpt = UniversalCheckpoint(load_dir, tag)
+                              **options: bool) -> tuple[str, dict[str, Any]]:
+    """Restore ``engine`` from a universal checkpoint; returns ``(load_path, client_state)`` like DeepSpeed.
+
+    Options: ``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only`` (as DeepSpeed's).
+    """
+    return load_resharded(engine, UniversalCheckpoint(load_dir, tag), **options)
+
+
+def load_deepspeed_checkpoint(engine: Any,
+                              load_dir: str | Path,
+                              tag: str | None = None,
+                              **options: bool) -> tuple[str, dict[str, Any]]:
+    """Restore ``engine`` directly from a regular DeepSpeed checkpoint saved at another TP/DP degree (or
+    ZeRO stage), with no conversion step: each rank reads only the byte ranges of its own shards."""
+    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+    return load_resharded(engine, DeepSpeedCheckpoint(load_dir, tag), **options)
+
+
+def load_resharded(engine: Any,
+                   ckpt: ReshardingSource,
+                   *,
+                   load_optimizer_states: bool = True,
+                   load_lr_scheduler_states: bool = True,
+                   load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
+    """Restore ``engine`` from ``ckpt`` at the engine's own TP/DP degrees."""
     tp_size, tp_rank = tp_group_info()
     module = engine.module
     params = list(module.named_parameters())
@@ -112,7 +151,7 @@ def load_universal_checkpoint(engine: Any,
     available = set(ckpt.names)
     missing = [name for name, p in params if p.requires_grad and name not in available]
     if missing:
-        raise CheckpointError(f"{ckpt.zero}: no universal tensors for {len(missing)} model parameters, e.g. "
+        raise CheckpointError(f"{ckpt.path}: no saved tensors for {len(missing)} model parameters, e.g. "
                               f"{missing[:3]}")
     # A universal checkpoint made from weights alone (HF, params-only MaxText) has no moments: the
     # optimizer keeps its fresh state, as when training starts from pretrained weights.
@@ -129,12 +168,8 @@ def load_universal_checkpoint(engine: Any,
             layout = getattr(param, LAYOUT_ATTR)
             for state in states:
                 if state != MASTER_WEIGHTS and not ckpt.has(name, state):
-                    raise CheckpointError(f"{ckpt.file(name, state)}: missing optimizer state")
-                full = ckpt.load(name, state)
-                if tuple(full.shape) != layout.shape:
-                    raise CheckpointError(f"{ckpt.file(name, state)}: shape {tuple(full.shape)} does not match "
-                                          f"the model's {name!r} {layout.shape}")
-                local = layout.slice(full, tp_rank)
+                    raise CheckpointError(f"{ckpt.path}: no saved {state} for {name!r}")
+                local = ckpt.resharded(name, state, layout, tp_rank)
                 managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state, engine, stage0)
                 if state == MASTER_WEIGHTS:
                     param.data.copy_(local)  # the low-precision copy the forward pass uses
@@ -182,8 +217,9 @@ def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]]
             mapping.set_optim_state_fragment(flat, state)
 
 
-def _restore_step_and_groups(engine: Any, ckpt: UniversalCheckpoint, names: list[str]) -> None:
+def _restore_step_and_groups(engine: Any, ckpt: ReshardingSource, names: list[str]) -> None:
     base = _base_optimizer(engine)
+    saved = ckpt.optimizer_state_for_universal()
     step = ckpt.step(names[0]) if names else None
     if step is not None:
         for group in base.param_groups:
@@ -194,10 +230,10 @@ def _restore_step_and_groups(engine: Any, ckpt: UniversalCheckpoint, names: list
                 old = state.get("step")
                 state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
                                  if torch.is_tensor(old) else type(old)(step) if old is not None else step)
-    _restore_loss_scale(engine.optimizer, ckpt.optimizer_state)
-    if "clip_grad" in ckpt.optimizer_state and hasattr(engine.optimizer, "clip_grad"):
-        engine.optimizer.clip_grad = ckpt.optimizer_state["clip_grad"]
-    saved_groups = ckpt.optimizer_state.get("param_groups") or []
+    _restore_loss_scale(engine.optimizer, saved)
+    if "clip_grad" in saved and hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = saved["clip_grad"]
+    saved_groups = saved.get("param_groups") or []
     for live, saved in zip(base.param_groups, saved_groups, strict=False):
         for key, value in saved.items():
             if key != "params":
@@ -227,7 +263,7 @@ def _restore_loss_scale(optimizer: Any, saved: dict[str, Any]) -> None:
             setattr(target, key, fields[key])
 
 
-def _restore_engine_state(engine: Any, ckpt: UniversalCheckpoint, load_lr_scheduler: bool) -> dict[str, Any]:
+def _restore_engine_state(engine: Any, ckpt: ReshardingSource, load_lr_scheduler: bool) -> dict[str, Any]:
     states = ckpt.model_states
     if load_lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and states.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(states["lr_scheduler"])

@@ -88,16 +88,20 @@ def write_universal(source: DeepSpeedCheckpoint,
 def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path, progress: bool) -> None:
     zero = partial / ZERO_DIR
     zero.mkdir()
-    for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param", disable=not progress):
-        param_dir = zero / tensor.name
-        param_dir.mkdir()
-        # A source without optimizer state (HF weights, a params-only MaxText checkpoint) has only fp32:
-        # no moment files, and the resuming optimizer starts fresh.
-        for state in TENSOR_STATES:
-            if state in tensor.states:
-                serialization.save(_entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
-        if STEP in tensor.states:
-            serialization.save(tensor.load(STEP), param_dir / f"{STEP}.pt")
+    # Merging (reading the source) runs here while earlier tensors are written on the writer threads.
+    with serialization.BackgroundWriter() as writer:
+        for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param",
+                           disable=not progress):
+            param_dir = zero / tensor.name
+            param_dir.mkdir()
+            # A source without optimizer state (HF weights, a params-only MaxText checkpoint) has only fp32:
+            # no moment files, and the resuming optimizer starts fresh.
+            for state in TENSOR_STATES:
+                if state in tensor.states:
+                    writer.submit(serialization.save, _entry(tensor.load(state), tensor.layout),
+                                  param_dir / f"{state}.pt")
+            if STEP in tensor.states:
+                writer.submit(serialization.save, tensor.load(STEP), param_dir / f"{STEP}.pt")
 
     serialization.save(source.optimizer_state_for_universal(), zero / OPTIMIZER_STATE_FILE)
     source.copy_model_states(partial)
@@ -164,6 +168,15 @@ class UniversalCheckpoint:
             raise CheckpointError(f"{path}: no tensor under 'param'")
         return tensor
 
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``name`` under ``target``: a view of the memory-mapped full tensor
+        where the layout allows, so only the shard's pages are read."""
+        full = self.load(name, state)
+        if tuple(full.shape) != target.shape:
+            raise CheckpointError(f"{self.file(name, state)}: shape {tuple(full.shape)} does not match the model's "
+                                  f"{name!r} {target.shape}")
+        return target.slice(full, rank)
+
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)
         if path.is_file():
@@ -178,6 +191,9 @@ class UniversalCheckpoint:
     def optimizer_state(self) -> dict[str, Any]:
         path = self.zero / OPTIMIZER_STATE_FILE
         return serialization.load(path) if path.is_file() else {}
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        return self.optimizer_state
 
     @cached_property
     def model_state_files(self) -> list[Path]:

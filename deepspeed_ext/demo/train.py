@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -33,7 +34,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
     p.add_argument("--save-dir")
     p.add_argument("--save-at", type=int, help="save_checkpoint after this global step")
-    p.add_argument("--load-dir", help="resume from a universal checkpoint (load_universal)")
+    p.add_argument("--load-dir", help="resume from this checkpoint: universal, or a regular DeepSpeed one saved at "
+                   "other TP/DP degrees (read directly, resharded at load time)")
+    p.add_argument("--load-universal", action=argparse.BooleanOptionalAction, default=True,
+                   help="set checkpoint.load_universal in the DeepSpeed config when --load-dir is given")
+    p.add_argument("--dump-loaded", help="right after load_checkpoint, dump each TP rank's fp32/exp_avg/exp_avg_sq "
+                   "here")
+    p.add_argument("--timing", help="write this rank's load and first-step wall time and bytes read (JSON) to "
+                   "TIMING.rank<R>.json")
     p.add_argument("--plain", action="store_true",
                    help="deepspeed.initialize without our config section (saves only upstream's tags; "
                    "--load-dir then restores through upstream DeepSpeed)")
@@ -99,6 +107,15 @@ def dump_live_state(engine, path: Path, tp_rank: int) -> None:
         torch.save(logits, path / f"logits_tp_rank_{tp_rank:02d}.pt")
 
 
+def _bytes_read() -> int:
+    """Bytes this process has made the kernel fetch from storage (page-cache misses, mmap faults included)."""
+    try:
+        with open("/proc/self/io") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("read_bytes:"))
+    except (OSError, StopIteration):
+        return -1
+
+
 def allow_cpu_fp16() -> None:
     """DeepSpeed's CPU accelerator reports fp16 unsupported unless oneDNN has native fp16 kernels
     (AVX512-FP16/AMX-FP16). That is a speed gate: torch computes fp16 correctly on any CPU, only slower.
@@ -142,7 +159,7 @@ def main() -> None:
                        grad_accum=args.grad_accum,
                        family=args.family,
                        ext=not args.plain,
-                       load_universal=args.load_dir is not None,
+                       load_universal=args.load_dir is not None and args.load_universal,
                        grad_accum_dtype=args.grad_accum_dtype,
                        fused_adam=args.fused_adam)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
@@ -151,8 +168,14 @@ def main() -> None:
     from deepspeed_ext.module_inject.autotp import tp_group_info
     tp_size, tp_rank = tp_group_info()
     dp_size, dp_rank = world // tp_size, dist.get_rank() // tp_size  # TP groups are consecutive ranks
+    timing = {"rank": dist.get_rank(), "tp": tp_size, "dp": dp_size}
     if args.load_dir:
+        io_before, start = _bytes_read(), time.perf_counter()
         engine.load_checkpoint(args.load_dir)
+        timing["load_s"] = time.perf_counter() - start
+        timing["load_read_bytes"] = _bytes_read() - io_before
+        if args.dump_loaded:
+            dump_live_state(engine, Path(args.dump_loaded), tp_rank)
 
     losses, scales = {}, {}
     while engine.global_steps < args.steps:
@@ -167,10 +190,14 @@ def main() -> None:
         dist.all_reduce(value)  # mean over micro-batches and DP (TP ranks hold the same loss)
         losses[step] = value.item() / dist.get_world_size() / args.grad_accum
         scales[step] = loss_scale(engine)
+        if "first_step_s" not in timing and args.load_dir:
+            timing["first_step_s"] = time.perf_counter() - start
         if args.save_dir and step == args.save_at:
             if args.dump:
                 dump_live_state(engine, Path(args.dump), tp_rank)
             engine.save_checkpoint(args.save_dir)
+    if args.timing:
+        Path(f"{args.timing}.rank{dist.get_rank()}.json").write_text(json.dumps(timing))
     if args.result and dist.get_rank() == 0:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses, "loss_scales": scales}))

@@ -32,7 +32,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -151,8 +151,7 @@ class TPLayout:
         self._check_rank(rank)
         if self.is_replicated:
             return self.shape
-        local_view = list(self.logical_shape)
-        local_view[self.partition_dim] = self.local_width(rank)
+        local_view = self.local_view_shape(rank)
         if self.view_shape is None:
             return tuple(local_view)
         # A split in a finer view is stored flattened back to the parameter's rank: keep the last
@@ -196,11 +195,7 @@ class TPLayout:
                     if not torch.equal(shard, shards[0]):
                         raise LayoutError(f"replicated tensor differs between TP rank 0 and TP rank {rank}")
             return shards[0]
-        local_views = []
-        for rank, shard in enumerate(shards):
-            local_view = list(self.logical_shape)
-            local_view[self.partition_dim] = self.local_width(rank)
-            local_views.append(shard.reshape(local_view))
+        local_views = [shard.reshape(self.local_view_shape(rank)) for rank, shard in enumerate(shards)]
         parts = []
         for i, widths in enumerate(self.shard_widths):
             for rank, local in enumerate(local_views):
@@ -209,6 +204,51 @@ class TPLayout:
                     parts.append(local.narrow(self.partition_dim, offset, widths[rank]))
         full = torch.cat(parts, dim=self.partition_dim) if parts else local_views[0]
         return full.reshape(self.shape)
+
+    def local_view_shape(self, rank: int) -> tuple[int, ...]:
+        """Rank ``rank``'s shard seen in the split's view (``logical_shape`` with its own width)."""
+        if self.is_replicated:
+            return self.shape
+        view = list(self.logical_shape)
+        view[self.partition_dim] = self.local_width(rank)
+        return tuple(view)
+
+    def reshard(self, target: TPLayout, rank: int,
+                region: Callable[[int, int | None, int | None], torch.Tensor]) -> torch.Tensor:
+        """Target rank ``rank``'s shard (under ``target``) built from this layout's shards, reading only
+        the pieces that overlap it; the load-time resharding of a checkpoint saved at another TP degree.
+
+        ``region(src_rank, offset, length)`` returns ``narrow(partition_dim, offset, length)`` of source
+        rank ``src_rank``'s shard in its :meth:`local_view_shape` (``offset=None``: the whole shard).
+        Replicated sources are read from TP rank 0 only.
+        """
+        if target.shape != self.shape:
+            raise LayoutError(f"saved shape {self.shape} does not match the model's {target.shape}")
+        if self.is_replicated:
+            return target.slice(region(0, None, None).reshape(self.shape), rank)
+        dim = self.partition_dim
+        if target.is_replicated:
+            wanted = [(0, self.logical_shape[dim])]
+        elif target.partition_dim == dim and target.logical_shape == self.logical_shape:
+            wanted = target.rank_pieces(rank)
+        else:  # split along another view or dimension: assemble the whole tensor, then cut
+            full = self.merge([region(r, None, None) for r in range(self.tp_size)], check_replicas=False)
+            return target.slice(full, rank)
+        parts = []
+        for start, length in wanted:
+            overlaps = []
+            for src in range(self.tp_size):
+                local_offset = 0
+                for piece_start, piece_length in self.rank_pieces(src):
+                    low, high = max(start, piece_start), min(start + length, piece_start + piece_length)
+                    if low < high:
+                        overlaps.append((low, src, local_offset + low - piece_start, high - low))
+                    local_offset += piece_length
+            parts += [region(src, offset, size) for _, src, offset, size in sorted(overlaps)]
+        if not parts:  # this rank holds none of the tensor (more ranks than KV heads)
+            parts = [region(0, 0, 0)]
+        local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        return local.reshape(target.local_shape(rank))
 
     # ----------------------------------------------------------------- serialization
     def to_json(self) -> dict[str, Any]:
