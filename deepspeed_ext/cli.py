@@ -62,7 +62,21 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
     from deepspeed_ext.checkpoint.universal import write_universal
     source = DeepSpeedCheckpoint(args.checkpoint, args.tag)
-    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    if args.distributed:
+        import torch.distributed as dist
+        if "RANK" not in os.environ:
+            raise ValueError("--distributed runs under torchrun (torchrun --nproc_per_node K -m deepspeed_ext "
+                             "to-universal --distributed ...)")
+        dist.init_process_group("gloo")
+        try:
+            out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
+                                  distributed=True)
+        finally:
+            dist.destroy_process_group()
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, "
               f"TP={source.tp_degree} x DP={source.dp_degree}, ZeRO-{source.zero_stage}, "
@@ -206,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="save dir (uses its 'latest' file) or a tag directory")
     p.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
     p.add_argument("-o", "--output", help="output dir (default: <save dir>/<tag>_universal)")
+    p.add_argument("--distributed", action="store_true",
+                   help="run under torchrun: the ranks split the parameters (torch.distributed, gloo) and write "
+                   "the same output a single process would")
     _writer_options(p)
     p.set_defaults(func=cmd_to_universal)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
-from deepspeed_ext.demo.runner import cli
+from deepspeed_ext.demo.runner import cli, run_logged
 from e2e import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
                  upstream_ds_to_universal)
 
@@ -53,6 +53,25 @@ def test_direct_load_of_the_deepspeed_checkpoint_equals_loading_its_universal_fo
     assert direct_losses == converted_losses and list(direct_losses) == [tp2.save_at + 1]
     step = tp2.save_at + 1
     assert abs(direct_losses[step] - tp2.baseline[step]) <= 1e-2 * abs(tp2.baseline[step])
+
+
+def test_distributed_to_universal_writes_the_same_bytes(tp2, tmp_path):
+    """torchrun -m deepspeed_ext to-universal --distributed: two ranks split the parameters; the output is
+    byte-identical to the single-process conversion, and only complete output is published."""
+    out = tmp_path / "distributed_universal"
+    run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                "deepspeed_ext", "to-universal", str(tp2.tag_dir), "-o", str(out), "--distributed", "--quiet"],
+               tmp_path / "distributed.log")
+    single = tp2.universal_dir
+
+    def files(root):
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    assert files(out) == files(single) and len(files(out)) == 21 * 4 + 4
+    for relative in files(single):
+        assert (out / relative).read_bytes() == (single / relative).read_bytes(), relative
+    assert (tmp_path / "latest_universal").read_text() == out.name
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_tp2_universal_equals_upstream_ds_to_universal(tp2, tmp_path):

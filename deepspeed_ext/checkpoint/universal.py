@@ -65,10 +65,14 @@ def write_universal(source: DeepSpeedCheckpoint,
                     out: str | Path | None = None,
                     *,
                     overwrite: bool = False,
-                    progress: bool = True) -> Path:
+                    progress: bool = True,
+                    distributed: bool = False) -> Path:
     """Convert ``source`` into DeepSpeed's universal layout at ``out``; returns the output path.
 
     Streams one parameter and one state at a time: memory stays at about one full tensor.
+    ``distributed``: every rank of the initialized ``torch.distributed`` group calls this, each converts
+    its share of the parameters (balanced by size), and rank 0 writes the rest and publishes the result;
+    the output is byte-identical to a single-process run.
     """
     out = Path(out) if out is not None else default_output(source)
     if out.exists() and not overwrite:
@@ -76,22 +80,76 @@ def write_universal(source: DeepSpeedCheckpoint,
     if out.resolve() == source.tag_dir.resolve():
         raise CheckpointError(f"{out}: output would overwrite the source checkpoint")
     layouts = source.layouts  # validates metadata before anything is written
-    with serialization.staged_directory(out) as partial:
-        _write_into(source, layouts, partial, progress)
+    if distributed:
+        _write_distributed(source, layouts, out, progress)
+    else:
+        with serialization.staged_directory(out) as partial:
+            (partial / ZERO_DIR).mkdir()
+            _write_tensors(source, list(layouts), partial, progress)
+            _write_summary(source, layouts, partial)
     latest = out.parent / LATEST_UNIVERSAL
-    tmp = latest.with_name(latest.name + ".tmp")
-    tmp.write_text(out.name)
-    os.replace(tmp, latest)
+    if not distributed or _rank() == 0:
+        tmp = latest.with_name(latest.name + ".tmp")
+        tmp.write_text(out.name)
+        os.replace(tmp, latest)
+    if distributed:
+        import torch.distributed as dist
+        dist.barrier()  # nobody returns before the output and its pointer are in place
     return out
 
 
-def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path, progress: bool) -> None:
+def _rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+def shares_by_size(layouts: dict[str, TPLayout], world: int) -> list[list[str]]:
+    """Parameter names per rank: largest first, each to the rank with the fewest elements so far."""
+    loads = [0] * world
+    shares: list[list[str]] = [[] for _ in range(world)]
+    for name in sorted(layouts, key=lambda n: (-layouts[n].numel, n)):
+        rank = loads.index(min(loads))
+        shares[rank].append(name)
+        loads[rank] += layouts[name].numel
+    order = {name: i for i, name in enumerate(layouts)}
+    return [sorted(share, key=order.__getitem__) for share in shares]
+
+
+def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], out: Path, progress: bool) -> None:
+    import contextlib
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    partial = out.with_name(out.name + ".partial")
+
+    def attempt(work: Any) -> BaseException | None:
+        try:
+            work()
+        except Exception as exc:  # re-raised below, once every rank knows the run failed
+            return exc
+        return None
+
+    staged = serialization.staged_directory(out) if rank == 0 else contextlib.nullcontext(partial)
+    with staged:
+        if rank == 0:
+            (partial / ZERO_DIR).mkdir()
+        dist.barrier()
+        mine = shares_by_size(layouts, world)[rank]
+        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0))
+        if rank == 0 and error is None:
+            error = attempt(lambda: _write_summary(source, layouts, partial))
+        failed = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise error or CheckpointError(f"{out}: another rank failed; its error is in its output")
+
+
+def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool) -> None:
     zero = partial / ZERO_DIR
-    zero.mkdir()
+    wanted = set(names)
     # Merging (reading the source) runs here while earlier tensors are written on the writer threads.
     with serialization.BackgroundWriter() as writer:
-        for tensor in tqdm(source.tensors(), total=len(layouts), desc="to-universal", unit="param",
-                           disable=not progress):
+        for tensor in tqdm((t for t in source.tensors() if t.name in wanted), total=len(names), desc="to-universal",
+                           unit="param", disable=not progress):
             param_dir = zero / tensor.name
             param_dir.mkdir()
             # A source without optimizer state (HF weights, a params-only MaxText checkpoint) has only fp32:
@@ -103,7 +161,10 @@ def _write_into(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], parti
             if STEP in tensor.states:
                 writer.submit(serialization.save, tensor.load(STEP), param_dir / f"{STEP}.pt")
 
-    serialization.save(source.optimizer_state_for_universal(), zero / OPTIMIZER_STATE_FILE)
+
+def _write_summary(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path) -> None:
+    """Everything but the per-parameter files: optimizer summary, model states, our UC info."""
+    serialization.save(source.optimizer_state_for_universal(), partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
     source.copy_model_states(partial)
     src_info = source.uc_info
     write_uc_info(
