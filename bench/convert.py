@@ -1,19 +1,23 @@
-"""Conversion speed and memory on a real DeepSpeed AutoTP checkpoint, against `cp -r` and upstream.
+"""Conversion and resume speed and memory on a real DeepSpeed AutoTP checkpoint, against `cp -r` and upstream.
 
 Builds once (cached under --workdir) a DeepSpeed checkpoint of a 246M-parameter Llama-style model (hidden
 1024, 16 layers, 16 query / 4 KV heads, intermediate 2816, vocab 32000) trained one step at TP=2, ZeRO-1,
-bf16 with the real engine (torchrun, gloo, CPU). Then, alternating the commands in each round so that
-page-cache warmth is shared fairly, it runs ``--rounds`` times:
+bf16 with the real engine (torchrun, gloo, CPU). Then, in one run:
 
-* ``cp -r`` of the tag directory (the I/O floor of this machine);
-* ``deepspeed-ext to-universal``;
-* upstream ``python -m deepspeed.checkpoint.ds_to_universal`` (skipped with --no-upstream);
-
-each under ``/usr/bin/time -v``, and prints the median wall time and peak RSS of each, their ratios, and
-the size of the largest parameter's fp32 + exp_avg + exp_avg_sq (the memory target's unit).
+1. ``--rounds`` rounds, the command order alternating each round, of
+   ``cp -r`` of the tag directory (the I/O floor), ``deepspeed-ext to-universal``, the same under
+   ``torchrun --nproc_per_node 2 ... --distributed``, upstream ``python -m deepspeed.checkpoint.ds_to_universal``
+   (skipped with --no-upstream), ``to-maxtext`` and ``to-hf``. Each starts with its input evicted from the
+   page cache (sync + posix_fadvise DONTNEED) and its time includes the final ``sync``, so every command
+   pays for its own reads and writes. Wall time, peak RSS and bytes read + written (``/usr/bin/time -v``) are
+   reported as medians, with throughput against cp's.
+2. Resume at TP=1 and TP=4 (DP=1) of (a) ``to-universal`` + ``load_checkpoint(universal)`` and (b) the direct
+   ``load_checkpoint(tag_dir)`` (load-time resharding): time to the end of the first step, and each rank's
+   bytes read from storage during ``load_checkpoint`` (``/proc/self/io``, cold cache) against its share (its
+   TP slice of fp32 + exp_avg + exp_avg_sq).
 
     python bench/convert.py                      # 246M, 3 rounds
-    python bench/convert.py --layers 32          # scaling: peak RSS must not grow with layer count
+    python bench/convert.py --layers 32 --rounds 1 --no-upstream --no-resume   # scaling: peak RSS vs layers
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from maxtext_rss import model_arguments, peak_rss  # noqa: E402
+from maxtext_rss import model_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +59,8 @@ def build_checkpoint(args: argparse.Namespace, work: Path) -> Path:
     work.mkdir(parents=True, exist_ok=True)
     (work / "config.json").write_text(json.dumps(llama_config(args)))
     print(f"building {tag_dir} (one training step at TP=2, ZeRO-1, bf16) ...", flush=True)
-    cmd = ["torchrun", "--standalone", "--nproc_per_node", "2", "-m", "deepspeed_ext.demo.train", "--tp", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "deepspeed_ext.demo.train", "--tp", "2",
            "--zero", "1", "--dtype", "bf16", "--steps", "1", "--save-dir", str(save_dir), "--save-at", "1",
            "--model-config", str(work / "config.json")]
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
@@ -63,54 +71,162 @@ def du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    model_arguments(p)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--no-upstream", action="store_true", help="skip upstream ds_to_universal (slow)")
-    args = p.parse_args()
-    work = Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{args.layers}_i{args.intermediate}"
-    tag_dir = build_checkpoint(args, work)
+def evict(*paths: Path) -> None:
+    """Write back and drop these files from the page cache (posix_fadvise DONTNEED on clean pages), so the next
+    command reads them from storage; the Python environment stays cached, as on a machine in use."""
+    subprocess.run(["sync"], check=True)
+    for root in paths:
+        for path in [root] if root.is_file() else root.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def timed(cmd: list[str], cold: Path | None) -> dict[str, float]:
+    """Wall time (including the final sync), peak RSS and bytes read/written of ``cmd``; ``cold``: evict this
+    input from the page cache first."""
+    if cold is not None:
+        evict(cold)
+    shell = " ".join(shlex.quote(c) for c in cmd) + " && sync"
+    start = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", "sh", "-c", shell], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: {shell}\n{proc.stderr[-3000:]}")
+
+    def field(label: str) -> int:
+        return int(re.search(rf"{label}: (\d+)", proc.stderr).group(1))
+
+    return {"wall": wall, "rss": field(r"Maximum resident set size \(kbytes\)") / 2**20,
+            "read": field("File system inputs") * 512, "written": field("File system outputs") * 512}
+
+
+def conversion_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> dict[str, list[str]]:
     python = sys.executable
-    out = work / "out"
+    ext = [python, "-m", "deepspeed_ext"]
     commands = {
         "cp -r": ["cp", "-r", str(tag_dir), str(out)],
-        "deepspeed-ext to-universal": [python, "-m", "deepspeed_ext", "to-universal", str(tag_dir), "-o", str(out),
-                                       "--quiet"],
+        "deepspeed-ext to-universal": [*ext, "to-universal", str(tag_dir), "-o", str(out), "--quiet"],
+        "to-universal --distributed (2 ranks)": [python, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc_per_node=2", "-m", "deepspeed_ext", "to-universal",
+                                                 str(tag_dir), "-o", str(out), "--quiet", "--distributed"],
     }
     if not args.no_upstream:
         commands["upstream ds_to_universal"] = [python, "-m", "deepspeed.checkpoint.ds_to_universal",
                                                 "--input_folder", str(tag_dir), "--output_folder", str(out),
                                                 "--num_extract_workers", "2", "--num_merge_workers", "2"]
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    commands["to-maxtext (bf16 params)"] = [*ext, "to-maxtext", str(tag_dir), "-o", str(out), "--quiet"]
+    commands["to-hf (bf16)"] = [*ext, "to-hf", str(tag_dir), "-o", str(out), "--quiet"]
+    return commands
+
+
+def conversions(args: argparse.Namespace, tag_dir: Path, work: Path) -> dict[str, dict[str, float]]:
+    out = work / "out"
+    commands = conversion_commands(args, tag_dir, out)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in commands}
     for round_ in range(args.rounds):
         order = list(commands) if round_ % 2 == 0 else list(reversed(commands))
         for name in order:
             shutil.rmtree(out, ignore_errors=True)
-            rss, wall = peak_rss(commands[name])
-            results[name].append((rss, wall))
-            print(f"round {round_ + 1}: {name}: {wall:.1f} s, peak RSS {rss:.2f} GiB", flush=True)
+            (work / "latest_universal").unlink(missing_ok=True)
+            result = timed(commands[name], cold=tag_dir)
+            result["output"] = du(out)
+            runs[name].append(result)
+            print(f"round {round_ + 1}: {name}: {result['wall']:.1f} s, peak RSS {result['rss']:.2f} GiB, "
+                  f"read {result['read'] / 2**30:.2f} GiB, written {result['written'] / 2**30:.2f} GiB", flush=True)
     shutil.rmtree(out, ignore_errors=True)
+    return {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+            for name, results in runs.items()}
+
+
+def resume(args: argparse.Namespace, work: Path, tp: int, load_dir: Path, label: str) -> dict[str, float]:
+    """One resume at TP=tp: load ``load_dir``, train one step; per-rank timing from train.py --timing."""
+    timing = work / "timing" / f"{label}_tp{tp}"
+    timing.parent.mkdir(exist_ok=True)
+    for old in timing.parent.glob(f"{timing.name}.rank*.json"):
+        old.unlink()
+    evict(load_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp), "-m",
+           "deepspeed_ext.demo.train", "--tp", str(tp),
+           "--zero", "1", "--dtype", "bf16", "--steps", "2", "--load-dir", str(load_dir), "--timing", str(timing),
+           "--model-config", str(work / "config.json")]
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True,
+                   env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    ranks = [json.loads(p.read_text()) for p in sorted(timing.parent.glob(f"{timing.name}.rank*.json"))]
+    return {"first_step_s": max(r["first_step_s"] for r in ranks),
+            "read_per_rank": [r["load_read_bytes"] for r in ranks],
+            "share_per_rank": [r["share_bytes"] for r in ranks]}
+
+
+def resumes(args: argparse.Namespace, tag_dir: Path, work: Path) -> list[str]:
+    python = sys.executable
+    universal = work / "resume_universal"
+    lines = ["| resume | TP | convert s | load + first step s | time to first step s | (b)/(a) | "
+             "max read / share per rank | all ranks read / all shares |", "|---|---|---|---|---|---|---|---|"]
+    for tp in args.resume_tp:
+        shutil.rmtree(universal, ignore_errors=True)
+        convert = timed([python, "-m", "deepspeed_ext", "to-universal", str(tag_dir), "-o", str(universal),
+                         "--quiet"], cold=tag_dir)["wall"]
+        via_universal = resume(args, work, tp, universal, "universal")
+        direct = resume(args, work, tp, tag_dir, "direct")
+        total_a = convert + via_universal["first_step_s"]
+        for name, result, conv, total in (("(a) to-universal + load", via_universal, convert, total_a),
+                                          ("(b) direct load", direct, 0.0, direct["first_step_s"])):
+            reads, shares = result["read_per_rank"], result["share_per_rank"]
+            worst = max(r / s for r, s in zip(reads, shares, strict=True))
+            lines.append(f"| {name} | {tp} | {conv:.1f} | {result['first_step_s']:.1f} | {total:.1f} | "
+                         f"{total / total_a:.2f} | {worst:.2f} | {sum(reads) / sum(shares):.2f} |")
+            print(lines[-1], flush=True)
+    shutil.rmtree(universal, ignore_errors=True)
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    model_arguments(p)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-upstream", action="store_true", help="skip upstream ds_to_universal (slow)")
+    p.add_argument("--no-resume", action="store_true", help="skip the resume measurements")
+    p.add_argument("--resume-tp", type=int, nargs="+", default=[1, 4])
+    args = p.parse_args()
+    work = Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{args.layers}_i{args.intermediate}"
+    tag_dir = build_checkpoint(args, work)
+    medians = conversions(args, tag_dir, work)
+    resume_lines = [] if args.no_resume else resumes(args, tag_dir, work)
 
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
     layouts = DeepSpeedCheckpoint(tag_dir).layouts
     largest = max(layouts, key=lambda n: layouts[n].numel)
     unit = layouts[largest].numel * 4 * 3 / 2**30  # fp32 master + exp_avg + exp_avg_sq
-    size = du(tag_dir) / 2**30
-    median = {name: (statistics.median(r for r, _ in runs), statistics.median(w for _, w in runs))
-              for name, runs in results.items()}
-    floor = median["cp -r"][1]
-    print(f"\ncheckpoint: {tag_dir} ({size:.2f} GiB, {sum(t.numel for t in layouts.values()) / 1e6:.0f}M params)")
+    size = du(tag_dir)
+    cp = medians["cp -r"]
+    cp_rate = (cp["read"] + cp["written"]) / cp["wall"]
+    print(f"\ncheckpoint: {tag_dir} ({size / 2**30:.2f} GiB, {sum(t.numel for t in layouts.values()) / 1e6:.0f}M "
+          f"params, {args.layers} layers)")
     print(f"largest parameter: {largest}: fp32 + exp_avg + exp_avg_sq = {unit:.3f} GiB; "
           f"memory target 1.5 x that + 0.5 GiB = {1.5 * unit + 0.5:.2f} GiB")
-    print(f"medians of {args.rounds} rounds\n")
-    print("| command | wall s | x cp -r | peak RSS GiB |")
-    print("|---|---|---|---|")
-    for name, (rss, wall) in median.items():
-        print(f"| {name} | {wall:.1f} | {wall / floor:.2f} | {rss:.2f} |")
-    if "upstream ds_to_universal" in median:
-        ratio = median["deepspeed-ext to-universal"][1] / median["upstream ds_to_universal"][1]
-        print(f"\nto-universal / upstream wall time: {ratio:.3f}")
+    print(f"medians of {args.rounds} rounds; the input evicted from the page cache before each command\n")
+    print("| command | wall s | x cp -r | peak RSS GiB | read GiB | written GiB | throughput (read+written)/s "
+          "vs cp |")
+    print("|---|---|---|---|---|---|---|")
+    for name, m in medians.items():
+        rate = (m["read"] + m["written"]) / m["wall"]
+        print(f"| {name} | {m['wall']:.1f} | {m['wall'] / cp['wall']:.2f} | {m['rss']:.2f} | "
+              f"{m['read'] / 2**30:.2f} | {m['written'] / 2**30:.2f} | {rate / cp_rate:.2f} |")
+    if "upstream ds_to_universal" in medians:
+        for name in ("deepspeed-ext to-universal", "to-universal --distributed (2 ranks)"):
+            print(f"\n{name} / upstream wall time: "
+                  f"{medians[name]['wall'] / medians['upstream ds_to_universal']['wall']:.3f}", end="")
+        print()
+    single, dist = medians["deepspeed-ext to-universal"], medians["to-universal --distributed (2 ranks)"]
+    print(f"--distributed speed-up on 2 ranks: {single['wall'] / dist['wall']:.2f}x")
+    if resume_lines:
+        print()
+        print("\n".join(resume_lines))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,8 @@ def main() -> None:
         engine.load_checkpoint(args.load_dir)
         timing["load_s"] = time.perf_counter() - start
         timing["load_read_bytes"] = _bytes_read() - io_before
+        # This rank's TP slice of the fp32 master and both Adam moments (ZeRO-1/2 at DP=1 load all of it).
+        timing["share_bytes"] = sum(p.numel() for p in engine.module.parameters()) * 4 * 3
         if args.dump_loaded:
             dump_live_state(engine, Path(args.dump_loaded), tp_rank)
 
