@@ -265,36 +265,47 @@ def write_hf(tensors: Iterable[LogicalTensor],
 
 def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],
                   params: list[LogicalTensor], pieces: Mapping[str, list[FileTensor]], progress: bool) -> None:
-    """Create every shard with its header, then write each parameter's pieces at their offsets, in stream order."""
+    """Create every shard with its header, then write each parameter's pieces at their offsets, in stream order.
+
+    Positional writes run on writer threads while the next parameter is read and cast."""
     from tqdm import tqdm
     bar = tqdm(total=sum(entry.nbytes for entry in plan.values()), desc="to-hf", unit="B", unit_scale=True,
                disable=not progress)
-    files: dict[str, Any] = {}
+    files: dict[str, int] = {}
     where: dict[str, tuple[str, int]] = {}  # file tensor -> (shard, absolute offset)
     try:
         for filename, names in shards.items():
             entries = [plan[name] for name in names]
             header = _header(entries, {"format": "pt"})
-            files[filename] = handle = open(directory / filename, "wb")  # noqa: SIM115 - closed below
-            handle.write(header)
+            files[filename] = fd = os.open(directory / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _write_at(fd, header, 0)
             offset = len(header)
             for entry in entries:
                 where[entry.name] = (filename, offset)
                 offset += entry.nbytes
-            handle.truncate(offset)
-        for tensor in params:
-            full = tensor.load(MASTER_WEIGHTS)
-            for entry in pieces[tensor.name]:
-                data = entry.cut(full).to(entry.dtype).contiguous()
-                filename, offset = where[entry.name]
-                files[filename].seek(offset)
-                files[filename].write(data.reshape(-1).view(torch.uint8).numpy().data)
-                bar.update(entry.nbytes)
-            del full
+            os.ftruncate(fd, offset)
+        with serialization.BackgroundWriter() as writer:
+            for tensor in params:
+                full = tensor.load(MASTER_WEIGHTS)
+                for entry in pieces[tensor.name]:
+                    data = entry.cut(full).to(entry.dtype).contiguous()
+                    filename, offset = where[entry.name]
+                    writer.submit(_write_at, files[filename], data.reshape(-1).view(torch.uint8).numpy().data,
+                                  offset)
+                    bar.update(entry.nbytes)
+                del full
     finally:
-        for handle in files.values():
-            handle.close()
+        for fd in files.values():
+            os.close(fd)
         bar.close()
+
+
+def _write_at(fd: int, data: Any, offset: int) -> None:
+    """All of ``data`` at ``offset`` (pwrite may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:

@@ -21,7 +21,7 @@ import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -85,8 +85,8 @@ def write_universal(source: DeepSpeedCheckpoint,
     else:
         with serialization.staged_directory(out) as partial:
             (partial / ZERO_DIR).mkdir()
-            _write_tensors(source, list(layouts), partial, progress)
-            _write_summary(source, layouts, partial)
+            _write_tensors(source, list(layouts), partial, progress,
+                           first=lambda: _write_summary(source, layouts, partial))
     latest = out.parent / LATEST_UNIVERSAL
     if not distributed or _rank() == 0:
         tmp = latest.with_name(latest.name + ".tmp")
@@ -134,20 +134,23 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
             (partial / ZERO_DIR).mkdir()
         dist.barrier()
         mine = shares_by_size(layouts, world)[rank]
-        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0))
-        if rank == 0 and error is None:
-            error = attempt(lambda: _write_summary(source, layouts, partial))
+        summary = (lambda: _write_summary(source, layouts, partial)) if rank == 0 else None
+        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0, first=summary))
         failed = torch.tensor([0 if error is None else 1])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             raise error or CheckpointError(f"{out}: another rank failed; its error is in its output")
 
 
-def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool) -> None:
+def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool,
+                   first: Callable[[], None] | None = None) -> None:
+    """The per-parameter files of ``names``; ``first`` (the summary files) runs on a writer thread meanwhile."""
     zero = partial / ZERO_DIR
     wanted = set(names)
     # Merging (reading the source) runs here while earlier tensors are written on the writer threads.
     with serialization.BackgroundWriter() as writer:
+        if first is not None:
+            writer.submit(first)
         for tensor in tqdm((t for t in source.tensors() if t.name in wanted), total=len(names), desc="to-universal",
                            unit="param", disable=not progress):
             param_dir = zero / tensor.name
