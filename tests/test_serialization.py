@@ -33,3 +33,19 @@ def test_release_pages_ignores_memory_outside_the_mappings(tmp_path):
     serialization.release_pages(heap, mappings)
     assert torch.equal(heap, torch.arange(4 * 2**20, dtype=torch.float32))
     assert mapped["x"].sum() == 1024
+
+
+def test_threads_loading_and_saving_keep_the_allow_list_and_the_crc_setting(tmp_path):
+    """Writer threads load and save concurrently: each load still admits the allow-listed DeepSpeed types, and
+    the process-wide CRC switch is back to the caller's value afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    torch.save({"loss_scaler": LossScaler(4.0), "tensor": torch.ones(3)}, tmp_path / "optim.pt")
+    before = torch.utils.serialization.config.save.compute_crc32
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: serialization.load(tmp_path / "optim.pt"), range(64)))
+        list(pool.map(lambda i: serialization.save(torch.full((1000, ), float(i)), tmp_path / f"{i}.pt"), range(32)))
+    assert all(isinstance(state["loss_scaler"], LossScaler) for state in loaded)
+    assert torch.utils.serialization.config.save.compute_crc32 == before
+    assert all(torch.equal(serialization.load(tmp_path / f"{i}.pt"), torch.full((1000, ), float(i))) for i in range(32))

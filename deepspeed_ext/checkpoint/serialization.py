@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import sys
+import threading
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ def _allowed_globals() -> list[Any]:
 
 
 _ALLOWED: list[Any] | None = None
+_LOAD_LOCK = threading.Lock()
 
 
 def allowed_globals() -> list[Any]:
@@ -50,7 +52,8 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
-        with torch.serialization.safe_globals(allowed_globals()):
+        # safe_globals swaps a process-wide list: two threads loading at once would undo each other's.
+        with _LOAD_LOCK, torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -69,9 +72,35 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with torch.utils.serialization.config.patch({"save.compute_crc32": False}):
+    with _without_crc32():
         torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+_CRC_LOCK = threading.Lock()
+_crc_users = 0
+_crc_saved: bool | None = None
+
+
+@contextmanager
+def _without_crc32() -> Iterator[None]:
+    """torch.save without CRC-32 while any of our saves runs (on any thread), then the caller's setting back.
+
+    The switch is process-wide, so concurrent writer threads share one reference-counted change."""
+    global _crc_users, _crc_saved
+    config = torch.utils.serialization.config.save
+    with _CRC_LOCK:
+        if _crc_users == 0:
+            _crc_saved = config.compute_crc32
+            config.compute_crc32 = False
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _CRC_LOCK:
+            _crc_users -= 1
+            if _crc_users == 0:
+                config.compute_crc32 = _crc_saved
 
 
 class BackgroundWriter:
