@@ -70,13 +70,14 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
         try:
             out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                                  distributed=True)
+                                  distributed=True, finite=_finite(args, source.tag_dir))
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
+        out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
+                              finite=_finite(args, source.tag_dir))
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, "
               f"TP={source.tp_degree} x DP={source.dp_degree}, ZeRO-{source.zero_stage}, "
@@ -134,7 +135,8 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
                           step=_global_steps(ckpt),
                           mesh=parse_mesh(args.mesh) if args.mesh else None,
                           with_optimizer=args.with_optimizer,
-                          optimizer_step=optimizer_step)
+                          optimizer_step=optimizer_step,
+                          finite=_finite(args, args.source))
     if not args.quiet:
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); load it with load_parameters_path={items}")
@@ -144,7 +146,8 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.universal import write_universal
     source = _maxtext_source(Path(args.source), args.config, args.family)
-    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
+                          finite=_finite(args, args.source))
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if source.has_optimizer else
                      "fresh optimizer state")
@@ -159,7 +162,7 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     config = _model_config(ckpt, args.config)
     out = write_hf(ckpt.tensors(), args.output, model_config=config, dtype=args.dtype,
                    max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
-                   source=str(args.source))
+                   source=str(args.source), finite=_finite(args, args.source))
     if not args.quiet:
         print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
@@ -169,7 +172,8 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.hf import HFCheckpoint
     from deepspeed_ext.checkpoint.universal import write_universal
     source = HFCheckpoint(args.source, dtype=args.dtype)
-    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
+                          finite=_finite(args, args.source))
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, fresh optimizer state); train "
               "from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
@@ -205,10 +209,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _writer_options(p: argparse.ArgumentParser) -> None:
-    """Options every command that writes a checkpoint shares."""
+def _writer_options(p: argparse.ArgumentParser, convert: bool = True) -> None:
+    """Options every command that writes a checkpoint shares (``convert``: it reads tensors from a source)."""
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    if convert:
+        p.add_argument("--check-finite", action="store_true",
+                       help="check every tensor for NaN/Inf; if any has them, name the parameters and write nothing")
+
+
+def _finite(args: argparse.Namespace, source: Any) -> Any:
+    """The NaN/Inf check ``--check-finite`` asks for, reporting against ``source``; else None."""
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck
+    return FiniteCheck(str(source)) if args.check_finite else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="the Orbax item directory (<root>/0/items)")
     p.add_argument("-o", "--output", required=True, help="output root; the result is <output>/0/items")
     p.add_argument("--mesh", required=True, help="target mesh, e.g. fsdp=16,tensor=2,expert=4")
-    _writer_options(p)
+    _writer_options(p, convert=False)
     p.set_defaults(func=cmd_reshard_orbax)
 
     p = sub.add_parser("inspect", help="describe a DeepSpeed or universal checkpoint")

@@ -213,6 +213,59 @@ def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
     assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
 
 
+def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
+    """An Inf in one Adam moment of one ZeRO partition: to-universal --check-finite names the parameter and the
+    state in one line and publishes nothing; a run without the check converts."""
+    save_dir = tmp_path / "diverged"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    path = next((save_dir / tp2.tag_dir.name).glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))
+    optim = torch.load(path, weights_only=False)  # our own test file
+    state = optim["optimizer_state_dict"]
+    where = state["param_slice_mappings"][0]["model.layers.1.self_attn.q_proj.weight"]
+    state["base_optimizer_state"]["state"][0]["exp_avg_sq"][where.start + 5] = float("inf")
+    torch.save(optim, path)
+    proc = cli(["to-universal", str(save_dir), "--check-finite", "--quiet"], tmp_path / "diverged.log", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ("NaN/Inf in 1 parameter(s): model.layers.1.self_attn.q_proj.weight (exp_avg_sq); nothing was written"
+            in proc.stderr)
+    assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
+    cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "unchecked.log")
+
+
+class _FileCreatingPayload:
+    """Creates a file when unpickled by a loader that runs code (``torch.load(weights_only=False)``)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_planted_pickle_payload_is_refused_and_never_runs(tp2, tmp_path):
+    """A checkpoint whose model states carry a code-running pickle: every command that opens it refuses it in
+    one line, exit 2, and the payload never runs; plain torch.load(weights_only=False) would run it."""
+    save_dir = tmp_path / "planted"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    path = save_dir / tp2.tag_dir.name / "mp_rank_00_model_states.pt"
+    marker = tmp_path / "payload_ran"
+    states = torch.load(path, weights_only=False)  # our own test file
+    states["client_state"] = _FileCreatingPayload(str(marker))
+    torch.save(states, path)
+    for args in (["to-universal", str(save_dir)], ["inspect", str(save_dir)],
+                 ["to-hf", str(save_dir), "-o", str(tmp_path / "hf")],
+                 ["to-maxtext", str(save_dir), "-o", str(tmp_path / "maxtext")]):
+        proc = cli([*args, "--quiet"] if args[0] != "inspect" else args, tmp_path / f"{args[0]}.log", check=False)
+        assert proc.returncode == 2, args
+        assert proc.stderr.strip().splitlines() == [line for line in proc.stderr.strip().splitlines()
+                                                    if "refused to unpickle" in line and str(path) in line], args
+        assert not marker.exists(), args
+    assert not list(tmp_path.glob("hf*")) and not list(tmp_path.glob("maxtext*")) and not list(
+        save_dir.glob("*_universal*"))
+    torch.load(path, weights_only=False)  # the payload is live: an unsafe loader runs it
+    assert marker.exists()
+
+
 # --------------------------------------------------------------- ZeRO-3 (parameters partitioned too)
 @pytest.mark.parametrize("target", [(1, 2, 3), (4, 1, 1)])
 def test_tp2_dp2_zero3_converts_and_resumes(scenarios, target):

@@ -267,3 +267,25 @@ def test_training_starts_from_hf_weights_at_tp2(tmp_path, family):
     with torch.no_grad():
         assert abs(untouched(input_ids=tokens, labels=tokens).loss.item() - expected) > 1e-3
     assert np.isfinite(losses[3]) and losses[3] < losses[1]
+
+
+def test_check_finite_names_the_parameters_and_writes_nothing(tmp_path, capsys):
+    """--check-finite on every conversion from a checkpoint with NaN and Inf weights: one line naming the
+    parameters, exit 2, no output (not even a .partial); without the flag the weights convert as they are."""
+    model = build_model("llama", seed=7)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        model.model.norm.weight[3] = float("inf")
+    save_pretrained(model, tmp_path / "hf")
+    cli("from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "universal"))  # no check asked: converts
+    assert torch.isnan(serialization.load(tmp_path / "universal" / "zero" / "model.layers.1.mlp.down_proj.weight" /
+                                          "fp32.pt")["param"]).any()
+    for command, source in (("from-hf", "hf"), ("to-hf", "hf"), ("to-maxtext", "hf"), ("to-hf", "universal")):
+        out = tmp_path / f"{command}_{source}_checked"
+        capsys.readouterr()
+        assert main([command, str(tmp_path / source), "-o", str(out), "--check-finite", "-q"]) == 2, command
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1, error
+        assert (f"{tmp_path / source}: NaN/Inf in 2 parameter(s): model.layers.1.mlp.down_proj.weight (fp32), "
+                "model.norm.weight (fp32); nothing was written") in error, (command, error)
+        assert not out.exists() and not out.with_name(out.name + ".partial").exists(), command

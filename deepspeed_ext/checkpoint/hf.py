@@ -35,7 +35,7 @@ import torch
 
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
-from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
@@ -210,20 +210,22 @@ def write_hf(tensors: Iterable[LogicalTensor],
              max_shard_size: int | str = "5GB",
              overwrite: bool = False,
              progress: bool = True,
-             source: str = "source") -> Path:
+             source: str = "source",
+             finite: FiniteCheck | None = None) -> Path:
     """Write the stream ``tensors`` (full parameters, HF/universal names) as an HF checkpoint at ``out``.
 
     Each tensor's master weights (``fp32`` state) are cast to ``dtype`` (``source``: the dtype the
     source model had, ``LogicalTensor.dtype``) and written once, straight into its shard. The parameter
     names and shapes are checked against transformers' model for ``model_config`` before anything is
-    written, so the output loads with no missing or unexpected keys.
+    written, so the output loads with no missing or unexpected keys. ``finite``: check every tensor for
+    NaN/Inf and publish nothing if any has them.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
 
     out = Path(out)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
-    tensors = {tensor.name: tensor for tensor in tensors}
+    tensors = {tensor.name: tensor for tensor in (finite.stream(tensors) if finite else tensors)}
     tied = bool(model_config.get("tie_word_embeddings", False))
     dropped_tied = tied and all(name in tensors for name in TIED_PAIR)
     params = [tensor for name, tensor in tensors.items() if not (dropped_tied and name == TIED_PAIR[0])]
@@ -252,6 +254,8 @@ def write_hf(tensors: Iterable[LogicalTensor],
         _check_tied(tensors, source)
     with serialization.staged_directory(out) as partial:
         _write_shards(partial, split.filename_to_tensors, plan, params, pieces, progress)
+        if finite is not None:
+            finite.raise_if_any()
         config.save_pretrained(partial)
         if split.is_sharded:  # the index is written last: without it a multi-shard output does not load
             index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),

@@ -28,12 +28,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
 from deepspeed_ext.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck
 
 ITEM = "items"
 METADATA_KEY = "deepspeed_ext"  # our entry in the step's custom metadata
@@ -385,7 +388,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
                   step: int = 0,
                   mesh: Mapping[str, int] | None = None,
                   with_optimizer: bool = False,
-                  optimizer_step: int | None = None) -> Path:
+                  optimizer_step: int | None = None,
+                  finite: FiniteCheck | None = None) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
     ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
@@ -403,7 +407,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
     moments are rescaled for MaxText's pre-scaled query kernel (see :func:`_moment_factor`).
 
     ``load(name, state)`` returns one full fp32 tensor (``state``: ``fp32``, ``exp_avg`` or ``exp_avg_sq``) as
-    numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it.
+    numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it. ``finite``: check
+    every tensor for NaN/Inf; if any has them, the written checkpoint is removed and nothing is left.
     """
     import ml_dtypes
     from tqdm import tqdm
@@ -418,6 +423,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
             raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
         shutil.rmtree(out)
     states = STATES if with_optimizer else STATES[:1]
+    if finite is not None:
+        load = finite.loader(load)
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
     def lazy_leaf(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
@@ -461,14 +468,16 @@ def write_maxtext(load: Callable[..., np.ndarray],
     custom = {"scan_layers": scan_layers,
               METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}}
     try:
-        _save_items(out, tree, custom)
+        _save_items(out, tree, custom, finish=finite.raise_if_any if finite else None)
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
 
 
-def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any]) -> None:
-    """Save ``tree`` (lazy leaves allowed) as step 0, item ``items``, the way MaxText's own writers do."""
+def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
+                finish: Callable[[], None] | None = None) -> None:
+    """Save ``tree`` (lazy leaves allowed) as step 0, item ``items``, the way MaxText's own writers do;
+    ``finish`` runs after the save, and if it raises, the output is removed."""
     import orbax.checkpoint as ocp
     _register_lazy_leaf()
     os.makedirs(out, exist_ok=True)
@@ -484,6 +493,8 @@ def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, A
                      custom_metadata=dict(custom_metadata))
         manager.wait_until_finished()
         manager.close()
+        if finish is not None:
+            finish()
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

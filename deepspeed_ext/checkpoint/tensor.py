@@ -6,11 +6,15 @@ sink that handles one tensor at a time keeps memory at "one tensor" whatever the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from collections.abc import Callable
+import threading
+from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
+import numpy as np
 import torch
 
+from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
 #: Optimizer states of Adam-family optimizers, in the names DeepSpeed's universal layout uses.
@@ -40,3 +44,45 @@ class LogicalTensor:
         if state not in self.states:
             raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
         return self.loader(state)
+
+
+class FiniteCheck:
+    """``--check-finite``: every tensor state a conversion reads is checked for NaN/Inf as it streams past.
+
+    Offenders are collected (a diverged run usually has many) and :meth:`raise_if_any` reports them all at
+    once; writers call it before they publish, so a failed check leaves no output.
+    """
+
+    def __init__(self, source: str):
+        self.source = source
+        self.offenders: dict[str, list[str]] = {}
+        self._lock = threading.Lock()  # Orbax materializes leaves on its own threads
+
+    def check(self, name: str, state: str, value: Any) -> Any:
+        if torch.is_tensor(value):
+            finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
+            finite = bool(np.isfinite(value).all())
+        else:
+            finite = True
+        if not finite:
+            with self._lock:
+                states = self.offenders.setdefault(name, [])
+                if state not in states:
+                    states.append(state)
+        return value
+
+    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
+        for tensor in tensors:
+            yield replace(tensor, loader=lambda state, t=tensor: self.check(t.name, state, t.loader(state)))
+
+    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+        """``load(name, state)`` with every result checked."""
+        return lambda name, state: self.check(name, state, load(name, state))
+
+    def raise_if_any(self) -> None:
+        if self.offenders:
+            listed = ", ".join(f"{name} ({'/'.join(states)})" for name, states in sorted(self.offenders.items())[:5])
+            more = f" and {len(self.offenders) - 5} more" if len(self.offenders) > 5 else ""
+            raise CheckpointError(f"{self.source}: NaN/Inf in {len(self.offenders)} parameter(s): {listed}{more}; "
+                                  "nothing was written")

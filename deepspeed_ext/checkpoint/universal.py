@@ -30,7 +30,7 @@ from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STATES_RE, DeepSpeedCheckpoint,
                                                 resolve_tag_dir)
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
-from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
+from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -66,13 +66,15 @@ def write_universal(source: DeepSpeedCheckpoint,
                     *,
                     overwrite: bool = False,
                     progress: bool = True,
-                    distributed: bool = False) -> Path:
+                    distributed: bool = False,
+                    finite: FiniteCheck | None = None) -> Path:
     """Convert ``source`` into DeepSpeed's universal layout at ``out``; returns the output path.
 
     Streams one parameter and one state at a time: memory stays at about one full tensor.
     ``distributed``: every rank of the initialized ``torch.distributed`` group calls this, each converts
     its share of the parameters (balanced by size), and rank 0 writes the rest and publishes the result;
-    the output is byte-identical to a single-process run.
+    the output is byte-identical to a single-process run. ``finite``: check every tensor for NaN/Inf and
+    publish nothing if any has them.
     """
     out = Path(out) if out is not None else default_output(source)
     if out.exists() and not overwrite:
@@ -81,12 +83,12 @@ def write_universal(source: DeepSpeedCheckpoint,
         raise CheckpointError(f"{out}: output would overwrite the source checkpoint")
     layouts = source.layouts  # validates metadata before anything is written
     if distributed:
-        _write_distributed(source, layouts, out, progress)
+        _write_distributed(source, layouts, out, progress, finite)
     else:
         with serialization.staged_directory(out) as partial:
             (partial / ZERO_DIR).mkdir()
             _write_tensors(source, list(layouts), partial, progress,
-                           first=lambda: _write_summary(source, layouts, partial))
+                           first=lambda: _write_summary(source, layouts, partial), finite=finite)
     latest = out.parent / LATEST_UNIVERSAL
     if not distributed or _rank() == 0:
         tmp = latest.with_name(latest.name + ".tmp")
@@ -115,7 +117,8 @@ def shares_by_size(layouts: dict[str, TPLayout], world: int) -> list[list[str]]:
     return [sorted(share, key=order.__getitem__) for share in shares]
 
 
-def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], out: Path, progress: bool) -> None:
+def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], out: Path, progress: bool,
+                       finite: FiniteCheck | None) -> None:
     import contextlib
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -135,7 +138,8 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
         dist.barrier()
         mine = shares_by_size(layouts, world)[rank]
         summary = (lambda: _write_summary(source, layouts, partial)) if rank == 0 else None
-        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0, first=summary))
+        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0, first=summary,
+                                               finite=finite))
         failed = torch.tensor([0 if error is None else 1])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
@@ -143,7 +147,7 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
 
 
 def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool,
-                   first: Callable[[], None] | None = None) -> None:
+                   first: Callable[[], None] | None = None, finite: FiniteCheck | None = None) -> None:
     """The per-parameter files of ``names``; ``first`` (the summary files) runs on a writer thread meanwhile."""
     zero = partial / ZERO_DIR
     wanted = set(names)
@@ -151,7 +155,8 @@ def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path,
     with serialization.BackgroundWriter() as writer:
         if first is not None:
             writer.submit(first)
-        for tensor in tqdm((t for t in source.tensors() if t.name in wanted), total=len(names), desc="to-universal",
+        stream = (t for t in source.tensors() if t.name in wanted)
+        for tensor in tqdm(finite.stream(stream) if finite else stream, total=len(names), desc="to-universal",
                            unit="param", disable=not progress):
             param_dir = zero / tensor.name
             param_dir.mkdir()
@@ -163,6 +168,8 @@ def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path,
                                   param_dir / f"{state}.pt")
             if STEP in tensor.states:
                 writer.submit(serialization.save, tensor.load(STEP), param_dir / f"{STEP}.pt")
+    if finite is not None:
+        finite.raise_if_any()
 
 
 def _write_summary(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path) -> None:
