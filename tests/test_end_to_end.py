@@ -232,6 +232,82 @@ def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
     cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "unchecked.log")
 
 
+def _edit_torch_file(path, edit) -> None:
+    data = torch.load(path, weights_only=False)  # our own test file
+    edit(data)
+    torch.save(data, path)
+
+
+def _set_step(optim) -> None:
+    optim["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["step"] = 7
+
+
+_FAULTS = {
+    "truncated optimizer file": ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                                 lambda path: path.write_bytes(path.read_bytes()[:4000]), "cannot read torch file"),
+    "missing optimizer file": ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", lambda path: path.unlink(),
+                               "missing optimizer file for dp_rank 0, mp_rank 01"),
+    "missing mp_rank file": ("mp_rank_01_model_states.pt", lambda path: path.unlink(),
+                             "mp_rank files for TP ranks [1] are missing"),
+    "model states of another step": ("mp_rank_01_model_states.pt",
+                                     lambda path: _edit_torch_file(path, lambda s: s.update(global_steps=2)),
+                                     "saved at global step 2, but mp_rank_00_model_states.pt at step 3: files of "
+                                     "two checkpoints are mixed"),
+    "optimizer file of another step": ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+                                       lambda path: _edit_torch_file(path, _set_step),
+                                       "optimizer step 7, but bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt has "
+                                       "step 3: files of two checkpoints are mixed"),
+    "DP degrees disagree": ("mp_rank_01_model_states.pt",
+                            lambda path: _edit_torch_file(path, lambda s: s.update(dp_world_size=2)),
+                            "says DP=2, but mp_rank_00_model_states.pt says DP=1"),
+    "TP degrees disagree": ("mp_rank_01_model_states.pt",
+                            lambda path: _edit_torch_file(path, lambda s: s.update(mp_world_size=4)),
+                            "says TP=4, but mp_rank_00_model_states.pt says TP=2"),
+    "partitioned for another DP degree": ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                          lambda path: _edit_torch_file(
+                                              path, lambda o: o["optimizer_state_dict"].update(partition_count=[2])),
+                                          "partitioned over 2 DP ranks, but the model states say DP=1"),
+}
+
+
+def _tree_digest(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("fault", sorted(_FAULTS))
+def test_bad_checkpoint_files_get_one_line_naming_the_file(tp2, tmp_path, fault):
+    """Each fault: exit 2, one line naming the file and the problem, no traceback, the source untouched and
+    nothing published."""
+    file_name, damage, message = _FAULTS[fault]
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    damage(save_dir / tp2.tag_dir.name / file_name)
+    before = _tree_digest(save_dir)
+    proc = cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "fault.log", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"deepspeed-ext: error: {save_dir / tp2.tag_dir.name}") and message in lines[0], lines
+    assert _tree_digest(save_dir) == before
+    assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
+
+
+def test_a_full_disk_fails_cleanly_and_a_rerun_finishes(tp2, tmp_path):
+    """RLIMIT_FSIZE (a full disk) during to-universal: one line naming the file, exit 2, no output; the same
+    command without the limit then converts."""
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024)); "
+    proc = subprocess.run([sys.executable, "-c", limit + "from deepspeed_ext.cli import main; import sys; "
+                           f"sys.exit(main(['to-universal', {str(save_dir)!r}, '--quiet']))"],
+                          capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "File too large" in lines[0], proc.stderr
+    assert str(save_dir) in lines[0]
+    assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
+    cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "rerun.log")
+    assert (save_dir / "latest_universal").read_text() == f"{tp2.tag_dir.name}_universal"
+
+
 class _FileCreatingPayload:
     """Creates a file when unpickled by a loader that runs code (``torch.load(weights_only=False)``)."""
 

@@ -237,6 +237,7 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.tag_dir}: TP degree is {self.tp_degree} but mp_rank files for TP ranks "
                                   f"{missing} are missing")
         self.dp_degree = int(first.get("dp_world_size") or 1)
+        self._check_model_states_agree(first)
         optim = {}
         for f in files:
             m = OPTIM_STATES_RE.match(f)
@@ -263,6 +264,45 @@ class DeepSpeedCheckpoint:
             tp, dp = missing[0]
             raise CheckpointError(f"{self.tag_dir}: missing optimizer file for dp_rank {dp}, mp_rank {tp:02d} "
                                   f"({len(missing)} missing)")
+        self._check_optimizer_files_agree()
+
+    # ------------------------------------------------------------------ consistency
+    def _check_model_states_agree(self, first: dict[str, Any]) -> None:
+        """Every TP rank's model states must come from the same save: same step, same TP and DP degrees."""
+        reference = self._model_files[min(self._model_files)]
+        expected = {key: first.get(key) for key in ("global_steps", "mp_world_size", "dp_world_size")}
+        for tp, path in sorted(self._model_files.items()):
+            if path == reference:
+                continue
+            states = self.rank_model_states(tp)
+            if states.get("global_steps") != expected["global_steps"]:
+                raise CheckpointError(f"{path}: saved at global step {states.get('global_steps')}, but "
+                                      f"{reference.name} at step {expected['global_steps']}: files of two checkpoints "
+                                      "are mixed")
+            for key, what in (("mp_world_size", "TP"), ("dp_world_size", "DP")):
+                if states.get(key) != expected[key]:
+                    raise CheckpointError(f"{path}: says {what}={states.get(key)}, but {reference.name} says "
+                                          f"{what}={expected[key]}")
+
+    def _check_optimizer_files_agree(self) -> None:
+        """Every optimizer file must hold this checkpoint's DP partitioning and optimizer step."""
+        reference, reference_step = None, None
+        for key, path in sorted(self._optim_files.items()):
+            state = self.optimizer_state(*key)
+            counts = state.get("partition_count")
+            counts = counts if isinstance(counts, list | tuple) else [counts] if counts is not None else []
+            if any(int(count) != self.dp_degree for count in counts):
+                raise CheckpointError(f"{path}: partitioned over {int(counts[0])} DP ranks, but the model states say "
+                                      f"DP={self.dp_degree}")
+            groups = self._base_state(*key).get("state") or {}
+            step = next((group["step"] for group in groups.values() if isinstance(group, dict) and "step" in group),
+                        None)
+            step = f"{float(step):g}" if step is not None else "none"
+            if reference is None:
+                reference, reference_step = path, step
+            elif step != reference_step:
+                raise CheckpointError(f"{path}: optimizer step {step}, but {reference.name} has step {reference_step}: "
+                                      "files of two checkpoints are mixed")
 
     @property
     def path(self) -> Path:

@@ -56,12 +56,10 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
         with _LOAD_LOCK, torch.serialization.safe_globals(allowed_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: refused to unpickle (only tensors and allow-listed DeepSpeed types are "
-                              f"loaded): {first_line}") from exc
+                              f"loaded): {_first_line(exc)}") from exc
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot read torch file: {first_line}") from exc
+        raise CheckpointError(f"{path}: cannot read torch file: {_first_line(exc)}") from exc
 
 
 def save(obj: Any, path: str | os.PathLike) -> None:
@@ -72,9 +70,18 @@ def save(obj: Any, path: str | os.PathLike) -> None:
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with _without_crc32():
-        torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        with _without_crc32():
+            torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # torch reports a failed write (disk full, size limit) as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot write: {_first_line(exc)} (disk full or file size limit?)") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 _CRC_LOCK = threading.Lock()
