@@ -300,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_library_warnings() -> None:
+    """Orbax logs routine notices as absl WARNINGs on stderr; without --debug an error is then the one line."""
+    try:
+        from absl import logging as absl_logging
+    except ImportError:
+        return
+    absl_logging.set_verbosity(absl_logging.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Conversion is pure CPU work. Without this, importing DeepSpeed probes for an accelerator and prints
     # its finding on stdout, which would corrupt `inspect --json`.
@@ -308,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "--debug" in (argv if argv is not None else sys.argv):
         args.debug = True
+    if not args.debug:
+        _quiet_library_warnings()
     try:
         return args.func(args)
     except (DeepSpeedExtError, ValueError, OSError) as exc:

@@ -17,3 +17,9 @@ class MissingMetadataError(CheckpointError):
 
 class LayoutError(DeepSpeedExtError):
     """A tensor-parallel layout is inconsistent with the tensor it describes."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (library errors can run to many lines), else its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

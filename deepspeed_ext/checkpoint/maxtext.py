@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
-from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
     from deepspeed_ext.checkpoint.tensor import FiniteCheck
@@ -527,8 +527,13 @@ def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...
 
     item = build(tree, 0, np.empty(0) if restore_type is np.ndarray else 0)
     args = build(tree, 0, ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
-    value = checkpointer.restore(items, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
-                                                                     partial_restore=True))
+    try:
+        value = checkpointer.restore(items, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                                         partial_restore=True))
+    except (ValueError, OSError) as exc:  # tensorstore reports corrupt or truncated data files as ValueError
+        if restore_type is not np.ndarray:
+            raise
+        raise CheckpointError(f"{items}: cannot read array {'/'.join(path)}: {first_line(exc)}") from exc
     for key in path:
         value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
     return value
@@ -557,10 +562,14 @@ class MaxTextCheckpoint:
         self.dims = ModelDims.from_config(model_config, source="--config")
         self._checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
         try:
-            self._tree = ocp.PyTreeCheckpointer().metadata(self.items).item_metadata.tree
+            metadata = ocp.PyTreeCheckpointer().metadata(self.items)
+            if metadata is None or metadata.item_metadata is None:
+                raise ValueError("_METADATA is unreadable or empty")
+            self._tree = metadata.item_metadata.tree
             flat = ocp.tree.to_flat_dict(self._tree, sep="/")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{self.items}: cannot read the Orbax metadata ({exc})") from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{self.items / '_METADATA'}: cannot read the Orbax metadata: "
+                                  f"{first_line(exc)}") from exc
         params_prefix = "/".join(PARAMS_PREFIX) + "/"
         self.stored = {name[len(params_prefix):]: tuple(m.shape) for name, m in flat.items()
                        if name.startswith(params_prefix)}

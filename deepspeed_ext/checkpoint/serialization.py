@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.utils.serialization.config
 
-from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.errors import CheckpointError, first_line
 
 
 def _allowed_globals() -> list[Any]:
@@ -57,9 +57,9 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(f"{path}: refused to unpickle (only tensors and allow-listed DeepSpeed types are "
-                              f"loaded): {_first_line(exc)}") from exc
+                              f"loaded): {first_line(exc)}") from exc
     except (RuntimeError, zipfile.BadZipFile, EOFError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read torch file: {_first_line(exc)}") from exc
+        raise CheckpointError(f"{path}: cannot read torch file: {first_line(exc)}") from exc
 
 
 def save(obj: Any, path: str | os.PathLike) -> None:
@@ -76,12 +76,7 @@ def save(obj: Any, path: str | os.PathLike) -> None:
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch reports a failed write (disk full, size limit) as RuntimeError
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"{path}: cannot write: {_first_line(exc)} (disk full or file size limit?)") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot write: {first_line(exc)} (disk full or file size limit?)") from exc
 
 
 _CRC_LOCK = threading.Lock()

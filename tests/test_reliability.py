@@ -1,0 +1,82 @@
+"""Bad inputs to the bridges: every fault is one line naming the file and the problem, exit 2, no output.
+
+The DeepSpeed-side faults (truncated, missing or mixed files, disagreeing degrees, a full disk, a planted
+pickle) are in test_end_to_end.py, which has a real engine's checkpoint to damage.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepspeed_ext.demo.models import build_model
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepspeed_ext", *args, "-q"], capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    """A sharded HF checkpoint of the tiny Llama and its MaxText conversion."""
+    root = tmp_path_factory.mktemp("sources")
+    build_model("llama", seed=3).save_pretrained(root / "hf", max_shard_size="30KB")
+    assert _run("to-maxtext", str(root / "hf"), "-o", str(root / "maxtext")).returncode == 0
+    return root
+
+
+def _damage_safetensors_truncate(directory: Path) -> Path:
+    target = sorted(directory.glob("*.safetensors"))[1]
+    target.write_bytes(target.read_bytes()[:1000])
+    return target
+
+
+def _damage_safetensors_header(directory: Path) -> Path:
+    target = sorted(directory.glob("*.safetensors"))[1]
+    data = bytearray(target.read_bytes())
+    data[10:20] = b"\xff" * 10
+    target.write_bytes(bytes(data))
+    return target
+
+
+def _damage_orbax_data(root: Path) -> Path:
+    items = root / "0" / "items"
+    largest = max((p for p in items.rglob("*") if p.is_file() and "ocdbt.process" in str(p)),
+                  key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:largest.stat().st_size // 2])
+    return items
+
+
+def _damage_orbax_metadata(root: Path) -> Path:
+    metadata = root / "0" / "items" / "_METADATA"
+    metadata.write_text("{not json")
+    return metadata
+
+
+FAULTS = {
+    "truncated safetensors": ("hf", _damage_safetensors_truncate, "from-hf", "cannot read safetensors"),
+    "corrupt safetensors header": ("hf", _damage_safetensors_header, "to-hf", "cannot read safetensors"),
+    "truncated Orbax data file": ("maxtext", _damage_orbax_data, "from-maxtext", "cannot read array"),
+    "corrupt Orbax _METADATA": ("maxtext", _damage_orbax_metadata, "from-maxtext", "cannot read the Orbax metadata"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_corrupt_bridge_inputs_get_one_line(sources, tmp_path, fault):
+    kind, damage, command, message = FAULTS[fault]
+    source = tmp_path / kind
+    shutil.copytree(sources / kind, source)
+    named = damage(source)
+    argument = source / "0" / "items" if command == "from-maxtext" else source
+    out = tmp_path / "out"
+    proc = _run(command, str(argument), "-o", str(out))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"deepspeed-ext: error: {named}") and message in lines[0], lines
+    assert not out.exists() and not out.with_name("out.partial").exists()
