@@ -48,10 +48,17 @@ def test_threads_loading_and_saving_keep_the_allow_list_and_the_crc_setting(tmp_
     before = torch.utils.serialization.config.save.compute_crc32
     with ThreadPoolExecutor(4) as pool:
         loaded = list(pool.map(lambda _: serialization.load(tmp_path / "optim.pt"), range(64)))
-        list(pool.map(lambda i: serialization.save(torch.full((1000, ), float(i)), tmp_path / f"{i}.pt"), range(32)))
+        list(pool.map(lambda i: serialization.save(torch.full((1 << 18, ), float(i)), tmp_path / f"{i}.pt"),
+                      range(32)))
     assert all(isinstance(state["loss_scaler"], LossScaler) for state in loaded)
     assert torch.utils.serialization.config.save.compute_crc32 == before
-    assert all(torch.equal(serialization.load(tmp_path / f"{i}.pt"), torch.full((1000, ), float(i))) for i in range(32))
+    for i in range(32):
+        assert torch.equal(serialization.load(tmp_path / f"{i}.pt"), torch.full((1 << 18, ), float(i)))
+    # torch keeps the CRC switch per thread: a file saved on a worker thread has the same bytes as on this one.
+    (tmp_path / "main").mkdir()
+    for i in range(32):
+        serialization.save(torch.full((1 << 18, ), float(i)), tmp_path / "main" / f"{i}.pt")
+        assert (tmp_path / "main" / f"{i}.pt").read_bytes() == (tmp_path / f"{i}.pt").read_bytes(), i
 
 
 def test_a_full_disk_is_one_clear_error_and_leaves_no_file(tmp_path):

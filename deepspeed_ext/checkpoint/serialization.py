@@ -79,30 +79,16 @@ def save(obj: Any, path: str | os.PathLike) -> None:
         raise CheckpointError(f"{path}: cannot write: {first_line(exc)} (disk full or file size limit?)") from exc
 
 
-_CRC_LOCK = threading.Lock()
-_crc_users = 0
-_crc_saved: bool | None = None
-
-
 @contextmanager
 def _without_crc32() -> Iterator[None]:
-    """torch.save without CRC-32 while any of our saves runs (on any thread), then the caller's setting back.
-
-    The switch is process-wide, so concurrent writer threads share one reference-counted change."""
-    global _crc_users, _crc_saved
-    config = torch.utils.serialization.config.save
-    with _CRC_LOCK:
-        if _crc_users == 0:
-            _crc_saved = config.compute_crc32
-            config.compute_crc32 = False
-        _crc_users += 1
+    """torch.save without zip CRC-32 on this thread, then the caller's setting back (torch keeps the switch
+    per thread, so writer threads each set their own)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
     try:
         yield
     finally:
-        with _CRC_LOCK:
-            _crc_users -= 1
-            if _crc_users == 0:
-                config.compute_crc32 = _crc_saved
+        torch.serialization.set_crc32_options(previous)
 
 
 class BackgroundWriter:
