@@ -209,6 +209,52 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.hf import HFCheckpoint, hf_config, parameter_mismatch
+    from deepspeed_ext.checkpoint.manifest import check_manifest
+    from deepspeed_ext.checkpoint.maxtext import ITEM
+    from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
+    from deepspeed_ext.errors import CheckpointError
+    path = Path(args.path)
+    # A MaxText output's manifest sits at its root; <root>/0/items is what MaxText loads.
+    root = path.parents[1] if path.name == ITEM and (path / "_METADATA").is_file() else path
+    files, problems = check_manifest(root)
+    ckpt = _open_any(str(root), None, args.config, args.family)
+    finite = FiniteCheck(str(root))
+    count = 0
+    tensors = ckpt.tensors()
+    while True:
+        try:  # opening the next tensor may read its file too
+            tensor = next(tensors)
+        except StopIteration:
+            break
+        except CheckpointError as exc:
+            problems.append(f"{exc} (tensor checks stopped here)")
+            break
+        for state in (s for s in tensor.states if s != STEP):
+            try:
+                value = finite.check(tensor.name, state, tensor.load(state))
+            except CheckpointError as exc:  # an unreadable file: report it with the others
+                problems.append(str(exc))
+                continue
+            count += 1
+            if tuple(value.shape) != tuple(tensor.shape):
+                problems.append(f"{root}: {tensor.name} ({state}) has shape {list(value.shape)}, the checkpoint's "
+                                f"metadata says {list(tensor.shape)}")
+            if not value.is_floating_point():
+                problems.append(f"{root}: {tensor.name} ({state}) is {value.dtype}, not a floating-point tensor")
+    problems += [f"{root}: {name} ({'/'.join(states)}) has NaN/Inf" for name, states in finite.offenders.items()]
+    if isinstance(ckpt, HFCheckpoint):
+        mismatch = parameter_mismatch(hf_config(ckpt.model_config, None, str(root)), ckpt.shapes)
+        if mismatch:
+            problems.append(f"{root}: {mismatch}")
+    for problem in problems:
+        print(problem)
+    print(f"{root}: {'FAILED' if problems else 'OK'}: {files} files against the manifest, {count} tensors "
+          f"(shape, dtype, finite), {len(problems)} problem(s)")
+    return 1 if problems else 0
+
+
 def _writer_options(p: argparse.ArgumentParser, convert: bool = True) -> None:
     """Options every command that writes a checkpoint shares (``convert``: it reads tensors from a source)."""
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -291,6 +337,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", required=True, help="target mesh, e.g. fsdp=16,tensor=2,expert=4")
     _writer_options(p, convert=False)
     p.set_defaults(func=cmd_reshard_orbax)
+
+    p = sub.add_parser("verify", help="check a converted checkpoint (universal, HF or MaxText) against its manifest "
+                       "and every tensor's shape, dtype and finiteness")
+    p.add_argument("path", help="the output directory (a MaxText root or its 0/items)")
+    p.add_argument("--config", help="MaxText: HF config.json (default: the one recorded)")
+    p.add_argument("--family", help="MaxText: model family (default: recorded or inferred)")
+    p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("inspect", help="describe a DeepSpeed or universal checkpoint")
     p.add_argument("checkpoint")

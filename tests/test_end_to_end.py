@@ -67,7 +67,7 @@ def test_distributed_to_universal_writes_the_same_bytes(tp2, tmp_path):
     def files(root):
         return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
-    assert files(out) == files(single) and len(files(out)) == 21 * 4 + 4
+    assert files(out) == files(single) and len(files(out)) == 21 * 4 + 5  # + the manifest
     for relative in files(single):
         assert (out / relative).read_bytes() == (single / relative).read_bytes(), relative
     assert (tmp_path / "latest_universal").read_text() == out.name

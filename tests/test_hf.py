@@ -146,7 +146,8 @@ def test_to_hf_dtype_choice_and_refusals(tmp_path, capsys):
 
     # Below --max-shard-size: one model.safetensors and no index, as save_pretrained writes; from-hf reads it.
     cli("to-hf", str(tmp_path / "fp32"), "-o", str(tmp_path / "single"))
-    assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["config.json", "deepspeed_ext.manifest.json",
+                                                                        "model.safetensors"]
     cli("from-hf", str(tmp_path / "single"), "-o", str(tmp_path / "universal"))
     stored = serialization.load(tmp_path / "universal" / "zero" / "lm_head.weight" / "fp32.pt")["param"]
     assert stored.dtype == torch.float32 and torch.equal(stored, model.lm_head.weight.detach().float())

@@ -80,3 +80,40 @@ def test_corrupt_bridge_inputs_get_one_line(sources, tmp_path, fault):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith(f"deepspeed-ext: error: {named}") and message in lines[0], lines
     assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def _flip_to_nan(shard: Path) -> None:
+    """Overwrite the first element of the first tensor of a safetensors file with an fp32 NaN."""
+    data = bytearray(shard.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    data[8 + header:12 + header] = bytes.fromhex("0000c07f")
+    shard.write_bytes(bytes(data))
+
+
+def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
+    """Every converter writes a manifest; `verify` passes a fresh HF, universal and MaxText output and, after
+    damage, names each file that changed, appeared or broke, and each tensor with NaN/Inf (exit 1)."""
+    hf, universal = tmp_path / "hf", tmp_path / "universal"
+    assert _run("to-hf", str(sources / "hf"), "-o", str(hf)).returncode == 0
+    assert _run("from-hf", str(sources / "hf"), "-o", str(universal)).returncode == 0
+    for out in (hf, universal, sources / "maxtext", sources / "maxtext" / "0" / "items"):
+        proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(out)], capture_output=True,
+                              text=True, env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
+        assert proc.returncode == 0 and ": OK: " in proc.stdout and " 0 problem(s)" in proc.stdout, proc.stdout
+
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    _flip_to_nan(shard)
+    broken = universal / "zero" / "model.norm.weight" / "fp32.pt"
+    broken.write_bytes(broken.read_bytes()[:100])
+    (universal / "notes.txt").write_text("not ours")
+    proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(hf)], capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{shard}: contents differ from the manifest (sha256 mismatch)" in proc.stdout
+    assert "has NaN/Inf" in proc.stdout and ": FAILED: " in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(universal)], capture_output=True,
+                          text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{broken}: 100 bytes, the manifest says" in proc.stdout
+    assert f"{broken}: cannot read torch file" in proc.stdout
+    assert f"{universal / 'notes.txt'}: not in the manifest" in proc.stdout

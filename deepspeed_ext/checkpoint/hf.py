@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
@@ -202,6 +203,18 @@ def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
+def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str | None:
+    """How parameter names/shapes ``have`` fail to fit transformers' model for ``config``; None if they fit."""
+    expected = _expected_parameters(config)
+    if expected is None or dict(have) == expected:
+        return None
+    missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+    wrong = sorted(n for n in set(have) & set(expected) if have[n] != expected[n])
+    detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
+              f"{wrong[0]} is {list(have[wrong[0]])}, the config says {list(expected[wrong[0]])}")
+    return f"parameters do not fit {type(config).__name__}'s model ({detail})"
+
+
 def write_hf(tensors: Iterable[LogicalTensor],
              out: str | Path,
              *,
@@ -234,16 +247,9 @@ def write_hf(tensors: Iterable[LogicalTensor],
     out_dtypes = {t.name: output_dtype(dtype, t.dtype) for t in params}
     weights_dtype = max(out_dtypes.values(), key=list(out_dtypes.values()).count)
     config = hf_config(model_config, weights_dtype, source)
-    expected = _expected_parameters(config)
-    if expected is not None:
-        have = {t.name: tuple(t.shape) for t in params}
-        if have != expected:
-            missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
-            wrong = sorted(n for n in set(have) & set(expected) if have[n] != expected[n])
-            detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
-                      f"{wrong[0]} is {list(have[wrong[0]])}, the config says {list(expected[wrong[0]])}")
-            raise CheckpointError(f"{source}: parameters do not fit {type(config).__name__}'s model ({detail}); "
-                                  "wrong --config?")
+    mismatch = parameter_mismatch(config, {t.name: tuple(t.shape) for t in params})
+    if mismatch:
+        raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
 
     splits = hf_expert_splits(model_config.get("model_type"))
     pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
@@ -257,13 +263,14 @@ def write_hf(tensors: Iterable[LogicalTensor],
         if finite is not None:
             finite.raise_if_any()
         config.save_pretrained(partial)
-        if split.is_sharded:  # the index is written last: without it a multi-shard output does not load
+        if split.is_sharded:  # the index comes after every shard: without it a multi-shard output does not load
             index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
                                   "total_size": split.metadata["total_size"]},
                      "weight_map": dict(sorted(split.tensor_to_filename.items()))}
             tmp = partial / (INDEX_FILE + ".tmp")
             tmp.write_text(json.dumps(index, indent=2) + "\n")
             os.replace(tmp, partial / INDEX_FILE)
+        ManifestRecorder(partial).write()
     return out
 
 

@@ -495,6 +495,8 @@ def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, A
         manager.close()
         if finish is not None:
             finish()
+        from deepspeed_ext.checkpoint.manifest import ManifestRecorder
+        ManifestRecorder(out).write()
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STATES_RE, DeepSpeedCheckpoint,
                                                 resolve_tag_dir)
+from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
@@ -87,8 +88,10 @@ def write_universal(source: DeepSpeedCheckpoint,
     else:
         with serialization.staged_directory(out) as partial:
             (partial / ZERO_DIR).mkdir()
-            _write_tensors(source, list(layouts), partial, progress,
+            manifest = ManifestRecorder(partial)
+            _write_tensors(source, list(layouts), partial, progress, manifest,
                            first=lambda: _write_summary(source, layouts, partial), finite=finite)
+            manifest.write()
     latest = out.parent / LATEST_UNIVERSAL
     if not distributed or _rank() == 0:
         tmp = latest.with_name(latest.name + ".tmp")
@@ -138,17 +141,30 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
         dist.barrier()
         mine = shares_by_size(layouts, world)[rank]
         summary = (lambda: _write_summary(source, layouts, partial)) if rank == 0 else None
-        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0, first=summary,
-                                               finite=finite))
+        manifest = ManifestRecorder(partial)
+        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0, manifest,
+                                               first=summary, finite=finite))
+        if error is None and rank != 0:
+            error = attempt(lambda: manifest.write_rank_part(rank))
         failed = torch.tensor([0 if error is None else 1])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             raise error or CheckpointError(f"{out}: another rank failed; its error is in its output")
+        if rank == 0:  # every rank's files are in place: the manifest is the output's last file
+            manifest.merge_rank_parts(world)
+            manifest.write()
 
 
 def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool,
-                   first: Callable[[], None] | None = None, finite: FiniteCheck | None = None) -> None:
-    """The per-parameter files of ``names``; ``first`` (the summary files) runs on a writer thread meanwhile."""
+                   manifest: ManifestRecorder, first: Callable[[], None] | None = None,
+                   finite: FiniteCheck | None = None) -> None:
+    """The per-parameter files of ``names``, each recorded in ``manifest`` by the thread that wrote it;
+    ``first`` (the summary files) runs on a writer thread meanwhile."""
+
+    def save(value: Any, path: Path) -> None:
+        serialization.save(value, path)
+        manifest.add(path)  # hashed while its pages are still in the page cache
+
     zero = partial / ZERO_DIR
     wanted = set(names)
     # Merging (reading the source) runs here while earlier tensors are written on the writer threads.
@@ -164,10 +180,9 @@ def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path,
             # no moment files, and the resuming optimizer starts fresh.
             for state in TENSOR_STATES:
                 if state in tensor.states:
-                    writer.submit(serialization.save, _entry(tensor.load(state), tensor.layout),
-                                  param_dir / f"{state}.pt")
+                    writer.submit(save, _entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
             if STEP in tensor.states:
-                writer.submit(serialization.save, tensor.load(STEP), param_dir / f"{STEP}.pt")
+                writer.submit(save, tensor.load(STEP), param_dir / f"{STEP}.pt")
     if finite is not None:
         finite.raise_if_any()
 

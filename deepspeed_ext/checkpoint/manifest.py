@@ -1,0 +1,98 @@
+"""Integrity manifest: every file of a converted checkpoint with its size and sha256.
+
+Writers record each file as soon as it is written (on the writer thread, while its pages are still cached),
+and write ``deepspeed_ext.manifest.json`` into the output before publishing it. ``deepspeed-ext verify``
+checks an output against it: a file that is missing, has another size or other bytes, or is not listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from deepspeed_ext.errors import CheckpointError
+
+MANIFEST_FILE = "deepspeed_ext.manifest.json"
+ALGORITHM = "sha256"
+MANIFEST_VERSION = 1
+#: Per-rank manifests of a distributed conversion, merged by rank 0 before publishing.
+RANK_MANIFEST = ".deepspeed_ext.manifest.rank{rank}.json"
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, ALGORITHM).hexdigest()
+
+
+class ManifestRecorder:
+    """Collects ``{relative path: {size, sha256}}`` for the files written under ``root``; thread-safe."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.entries: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, path: Path) -> None:
+        entry = {"size": path.stat().st_size, ALGORITHM: file_sha256(path)}
+        with self._lock:
+            self.entries[path.relative_to(self.root).as_posix()] = entry
+
+    def write_rank_part(self, rank: int) -> None:
+        """This rank's entries, for rank 0 to merge (:meth:`merge_rank_parts`)."""
+        _write_json(self.root / RANK_MANIFEST.format(rank=rank), self.entries)
+
+    def merge_rank_parts(self, world: int) -> None:
+        for rank in range(1, world):
+            part = self.root / RANK_MANIFEST.format(rank=rank)
+            self.entries.update(json.loads(part.read_text()))
+            part.unlink()
+
+    def write(self) -> Path:
+        """Record every file not recorded yet, then write the manifest (the output's last file)."""
+        for path in sorted(p for p in self.root.rglob("*") if p.is_file()):
+            relative = path.relative_to(self.root).as_posix()
+            if relative != MANIFEST_FILE and relative not in self.entries:
+                self.add(path)
+        target = self.root / MANIFEST_FILE
+        _write_json(target, {"version": MANIFEST_VERSION, "algorithm": ALGORITHM,
+                             "files": dict(sorted(self.entries.items()))})
+        return target
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def check_manifest(root: Path) -> tuple[int, list[str]]:
+    """(files checked, problems) of ``root`` against its manifest; each problem names the file."""
+    root = Path(root)
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        return 0, [f"{path}: no manifest (outputs of earlier deepspeed-ext versions have none)"]
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("algorithm") != ALGORITHM:
+            raise ValueError(f"unknown algorithm {manifest.get('algorithm')!r}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: not a readable manifest: {exc}") from exc
+    problems = []
+    for relative, entry in files.items():
+        file = root / relative
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != entry["size"]:
+            problems.append(f"{file}: {file.stat().st_size} bytes, the manifest says {entry['size']}")
+        elif file_sha256(file) != entry[ALGORITHM]:
+            problems.append(f"{file}: contents differ from the manifest ({ALGORITHM} mismatch)")
+    listed = set(files) | {MANIFEST_FILE}
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        if file.relative_to(root).as_posix() not in listed:
+            problems.append(f"{file}: not in the manifest")
+    return len(files), problems
