@@ -308,6 +308,52 @@ def test_a_full_disk_fails_cleanly_and_a_rerun_finishes(tp2, tmp_path):
     assert (save_dir / "latest_universal").read_text() == f"{tp2.tag_dir.name}_universal"
 
 
+def _kill_when(cmd: list[str], ready, log) -> bool:
+    """Start ``cmd``; SIGKILL it as soon as ``ready()`` holds. True if it was killed mid-run."""
+    from deepspeed_ext.demo.runner import child_env
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=out, stderr=out)
+        while proc.poll() is None:
+            if ready():
+                proc.kill()
+                proc.wait()
+                return True
+        return False
+
+
+@pytest.mark.parametrize("written", [1, 8, 15])
+def test_kill_9_mid_conversion_leaves_nothing_that_looks_complete(tp2, tmp_path, written):
+    """kill -9 once ``written`` parameters are on disk: no output under the final name, no latest_universal, the
+    source untouched; the rerun finishes and verifies."""
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    before = _tree_digest(save_dir)
+    out = tmp_path / "universal"
+    zero = tmp_path / "universal.partial" / "zero"
+    killed = _kill_when([sys.executable, "-m", "deepspeed_ext", "to-universal", str(save_dir), "-o", str(out), "-q"],
+                        lambda: zero.is_dir() and len(os.listdir(zero)) >= written, tmp_path / "killed.log")
+    if not killed:
+        pytest.skip("the conversion finished before the kill point (machine too fast for this tiny model)")
+    assert not out.exists() and not (tmp_path / "latest_universal").exists()
+    assert _tree_digest(save_dir) == before
+    cli(["to-universal", str(save_dir), "-o", str(out), "--quiet"], tmp_path / "rerun.log")
+    assert not (tmp_path / "universal.partial").exists()
+    assert "0 problem(s)" in cli(["verify", str(out)], tmp_path / "verify.log").stdout
+
+
+def test_kill_9_mid_to_maxtext_then_rerun(tp2, tmp_path):
+    """kill -9 while Orbax writes: no committed step; the rerun clears the leftover and finishes."""
+    out = tmp_path / "maxtext"
+    killed = _kill_when([sys.executable, "-m", "deepspeed_ext", "to-maxtext", str(tp2.tag_dir), "-o", str(out), "-q"],
+                        lambda: out.is_dir() and any(".orbax-checkpoint-tmp" in e for e in os.listdir(out)),
+                        tmp_path / "killed.log")
+    if not killed:
+        pytest.skip("the conversion finished before the kill point")
+    assert not (out / "0").exists()
+    cli(["to-maxtext", str(tp2.tag_dir), "-o", str(out), "--quiet"], tmp_path / "rerun.log")
+    assert "0 problem(s)" in cli(["verify", str(out)], tmp_path / "verify.log").stdout
+
+
 class _FileCreatingPayload:
     """Creates a file when unpickled by a loader that runs code (``torch.load(weights_only=False)``)."""
 

@@ -418,10 +418,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     out = Path(out).absolute()  # OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, scan_layers, source)  # validates before anything is written
-    if out.exists():
-        if not overwrite:
-            raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
-        shutil.rmtree(out)
+    _clear_output(out, overwrite)
     states = STATES if with_optimizer else STATES[:1]
     if finite is not None:
         load = finite.loader(load)
@@ -472,6 +469,21 @@ def write_maxtext(load: Callable[..., np.ndarray],
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
+
+
+def _clear_output(out: Path, overwrite: bool) -> None:
+    """Make room for a new output at ``out``: an existing checkpoint only with ``overwrite``; what an
+    interrupted run left is cleared (a rerun restarts cleanly)."""
+    if out.exists():
+        if not overwrite and not _interrupted_leftover(out):
+            raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
+        shutil.rmtree(out)
+
+
+def _interrupted_leftover(out: Path) -> bool:
+    """Whether ``out`` is what an interrupted run left: empty, or only Orbax's uncommitted temporary steps
+    (Orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` when complete)."""
+    return out.is_dir() and all(".orbax-checkpoint-tmp" in entry.name for entry in out.iterdir())
 
 
 def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
@@ -738,10 +750,7 @@ def reshard_orbax(items: str | Path,
     if not (items / "_METADATA").is_file():
         raise CheckpointError(f"{items}: not an Orbax checkpoint item directory (no _METADATA)")
     out = Path(out).absolute()
-    if out.exists():
-        if not overwrite:
-            raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
-        shutil.rmtree(out)
+    _clear_output(out, overwrite)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
     tree = ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree
     try:
