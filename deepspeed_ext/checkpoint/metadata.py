@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.errors import CheckpointError, LayoutError
 from deepspeed_ext.module_inject.layout import TPLayout, layouts_from_json, layouts_to_json
 
 METADATA_FILE = "deepspeed_ext.json"
@@ -86,5 +86,5 @@ def read_uc_info(directory: str | os.PathLike) -> UCInfo | None:
         raise CheckpointError(f"{path}: cannot parse JSON: {exc}") from exc
     try:
         return UCInfo.from_json(data, source=str(path))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, LayoutError) as exc:
         raise CheckpointError(f"{path}: malformed UC info: {exc}") from exc
