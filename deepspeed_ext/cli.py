@@ -103,6 +103,7 @@ def _global_steps(ckpt: Any) -> int:
 
 def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.hf import check_fits_config
     from deepspeed_ext.checkpoint.maxtext import ModelDims, parse_mesh, write_maxtext
     from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, STEP
     from deepspeed_ext.errors import CheckpointError
@@ -110,6 +111,7 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
     config = _model_config(ckpt, args.config)
     family = get_family(args.family) if args.family else infer_family(config)
     tensors = {tensor.name: tensor for tensor in ckpt.tensors()}
+    check_fits_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, str(args.source))
 
     def load(name: str, state: str = MASTER_WEIGHTS):
         return tensors[name].load(state).detach().float().numpy()
@@ -144,8 +146,10 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
 
 
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.hf import check_fits_config
     from deepspeed_ext.checkpoint.universal import write_universal
     source = _maxtext_source(Path(args.source), args.config, args.family)
+    check_fits_config(source.model_config, {t.name: tuple(t.shape) for t in source.tensors()}, str(args.source))
     out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
                           finite=_finite(args, args.source))
     if not args.quiet:

@@ -117,3 +117,29 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     assert f"{broken}: 100 bytes, the manifest says" in proc.stdout
     assert f"{broken}: cannot read torch file" in proc.stdout
     assert f"{universal / 'notes.txt'}: not in the manifest" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["to-maxtext", "from-maxtext", "to-hf"])
+def test_shapes_that_do_not_fit_the_model_config_are_refused(sources, tmp_path, command):
+    """A --config whose intermediate size differs from the checkpoint's tensors: one line naming the first
+    parameter that does not fit, exit 2, no output."""
+    import json
+    config = json.loads((sources / "hf" / "config.json").read_text())
+    (tmp_path / "wrong.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    source = sources / "maxtext" / "0" / "items" if command == "from-maxtext" else sources / "hf"
+    out = tmp_path / "out"
+    proc = _run(command, str(source), "-o", str(out), "--config", str(tmp_path / "wrong.json"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0] == (f"deepspeed-ext: error: {source}: parameters do not fit LlamaConfig's model "
+                        "(model.layers.0.mlp.down_proj.weight is [64, 160], the config says [64, 96]); wrong --config?")
+    assert not out.exists()
+
+
+def test_a_family_that_does_not_fit_is_refused(sources, tmp_path):
+    proc = _run("to-maxtext", str(sources / "hf"), "-o", str(tmp_path / "out"), "--family", "qwen3")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "family 'qwen3' expects 'model.layers.0.self_attn.q_norm.weight'" in lines[0]
+    assert "wrong --family?" in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -215,6 +215,16 @@ def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str 
     return f"parameters do not fit {type(config).__name__}'s model ({detail})"
 
 
+def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Refuse parameters that do not fit the model ``config`` describes (``config``: a transformers config or
+    a config dict), naming the first that does not."""
+    if isinstance(config, Mapping):
+        config = hf_config(config, None, source)
+    mismatch = parameter_mismatch(config, have)
+    if mismatch:
+        raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
+
+
 def write_hf(tensors: Iterable[LogicalTensor],
              out: str | Path,
              *,
@@ -247,9 +257,7 @@ def write_hf(tensors: Iterable[LogicalTensor],
     out_dtypes = {t.name: output_dtype(dtype, t.dtype) for t in params}
     weights_dtype = max(out_dtypes.values(), key=list(out_dtypes.values()).count)
     config = hf_config(model_config, weights_dtype, source)
-    mismatch = parameter_mismatch(config, {t.name: tuple(t.shape) for t in params})
-    if mismatch:
-        raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
+    check_fits_config(config, {t.name: tuple(t.shape) for t in params}, source)
 
     splits = hf_expert_splits(model_config.get("model_type"))
     pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
