@@ -358,12 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _quiet_library_warnings() -> None:
-    """Orbax logs routine notices as absl WARNINGs on stderr; without --debug an error is then the one line."""
+    """Orbax logs routine notices as absl WARNINGs, and failures of its worker threads as ERRORs with their
+    tracebacks before it re-raises them; without --debug the error is then our one line."""
     try:
         from absl import logging as absl_logging
     except ImportError:
         return
-    absl_logging.set_verbosity(absl_logging.ERROR)
+    absl_logging.set_verbosity(absl_logging.FATAL)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -143,3 +143,19 @@ def test_a_family_that_does_not_fit_is_refused(sources, tmp_path):
     assert "family 'qwen3' expects 'model.layers.0.self_attn.q_norm.weight'" in lines[0]
     assert "wrong --family?" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["to-hf", "to-maxtext", "from-hf"])
+def test_a_full_disk_is_one_line_and_leaves_no_output(sources, tmp_path, command):
+    """RLIMIT_FSIZE (a full disk) while the bridges write: one line naming what could not be written, exit 2,
+    no output and no .partial."""
+    out = tmp_path / "out"
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024, 6 * 1024)); "
+              "from deepspeed_ext.cli import main; "
+              f"sys.exit(main([{command!r}, {str(sources / 'hf')!r}, '-o', {str(out)!r}, '-q']))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert str(out) in lines[0] and ("cannot write" in lines[0] or "File too large" in lines[0]), lines
+    assert not out.exists() and not out.with_name("out.partial").exists()

@@ -297,12 +297,15 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
             entries = [plan[name] for name in names]
             header = _header(entries, {"format": "pt"})
             files[filename] = fd = os.open(directory / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            _write_at(fd, header, 0)
+            _write_at(fd, header, 0, directory / filename)
             offset = len(header)
             for entry in entries:
                 where[entry.name] = (filename, offset)
                 offset += entry.nbytes
-            os.ftruncate(fd, offset)
+            try:
+                os.ftruncate(fd, offset)  # the file's final size, so the tensors can be written in any order
+            except OSError as exc:
+                raise _write_error(directory / filename, exc) from exc
         with serialization.BackgroundWriter() as writer:
             for tensor in params:
                 full = tensor.load(MASTER_WEIGHTS)
@@ -310,7 +313,7 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                     data = entry.cut(full).to(entry.dtype).contiguous()
                     filename, offset = where[entry.name]
                     writer.submit(_write_at, files[filename], data.reshape(-1).view(torch.uint8).numpy().data,
-                                  offset)
+                                  offset, directory / filename)
                     bar.update(entry.nbytes)
                 del full
     finally:
@@ -319,12 +322,19 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
         bar.close()
 
 
-def _write_at(fd: int, data: Any, offset: int) -> None:
-    """All of ``data`` at ``offset`` (pwrite may write less than asked)."""
+def _write_at(fd: int, data: Any, offset: int, path: Path) -> None:
+    """All of ``data`` at ``offset`` of ``path`` (pwrite may write less than asked)."""
     view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+    try:
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
+
+
+def _write_error(path: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"{path}: cannot write: {exc.strerror or exc} (disk full or file size limit?)")
 
 
 def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:

@@ -509,6 +509,9 @@ def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, A
             finish()
         from deepspeed_ext.checkpoint.manifest import ManifestRecorder
         ManifestRecorder(out).write()
+    except (ValueError, OSError) as exc:  # tensorstore reports failed writes (disk full) as ValueError
+        shutil.rmtree(out, ignore_errors=True)
+        raise CheckpointError(f"{out}: cannot write the Orbax checkpoint: {first_line(exc)}") from exc
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
