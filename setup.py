@@ -7,7 +7,7 @@ setup(
     packages=find_packages(include=["deepspeed_ext", "deepspeed_ext.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "deepspeed>=0.17", "safetensors", "numpy", "tqdm", "jax", "orbax-checkpoint",
-                      "ml_dtypes"],
+                      "ml_dtypes", "transformers", "google-crc32c"],
     extras_require={"test": ["pytest", "hypothesis", "transformers"]},
     entry_points={"console_scripts": ["deepspeed-ext=deepspeed_ext.cli:main"]},
 )

@@ -109,7 +109,7 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(hf)], capture_output=True, text=True,
                           env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"{shard}: contents differ from the manifest (sha256 mismatch)" in proc.stdout
+    assert f"{shard}: contents differ from the manifest (crc32c mismatch)" in proc.stdout
     assert "has NaN/Inf" in proc.stdout and ": FAILED: " in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(universal)], capture_output=True,
                           text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})

