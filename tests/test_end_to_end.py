@@ -197,16 +197,21 @@ def test_existing_output_is_refused_unless_overwrite(tp2, tmp_path):
     assert_universal_matches_live(tp2)
 
 
-def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
-    """A replicated parameter (a norm) that differs between TP ranks has no single value: stop and name it."""
-    save_dir = tmp_path / "drifted"
+def _copy_with_edited_moment(tp2, save_dir, param: str, moment: str, edit):
+    """A copy of the TP=2 checkpoint where ``edit(flat_moment, start)`` changed TP rank 1's piece of ``param``."""
     shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
     path = next((save_dir / tp2.tag_dir.name).glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))
     optim = torch.load(path, weights_only=False)  # our own test file
     state = optim["optimizer_state_dict"]
-    where = state["param_slice_mappings"][0]["model.norm.weight"]
-    state["base_optimizer_state"]["state"][0]["exp_avg"][where.start] += 1.0
+    edit(state["base_optimizer_state"]["state"][0][moment], state["param_slice_mappings"][0][param].start)
     torch.save(optim, path)
+    return save_dir
+
+
+def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
+    """A replicated parameter (a norm) that differs between TP ranks has no single value: stop and name it."""
+    save_dir = _copy_with_edited_moment(tp2, tmp_path / "drifted", "model.norm.weight", "exp_avg",
+                                        lambda moment, start: moment.__setitem__(start, moment[start] + 1.0))
     proc = cli(["to-universal", str(save_dir)], tmp_path / "drifted.log", check=False)
     assert proc.returncode == 2
     assert "'model.norm.weight'" in proc.stderr and "differs between TP rank 0 and TP rank 1" in proc.stderr
@@ -216,14 +221,8 @@ def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
 def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
     """An Inf in one Adam moment of one ZeRO partition: to-universal --check-finite names the parameter and the
     state in one line and publishes nothing; a run without the check converts."""
-    save_dir = tmp_path / "diverged"
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
-    path = next((save_dir / tp2.tag_dir.name).glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))
-    optim = torch.load(path, weights_only=False)  # our own test file
-    state = optim["optimizer_state_dict"]
-    where = state["param_slice_mappings"][0]["model.layers.1.self_attn.q_proj.weight"]
-    state["base_optimizer_state"]["state"][0]["exp_avg_sq"][where.start + 5] = float("inf")
-    torch.save(optim, path)
+    save_dir = _copy_with_edited_moment(tp2, tmp_path / "diverged", "model.layers.1.self_attn.q_proj.weight",
+                                        "exp_avg_sq", lambda moment, start: moment.__setitem__(start + 5, float("inf")))
     proc = cli(["to-universal", str(save_dir), "--check-finite", "--quiet"], tmp_path / "diverged.log", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert ("NaN/Inf in 1 parameter(s): model.layers.1.self_attn.q_proj.weight (exp_avg_sq); nothing was written"
