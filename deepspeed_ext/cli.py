@@ -62,6 +62,7 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
     from deepspeed_ext.checkpoint.universal import write_universal
     source = DeepSpeedCheckpoint(args.checkpoint, args.tag)
+    finite = _finite(args, source.tag_dir)
     if args.distributed:
         import torch.distributed as dist
         if "RANK" not in os.environ:
@@ -70,14 +71,14 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
         try:
             out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                                  distributed=True, finite=_finite(args, source.tag_dir))
+                                  distributed=True, finite=finite)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
         out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                              finite=_finite(args, source.tag_dir))
+                              finite=finite)
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, "
               f"TP={source.tp_degree} x DP={source.dp_degree}, ZeRO-{source.zero_stage}, "

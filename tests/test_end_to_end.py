@@ -197,14 +197,21 @@ def test_existing_output_is_refused_unless_overwrite(tp2, tmp_path):
     assert_universal_matches_live(tp2)
 
 
+def _copy_checkpoint(tp2, save_dir) -> None:
+    """The TP=2 save directory without its universal conversion: a source a test may damage."""
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+
+
 def _copy_with_edited_moment(tp2, save_dir, param: str, moment: str, edit):
     """A copy of the TP=2 checkpoint where ``edit(flat_moment, start)`` changed TP rank 1's piece of ``param``."""
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    _copy_checkpoint(tp2, save_dir)
     path = next((save_dir / tp2.tag_dir.name).glob("*zero_pp_rank_0_mp_rank_01_optim_states.pt"))
-    optim = torch.load(path, weights_only=False)  # our own test file
-    state = optim["optimizer_state_dict"]
-    edit(state["base_optimizer_state"]["state"][0][moment], state["param_slice_mappings"][0][param].start)
-    torch.save(optim, path)
+
+    def edit_moment(optim) -> None:
+        state = optim["optimizer_state_dict"]
+        edit(state["base_optimizer_state"]["state"][0][moment], state["param_slice_mappings"][0][param].start)
+
+    _edit_torch_file(path, edit_moment)
     return save_dir
 
 
@@ -279,7 +286,7 @@ def test_bad_checkpoint_files_get_one_line_naming_the_file(tp2, tmp_path, fault)
     nothing published."""
     file_name, damage, message = _FAULTS[fault]
     save_dir = tmp_path / "ckpt"
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    _copy_checkpoint(tp2, save_dir)
     damage(save_dir / tp2.tag_dir.name / file_name)
     before = _tree_digest(save_dir)
     proc = cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "fault.log", check=False)
@@ -294,7 +301,7 @@ def test_a_full_disk_fails_cleanly_and_a_rerun_finishes(tp2, tmp_path):
     """RLIMIT_FSIZE (a full disk) during to-universal: one line naming the file, exit 2, no output; the same
     command without the limit then converts."""
     save_dir = tmp_path / "ckpt"
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    _copy_checkpoint(tp2, save_dir)
     limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, 100 * 1024)); "
     proc = subprocess.run([sys.executable, "-c", limit + "from deepspeed_ext.cli import main; import sys; "
                            f"sys.exit(main(['to-universal', {str(save_dir)!r}, '--quiet']))"],
@@ -325,7 +332,7 @@ def test_kill_9_mid_conversion_leaves_nothing_that_looks_complete(tp2, tmp_path,
     """kill -9 once ``written`` parameters are on disk: no output under the final name, no latest_universal, the
     source untouched; the rerun finishes and verifies."""
     save_dir = tmp_path / "ckpt"
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    _copy_checkpoint(tp2, save_dir)
     before = _tree_digest(save_dir)
     out = tmp_path / "universal"
     zero = tmp_path / "universal.partial" / "zero"
@@ -367,7 +374,7 @@ def test_a_planted_pickle_payload_is_refused_and_never_runs(tp2, tmp_path):
     """A checkpoint whose model states carry a code-running pickle: every command that opens it refuses it in
     one line, exit 2, and the payload never runs; plain torch.load(weights_only=False) would run it."""
     save_dir = tmp_path / "planted"
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    _copy_checkpoint(tp2, save_dir)
     path = save_dir / tp2.tag_dir.name / "mp_rank_00_model_states.pt"
     marker = tmp_path / "payload_ran"
     states = torch.load(path, weights_only=False)  # our own test file

@@ -227,6 +227,7 @@ class DeepSpeedCheckpoint:
         self._all_model_state_files = [self.tag_dir / f for f in files
                                        if MODEL_STATES_RE.match(f) or ZERO3_MODEL_STATES_RE.match(f)]
         self._model_files = model_files
+        self._model_states_cache: dict[int, dict[str, Any]] = {}
         first = self.rank_model_states(min(model_files))
         self.tp_degree = int(first.get("mp_world_size") or 1)
         dims = first.get("checkpoint_parallel_dimensions") or {}
@@ -254,8 +255,7 @@ class DeepSpeedCheckpoint:
         self._zero0_cache: dict[int, _Zero0State] = {}
         if self.optimizer_in_model_states:
             for tp in range(self.tp_degree):
-                if not isinstance((first if tp == min(model_files) else self.rank_model_states(tp)).get("optimizer"),
-                                  dict):
+                if not isinstance(self.rank_model_states(tp).get("optimizer"), dict):
                     raise CheckpointError(f"{self._model_files[tp]}: no optimizer state (no *_optim_states.pt "
                                           "files and no 'optimizer' entry; was it saved without an optimizer?)")
             return
@@ -320,7 +320,10 @@ class DeepSpeedCheckpoint:
 
     # ------------------------------------------------------------------ files
     def rank_model_states(self, tp_rank: int) -> dict[str, Any]:
-        return serialization.load(self._model_files[tp_rank])
+        """TP rank ``tp_rank``'s model states (memory-mapped, loaded once)."""
+        if tp_rank not in self._model_states_cache:
+            self._model_states_cache[tp_rank] = serialization.load(self._model_files[tp_rank])
+        return self._model_states_cache[tp_rank]
 
     @property
     def model_state_files(self) -> list[Path]:
@@ -390,7 +393,7 @@ class DeepSpeedCheckpoint:
         return self._zero0_cache[tp]
 
     # ------------------------------------------------------------------ metadata
-    @cached_property
+    @property
     def model_states(self) -> dict[str, Any]:
         return self.rank_model_states(0)
 
@@ -402,7 +405,7 @@ class DeepSpeedCheckpoint:
             if self.optimizer_in_model_states:
                 per_rank.append(OrderedDict((name, slot.shape) for name, slot in self._zero0(tp).slots.items()))
                 continue
-            groups = (self.model_states if tp == 0 else self.rank_model_states(tp)).get("param_shapes")
+            groups = self.rank_model_states(tp).get("param_shapes")
             if groups is None:
                 raise CheckpointError(f"{self._model_files[tp]}: no param_shapes")
             if isinstance(groups, dict):
@@ -488,7 +491,7 @@ class DeepSpeedCheckpoint:
         out: dict[tuple[str, int], list[_Fragment]] = {}
         dp = self.dp_degree
         for tp in range(self.tp_degree):
-            groups = (self.model_states if tp == 0 else self.rank_model_states(tp))["param_shapes"]
+            groups = self.rank_model_states(tp)["param_shapes"]
             for group, shapes in enumerate(groups if isinstance(groups, list) else [groups]):
                 offset = 0
                 for name, shape in shapes.items():

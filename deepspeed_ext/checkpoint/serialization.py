@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils.serialization.config
 
 from deepspeed_ext.errors import CheckpointError, first_line
 
