@@ -15,6 +15,10 @@ class MissingMetadataError(CheckpointError):
     """A checkpoint lacks the tensor-parallel metadata needed to merge its slices."""
 
 
+class UnsupportedGeometryError(DeepSpeedExtError):
+    """A parallel layout DeepSpeed itself cannot train or restore; raised before any work starts."""
+
+
 class LayoutError(DeepSpeedExtError):
     """A tensor-parallel layout is inconsistent with the tensor it describes."""
 

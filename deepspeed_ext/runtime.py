@@ -70,6 +70,8 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
     tp_size, tp_rank = tp_group_info()
     grain = int(((ds_config or {}).get("tensor_parallel") or {}).get("tp", {}).get("tp_grain_size", 1) or 1)
     layouts = tag_autotp_model(engine.module, tp_size=tp_size, tp_rank=tp_rank, tp_grain_size=grain)
+    if engine.zero_optimization_partition_weights():
+        refuse_empty_shards_under_zero3(layouts)
     info = UCInfo(tp_size=tp_size,
                   layouts=layouts,
                   model_config=_model_config_dict(engine.module),
@@ -85,6 +87,24 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
     if ext.universal_checkpoint.restore == "deepspeed_ext":
         _hook_load(engine)
     return info
+
+
+def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
+    """One line instead of DeepSpeed's assertion at the first forward pass: ZeRO-3 cannot gather a parameter
+    that is empty on some TP rank, which AutoTP produces when autotp_size exceeds the KV-head count."""
+    import math
+
+    import deepspeed
+
+    from deepspeed_ext.errors import UnsupportedGeometryError
+    for name, layout in layouts.items():
+        empty = [rank for rank in range(layout.tp_size) if math.prod(layout.local_shape(rank)) == 0]
+        if empty:
+            raise UnsupportedGeometryError(
+                f"DeepSpeed {deepspeed.__version__} ZeRO-3 cannot train at autotp_size={layout.tp_size}: TP rank(s) "
+                f"{empty} would hold an empty shard of {name!r} ({layout.describe()}), as happens when autotp_size "
+                "exceeds the model's KV-head count; use ZeRO stage 0-2, or an autotp_size that gives every rank "
+                "a shard")
 
 
 def _hook_save(engine: Any, info: UCInfo) -> None:
@@ -129,9 +149,7 @@ def _hook_load(engine: Any) -> None:
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = call.arguments
-        # ZeRO-3 engines rebuild their partitioned flat groups in DeepSpeed's own universal loader, which
-        # reads our (upstream-compatible) files; everything else is restored here.
-        if options.get("custom_load_fn") is not None or engine.zero_optimization_partition_weights():
+        if options.get("custom_load_fn") is not None:
             return original(*args, **kwargs)
         route = _load_route(engine, options["load_dir"], options.get("tag"))
         if route is None:

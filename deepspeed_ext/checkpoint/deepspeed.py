@@ -196,8 +196,8 @@ def _param_names_of_module(module: dict[str, Any], buffer_names: list[str]) -> l
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     names = []
     for name, tensor in module.items():
-        if name in buffers or not torch.is_tensor(tensor):
-            continue
+        if name in buffers or not torch.is_tensor(tensor) or tensor.numel() == 0:
+            continue  # an empty shard (a TP rank beyond the KV-head count) has no optimizer entry either
         identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         if identity in seen:
             continue
@@ -388,6 +388,13 @@ class DeepSpeedCheckpoint:
     def _zero0(self, tp: int) -> _Zero0State:
         if tp not in self._zero0_cache:
             names = self.uc_info.optimizer_param_names if self.uc_info is not None else None
+            if names is not None:
+                # Recorded on TP rank 0; a rank that holds an empty shard of a parameter (beyond the KV-head
+                # count) has no optimizer entry for it, as DeepSpeed leaves empty parameters out.
+                layouts = self.uc_info.layouts
+                names = [[name for name in group
+                          if name not in layouts or math.prod(layouts[name].local_shape(tp)) != 0]
+                         for group in names]
             self._zero0_cache[tp] = _Zero0State.read(self.rank_model_states(tp), self.optimizer_state(tp, 0), names,
                                                      self._model_files[tp])
         return self._zero0_cache[tp]
@@ -398,8 +405,13 @@ class DeepSpeedCheckpoint:
         return self.rank_model_states(0)
 
     @cached_property
-    def local_shapes(self) -> OrderedDict[str, list[tuple[int, ...]]]:
-        """``{name: [shape on TP rank 0, rank 1, ...]}`` in flat-buffer order, from ``param_shapes``."""
+    def _saved_shapes(self) -> OrderedDict[str, list[tuple[int, ...] | None]]:
+        """``{name: [shape TP rank 0 saved, rank 1, ...]}`` in flat-buffer order, from ``param_shapes``.
+
+        None where a rank saved no such parameter: DeepSpeed leaves empty parameters out of the optimizer
+        (and so out of ``param_shapes``), which is what a rank beyond the model's KV-head count holds of
+        each attention projection. :attr:`layouts` checks that such a rank's shard is indeed empty.
+        """
         per_rank = []
         for tp in range(self.tp_degree):
             if self.optimizer_in_model_states:
@@ -415,12 +427,14 @@ class DeepSpeedCheckpoint:
                 for name, shape in group.items():
                     merged[name] = tuple(shape)
             per_rank.append(merged)
-        names = list(per_rank[0])
-        for tp, shapes in enumerate(per_rank[1:], start=1):
-            if list(shapes) != names:
-                raise CheckpointError(f"{self._model_files[tp]}: parameter names differ from "
-                                      f"{self._model_files[0].name}")
-        return OrderedDict((name, [shapes[name] for shapes in per_rank]) for name in names)
+        names = list(dict.fromkeys(name for shapes in per_rank for name in shapes))
+        return OrderedDict((name, [shapes.get(name) for shapes in per_rank]) for name in names)
+
+    @property
+    def local_shapes(self) -> OrderedDict[str, list[tuple[int, ...]]]:
+        """``{name: [shape on TP rank 0, rank 1, ...]}`` in flat-buffer order; empty shards included."""
+        return OrderedDict((name, [layout.local_shape(tp) for tp in range(self.tp_degree)])
+                           for name, layout in self.layouts.items())
 
     @cached_property
     def uc_info(self) -> UCInfo | None:
@@ -444,24 +458,28 @@ class DeepSpeedCheckpoint:
                                       f"model states say TP={self.tp_degree}")
         elif self.model_states.get(UC_INFO_KEY):
             layouts = layouts_from_universal_checkpoint_info(self.model_states[UC_INFO_KEY],
-                                                             self.local_shapes,
+                                                             self._saved_shapes,
                                                              source=str(self._model_files[0]))
         elif self.tp_degree == 1:
-            layouts = {name: TPLayout.replicated(shapes[0], 1) for name, shapes in self.local_shapes.items()}
+            layouts = {name: TPLayout.replicated(shapes[0], 1) for name, shapes in self._saved_shapes.items()}
         else:
             raise MissingMetadataError(
                 f"{self._model_files[0]}: TP={self.tp_degree} checkpoint has no tensor-parallel metadata (neither "
                 f"deepspeed_ext.json nor universal_checkpoint_info), so its slices cannot be merged; "
                 f"{HOW_TO_GET_METADATA}")
-        for name, shapes in self.local_shapes.items():
+        for name, shapes in self._saved_shapes.items():
             layout = layouts.get(name)
             if layout is None:
                 raise MissingMetadataError(f"{self.tag_dir}: no TP layout for parameter {name!r}")
             for tp, shape in enumerate(shapes):
-                if layout.local_shape(tp) != shape:
+                expected = layout.local_shape(tp)
+                if shape is None and math.prod(expected) != 0:
+                    raise CheckpointError(f"{self._model_files[tp]}: parameter {name!r} is missing, but its layout "
+                                          f"({layout.describe()}) gives TP rank {tp} a shard of {expected}")
+                if shape is not None and expected != shape:
                     raise CheckpointError(f"{self._model_files[tp]}: parameter {name!r} has shape {shape} but its "
-                                          f"layout ({layout.describe()}) expects {layout.local_shape(tp)}")
-        return {name: layouts[name] for name in self.local_shapes}
+                                          f"layout ({layout.describe()}) expects {expected}")
+        return {name: layouts[name] for name in self._saved_shapes}
 
     @cached_property
     def _fragments(self) -> dict[tuple[str, int], list[_Fragment]]:
@@ -560,7 +578,7 @@ class DeepSpeedCheckpoint:
 
     def local_tensor(self, name: str, tp: int, state: str) -> torch.Tensor:
         """TP rank ``tp``'s shard of ``name`` for ``state``, reassembled from its DP fragments."""
-        shape = self.local_shapes[name][tp]
+        shape = self.layouts[name].local_shape(tp)
         return self._flat_range(name, tp, state, 0, int(torch.Size(shape).numel())).view(shape)
 
     def region(self, name: str, tp: int, state: str, offset: int | None, length: int | None) -> torch.Tensor:

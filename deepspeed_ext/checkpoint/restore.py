@@ -9,6 +9,7 @@ So a rank reads the pages of its own TP slice, not whole tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -158,6 +159,8 @@ def load_resharded(engine: Any,
     with_optimizer = load_optimizer_states and not load_module_only and ckpt.has_optimizer_states
     states = (MASTER_WEIGHTS, *ADAM_STATES) if with_optimizer else (MASTER_WEIGHTS, )
 
+    # ZeRO-3 holds each rank's part of the low-precision weights in flat partitions, not in ``param.data``.
+    zero3 = bool(engine.zero_optimization_partition_weights())
     with torch.no_grad():
         stage0 = _stage0_slots(engine)
         if with_optimizer:
@@ -166,22 +169,35 @@ def load_resharded(engine: Any,
             if name not in available:
                 continue  # frozen parameter the source did not train: keep its constructor value
             layout = getattr(param, LAYOUT_ATTR)
+            if math.prod(layout.local_shape(tp_rank)) == 0:
+                # This rank holds none of the tensor (a rank beyond the KV-head count); DeepSpeed keeps such
+                # empty parameters out of the optimizer, so there is nothing to restore here.
+                continue
             for state in states:
                 if state != MASTER_WEIGHTS and not ckpt.has(name, state):
                     raise CheckpointError(f"{ckpt.path}: no saved {state} for {name!r}")
                 local = ckpt.resharded(name, state, layout, tp_rank)
                 managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state, engine, stage0)
-                if state == MASTER_WEIGHTS:
+                if state == MASTER_WEIGHTS and not zero3:
                     param.data.copy_(local)  # the low-precision copy the forward pass uses
                 elif not managed:
                     raise CheckpointError(f"parameter {name!r} is not managed by a ZeRO/BF16 optimizer; cannot "
                                           "restore its optimizer state")
+        if zero3:
+            _refresh_zero3_partitions(engine.optimizer)
 
         if with_optimizer:
             _restore_step_and_groups(engine, ckpt, [name for name, _ in params if name in available])
 
     client_state = _restore_engine_state(engine, ckpt, load_lr_scheduler_states and not load_module_only)
     return str(ckpt.path), client_state
+
+
+def _refresh_zero3_partitions(optimizer: Any) -> None:
+    """Copy ZeRO-3's restored fp32 partitions into the low-precision partitions the forward pass gathers, as
+    its own step does after updating them."""
+    for sub_group in range(len(optimizer.fp16_groups)):
+        optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
 
 
 def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
@@ -204,6 +220,11 @@ def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]]
                 state.setdefault(name, torch.zeros_like(key, memory_format=torch.preserve_format))
         return state
 
+    if engine.zero_optimization_partition_weights():
+        # ZeRO-3 steps one flat fp32 partition per sub-group (its param groups list them only during a step).
+        for flat in engine.optimizer.fp32_partitioned_groups_flat:
+            ensure(flat)
+        return
     for _, param in params:
         if param in stage0:
             ensure(stage0[param].key)
@@ -222,14 +243,11 @@ def _restore_step_and_groups(engine: Any, ckpt: ReshardingSource, names: list[st
     saved = ckpt.optimizer_state_for_universal()
     step = ckpt.step(names[0]) if names else None
     if step is not None:
-        for group in base.param_groups:
-            for p in group["params"]:
-                state = base.state.get(p)
-                if state is None:
-                    continue
-                old = state.get("step")
-                state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
-                                 if torch.is_tensor(old) else type(old)(step) if old is not None else step)
+        # Every tensor the optimizer steps (ZeRO-3's flat partitions are in its param groups only mid-step).
+        for state in base.state.values():
+            old = state.get("step")
+            state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                             if torch.is_tensor(old) else type(old)(step) if old is not None else step)
     _restore_loss_scale(engine.optimizer, saved)
     if "clip_grad" in saved and hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = saved["clip_grad"]

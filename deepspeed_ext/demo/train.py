@@ -77,6 +77,8 @@ def _zero0_live_state(engine) -> dict:
                 masters.update(zip(params, group_masters, strict=True))
         base = getattr(optimizer, "optimizer", optimizer)
         for name, param in engine.module.named_parameters():
+            if param.numel() == 0:
+                continue  # filled in by dump_live_state
             master = masters.get(param, param)
             moments = base.state[master]
             state[name] = {"fp32": master.detach().clone(), "exp_avg": moments["exp_avg"].clone(),
@@ -92,11 +94,19 @@ def dump_live_state(engine, path: Path, tp_rank: int) -> None:
     else:
         state = {}
         for name, param in engine.module.named_parameters():
+            if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
+                continue
             state[name] = {
                 "fp32": safe_get_full_fp32_param(param).clone(),
                 "exp_avg": safe_get_full_optimizer_state(param, "exp_avg").clone(),
                 "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq").clone(),
             }
+    for name, param in engine.module.named_parameters():
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if torch.Size(shape).numel() == 0:
+            # A rank beyond the KV-head count holds no attention shard; DeepSpeed leaves such empty
+            # parameters out of the optimizer, so they have no fp32 master or moments to ask for.
+            state[name] = {key: torch.zeros(shape) for key in ("fp32", "exp_avg", "exp_avg_sq")}
     from deepspeed_ext.demo.models import eval_batch
     with torch.no_grad():  # every rank runs the forward: TP (and ZeRO-3) layers communicate
         logits = engine.module(input_ids=eval_batch()).logits.float()

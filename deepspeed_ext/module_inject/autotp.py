@@ -356,14 +356,15 @@ def _exact_name(pattern: str) -> str | None:
 
 
 def layouts_from_universal_checkpoint_info(info: Mapping[str, Any],
-                                           local_shapes: Mapping[str, Sequence[Sequence[int]]],
+                                           local_shapes: Mapping[str, Sequence[Sequence[int] | None]],
                                            source: str = "checkpoint") -> dict[str, TPLayout]:
     """Rebuild every parameter's layout from upstream's model-level UC info plus per-rank local shapes.
 
     ``local_shapes[name][r]`` is the shape TP rank ``r`` saved (``param_shapes`` of its model-states
-    file). Row patterns split dim 1, replicated patterns keep rank 0's copy, sub-param patterns use
-    the published per-rank widths, everything else is a dim-0 (column) split, as upstream's
-    converter assumes.
+    file), None where the rank saved none: an empty shard (a rank beyond the KV-head count), which has
+    width 0 along the split dimension. Row patterns split dim 1, replicated patterns keep rank 0's copy,
+    sub-param patterns use the published per-rank widths, everything else is a dim-0 (column) split, as
+    upstream's converter assumes.
     """
     if not info:
         raise MissingMetadataError(f"{source}: no universal_checkpoint_info")
@@ -380,22 +381,25 @@ def layouts_from_universal_checkpoint_info(info: Mapping[str, Any],
             sub_params.append((_PatternSet([pattern]), pattern, entry))
 
     layouts = {}
-    for name, shapes in local_shapes.items():
-        shapes = [tuple(s) for s in shapes]
-        tp = len(shapes)
+    for name, saved in local_shapes.items():
+        tp = len(saved)
         for pattern, matcher in unsupported_set.items():
             if matcher.match(name):
                 raise LayoutError(f"{source}: parameter {name!r} has a layout DeepSpeed marks unsupported: "
                                   f"{unsupported[pattern]}")
+        some = next(tuple(s) for s in saved if s is not None)
         if replicated.match(name) or tp == 1:
-            layouts[name] = TPLayout.replicated(shapes[0], tp)
+            layouts[name] = TPLayout.replicated(some, tp)
             continue
         sub = next(((pattern, entry) for matcher, pattern, entry in sub_params if matcher.match(name)), None)
         if sub is not None:
             pattern, entry = sub
+            shapes = [tuple(s) if s is not None else (0, *some[1:]) for s in saved]
             layouts[name] = _sub_param_layout_from_info(name, shapes, entry, widths_by_pattern.get(pattern), source)
             continue
         dim = 1 if row.match(name) else 0
+        shapes = [tuple(s) if s is not None else tuple(0 if d == dim else n for d, n in enumerate(some))
+                  for s in saved]
         full = list(shapes[0])
         full[dim] = sum(s[dim] for s in shapes)
         layouts[name] = TPLayout.split(full,
