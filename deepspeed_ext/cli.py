@@ -13,55 +13,45 @@ from collections.abc import Sequence
 from deepspeed_ext.errors import DeepSpeedExtError
 
 
-def _open_any(path: str, tag: str | None, config: str | None = None, family: str | None = None):
-    """The source at ``path``: a DeepSpeed, universal, HF (safetensors) or MaxText (Orbax) checkpoint."""
-    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
-    from deepspeed_ext.checkpoint.hf import HFCheckpoint
-    from deepspeed_ext.checkpoint.maxtext import ITEM, STEP_DIR
-    from deepspeed_ext.checkpoint.universal import LATEST_UNIVERSAL, ZERO_DIR, UniversalCheckpoint
-    root = Path(path)
-    target = root / tag if tag else root
-    if HFCheckpoint.is_hf(root):
-        return HFCheckpoint(root)
-    if (root / "_METADATA").is_file() or (root / STEP_DIR / ITEM / "_METADATA").is_file():
-        items = root if (root / "_METADATA").is_file() else root / STEP_DIR / ITEM
-        return _maxtext_source(items, config, family)
-    only_universal = (root / LATEST_UNIVERSAL).is_file() and not (root / "latest").is_file() and tag is None
-    if (target / ZERO_DIR).is_dir() or only_universal:
-        return UniversalCheckpoint(root, tag)
-    return DeepSpeedCheckpoint(root, tag)
+#: What a command says when it is given a format it does not read (the formats it reads map to "").
+_TO_UNIVERSAL_READS = {
+    "deepspeed": "",
+    "universal": ("already a universal checkpoint: resume from it with \"checkpoint\": {\"load_universal\": "
+                  "true}, or convert it with to-hf / to-maxtext"),
+    "huggingface": "a Hugging Face checkpoint: convert it with from-hf",
+    "maxtext": "a MaxText (Orbax) checkpoint: convert it with from-maxtext",
+}
+_FROM_HF_READS = {
+    "deepspeed": "a DeepSpeed checkpoint, not a Hugging Face one: convert it with to-universal or to-hf",
+    "universal": "already a universal checkpoint, not a Hugging Face one: from-hf is not needed",
+    "maxtext": "a MaxText (Orbax) checkpoint, not a Hugging Face one: convert it with from-maxtext",
+    "huggingface": "",
+}
+_FROM_MAXTEXT_READS = {
+    "deepspeed": "a DeepSpeed checkpoint, not a MaxText one: convert it with to-universal or to-maxtext",
+    "universal": "already a universal checkpoint, not a MaxText one: from-maxtext is not needed",
+    "huggingface": "a Hugging Face checkpoint, not a MaxText one: convert it with from-hf or to-maxtext",
+    "maxtext": "",
+}
 
 
-def _maxtext_source(items: Path, config_path: str | None, family_name: str | None):
-    """A MaxText checkpoint with its HF config and family: given, else what to-maxtext recorded."""
-    from deepspeed_ext.checkpoint.families import get_family, infer_family
-    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
-    from deepspeed_ext.errors import CheckpointError
-    stored = stored_model_info(items)
-    if config_path:
-        config = _read_config(config_path)
-    elif stored.get("model_config"):
-        config = stored["model_config"]
-    else:
-        raise CheckpointError(f"{items}: no model config recorded with this MaxText checkpoint; pass "
-                              "--config config.json (the HF config of the model)")
-    family_name = family_name or stored.get("family")
-    family = get_family(family_name) if family_name else infer_family(config)
-    return MaxTextCheckpoint(items, family, config)
+def _open(path: str, tag: str | None = None, config: str | None = None, family: str | None = None,
+          **options: Any) -> Any:
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    return open_checkpoint(path, tag=tag, config=config, family=family, **options)
 
 
-def _read_config(config_path: str) -> dict[str, Any]:
-    from deepspeed_ext.errors import CheckpointError
-    try:
-        return json.loads(Path(config_path).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{config_path}: cannot read a JSON model config: {exc}") from exc
+def _protect(named: str, source: Any) -> list[Any]:
+    """What the output may not touch: the path the user named and every path reading the source touches."""
+    return [named, *source.read_paths]
 
 
 def cmd_to_universal(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
     from deepspeed_ext.checkpoint.universal import write_universal
-    source = DeepSpeedCheckpoint(args.checkpoint, args.tag)
+    source = _open(args.checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
+    # Without -o the output goes beside the tag inside the save directory (the documented exception);
+    # with -o it may not touch what the user named.
+    protect = [args.checkpoint] if args.output is not None else []
     finite = _finite(args, source.tag_dir)
     if args.distributed:
         import torch.distributed as dist
@@ -71,14 +61,14 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         dist.init_process_group("gloo")
         try:
             out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                                  distributed=True, finite=finite)
+                                  distributed=True, finite=finite, protect=protect)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
         out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                              finite=finite)
+                              finite=finite, protect=protect)
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, "
               f"TP={source.tp_degree} x DP={source.dp_degree}, ZeRO-{source.zero_stage}, "
@@ -88,13 +78,14 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
 
 def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
     """The HF model config: ``--config`` if given, else the one deepspeed-ext saved with the checkpoint."""
+    from deepspeed_ext.checkpoint.formats import read_config
     from deepspeed_ext.errors import CheckpointError
     if config_path:
-        return _read_config(config_path)
+        return read_config(config_path)
     config = ckpt.uc_info.model_config if ckpt.uc_info is not None else None
     if not config:
         raise CheckpointError(f"{getattr(ckpt, 'path', None) or ckpt.tag_dir}: no model config saved with the "
-                              "checkpoint (deepspeed_ext.json); pass --config config.json")
+                              "checkpoint (deepspeed_ext.json); pass --config config.json (the model's HF config)")
     return config
 
 
@@ -108,7 +99,7 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import ModelDims, parse_mesh, write_maxtext
     from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, STEP
     from deepspeed_ext.errors import CheckpointError
-    ckpt = _open_any(args.source, args.tag)
+    ckpt = _open(args.source, args.tag, args.config, args.family)
     config = _model_config(ckpt, args.config)
     family = get_family(args.family) if args.family else infer_family(config)
     tensors = {tensor.name: tensor for tensor in ckpt.tensors()}
@@ -139,7 +130,8 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
                           mesh=parse_mesh(args.mesh) if args.mesh else None,
                           with_optimizer=args.with_optimizer,
                           optimizer_step=optimizer_step,
-                          finite=_finite(args, args.source))
+                          finite=_finite(args, args.source),
+                          protect=_protect(args.source, ckpt))
     if not args.quiet:
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); load it with load_parameters_path={items}")
@@ -149,10 +141,10 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.hf import check_fits_config
     from deepspeed_ext.checkpoint.universal import write_universal
-    source = _maxtext_source(Path(args.source), args.config, args.family)
+    source = _open(args.source, None, args.config, args.family, accept=_FROM_MAXTEXT_READS)
     check_fits_config(source.model_config, {t.name: tuple(t.shape) for t in source.tensors()}, str(args.source))
     out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                          finite=_finite(args, args.source))
+                          finite=_finite(args, args.source), protect=[args.source])
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if source.has_optimizer else
                      "fresh optimizer state")
@@ -163,22 +155,21 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.hf import write_hf
-    ckpt = _open_any(args.source, args.tag, args.config, args.family)
+    ckpt = _open(args.source, args.tag, args.config, args.family)
     config = _model_config(ckpt, args.config)
     out = write_hf(ckpt.tensors(), args.output, model_config=config, dtype=args.dtype,
                    max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
-                   source=str(args.source), finite=_finite(args, args.source))
+                   source=str(args.source), finite=_finite(args, args.source), protect=_protect(args.source, ckpt))
     if not args.quiet:
         print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
 def cmd_from_hf(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.hf import HFCheckpoint
     from deepspeed_ext.checkpoint.universal import write_universal
-    source = HFCheckpoint(args.source, dtype=args.dtype)
+    source = _open(args.source, None, args.config, dtype=args.dtype, accept=_FROM_HF_READS)
     out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                          finite=_finite(args, args.source))
+                          finite=_finite(args, args.source), protect=[args.source])
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, fresh optimizer state); train "
               "from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
@@ -187,8 +178,12 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 
 def cmd_reshard_orbax(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh, reshard_orbax
-    items, whole = reshard_orbax(args.source, args.output, parse_mesh(args.mesh), overwrite=args.overwrite,
-                                 progress=not args.quiet)
+    from deepspeed_ext.checkpoint.formats import MAXTEXT, detect, maxtext_items
+    from deepspeed_ext.errors import CheckpointError
+    if detect(args.source) != MAXTEXT:
+        raise CheckpointError(f"{args.source}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
+    items, whole = reshard_orbax(maxtext_items(Path(args.source)), args.output, parse_mesh(args.mesh),
+                                 overwrite=args.overwrite, progress=not args.quiet, protect=[args.source])
     if whole:
         print(f"kept whole (no known MaxText logical axes): {', '.join(whole)}", file=sys.stderr)
     if not args.quiet:
@@ -197,7 +192,7 @@ def cmd_reshard_orbax(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    ckpt = _open_any(args.checkpoint, args.tag)
+    ckpt = _open(args.checkpoint, args.tag, args.config, args.family)
     summary: dict[str, Any] = ckpt.summary()
     layouts = {t.name: t.layout for t in ckpt.tensors()}
     if args.json:
@@ -215,16 +210,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.hf import HFCheckpoint, hf_config, parameter_mismatch
-    from deepspeed_ext.checkpoint.manifest import check_manifest
-    from deepspeed_ext.checkpoint.maxtext import ITEM
+    from deepspeed_ext.checkpoint import serialization
+    from deepspeed_ext.checkpoint.formats import DEEPSPEED, HUGGINGFACE, MAXTEXT, detect, maxtext_items
+    from deepspeed_ext.checkpoint.hf import hf_config, parameter_mismatch
+    from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
     from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
     from deepspeed_ext.errors import CheckpointError
-    path = Path(args.path)
-    # A MaxText output's manifest sits at its root; <root>/0/items is what MaxText loads.
-    root = path.parents[1] if path.name == ITEM and (path / "_METADATA").is_file() else path
-    files, problems = check_manifest(root)
-    ckpt = _open_any(str(root), None, args.config, args.family)
+    kind = detect(args.path)
+    ckpt = _open(args.path, None, args.config, args.family)
+    # Where the manifest of each output sits: a MaxText output's at its root (MaxText loads <root>/0/items).
+    if kind == MAXTEXT:
+        step = maxtext_items(Path(args.path)).parent
+        root = step.parent if step.name.isdigit() else step
+    else:
+        root = Path(getattr(ckpt, "path", None) or ckpt.tag_dir)
+    problems: list[str] = []
+    if kind == DEEPSPEED:
+        # DeepSpeed writes no manifest: check what can be checked. Every file must load with the allow-list;
+        # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
+        files = sorted(root.glob("*.pt"))
+        for file in files:
+            try:
+                serialization.load(file)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        files_checked = f"DeepSpeed checkpoint (no manifest): {len(files)} files load safely"
+    elif (root / MANIFEST_FILE).is_file():
+        count, problems = check_manifest(root)
+        files_checked = f"{count} files against the manifest"
+    else:
+        files_checked = "no manifest (not written by deepspeed-ext: file checksums not checked)"
     finite = FiniteCheck(str(root))
     count = 0
     tensors = ckpt.tensors()
@@ -249,14 +264,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if not value.is_floating_point():
                 problems.append(f"{root}: {tensor.name} ({state}) is {value.dtype}, not a floating-point tensor")
     problems += [f"{root}: {name} ({'/'.join(states)}) has NaN/Inf" for name, states in finite.offenders.items()]
-    if isinstance(ckpt, HFCheckpoint):
+    if kind == HUGGINGFACE:
         mismatch = parameter_mismatch(hf_config(ckpt.model_config, None, str(root)), ckpt.shapes)
         if mismatch:
             problems.append(f"{root}: {mismatch}")
     for problem in problems:
         print(problem)
-    print(f"{root}: {'FAILED' if problems else 'OK'}: {files} files against the manifest, {count} tensors "
-          f"(shape, dtype, finite), {len(problems)} problem(s)")
+    print(f"{root}: {'FAILED' if problems else 'OK'}: {files_checked}, {count} tensors (shape, dtype, finite), "
+          f"{len(problems)} problem(s)")
     return 1 if problems else 0
 
 
@@ -283,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("to-universal", help="merge TP slices and ZeRO partitions into DeepSpeed's universal layout")
     p.add_argument("checkpoint", help="save dir (uses its 'latest' file) or a tag directory")
     p.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
-    p.add_argument("-o", "--output", help="output dir (default: <save dir>/<tag>_universal)")
+    p.add_argument("-o", "--output", help="output save directory: OUT/<tag>_universal and OUT/latest_universal, "
+                   "loadable with engine.load_checkpoint(OUT) (default: beside the tag, <save dir>/<tag>_universal "
+                   "and <save dir>/latest_universal)")
     p.add_argument("--distributed", action="store_true",
                    help="run under torchrun: the ranks split the parameters (torch.distributed, gloo) and write "
                    "the same output a single process would")
@@ -308,8 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_to_maxtext)
 
     p = sub.add_parser("from-maxtext", help="a MaxText Orbax checkpoint back into the universal form")
-    p.add_argument("source", help="the Orbax item directory (<root>/0/items)")
-    p.add_argument("-o", "--output", required=True, help="universal checkpoint directory to write")
+    p.add_argument("source", help="the MaxText checkpoint: its root, a step directory or <root>/<step>/items")
+    p.add_argument("-o", "--output", required=True, help="output save directory: OUT/<tag>_universal and "
+                   "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
     p.add_argument("--config", help="HF config.json (default: the one to-maxtext recorded)")
     p.add_argument("--family", help="model family (default: recorded, else inferred from the config)")
     _writer_options(p)
@@ -330,30 +348,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("from-hf", help="a Hugging Face checkpoint (safetensors) into the universal form")
     p.add_argument("source", help="HF model directory: config.json and *.safetensors (with or without an index)")
-    p.add_argument("-o", "--output", required=True, help="universal checkpoint directory to write")
+    p.add_argument("-o", "--output", required=True, help="output save directory: OUT/global_step0_universal and "
+                   "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
+    p.add_argument("--config", help="HF config.json (default: the directory's config.json)")
     p.add_argument("--dtype", choices=["source", "bfloat16", "float32"], default="source",
                    help="dtype of the stored weights (default: the files' dtype)")
     _writer_options(p)
     p.set_defaults(func=cmd_from_hf)
 
     p = sub.add_parser("reshard-orbax", help="re-chunk a MaxText Orbax checkpoint for a target mesh, array by array")
-    p.add_argument("source", help="the Orbax item directory (<root>/0/items)")
+    p.add_argument("source", help="the MaxText checkpoint: its root, a step directory or <root>/<step>/items")
     p.add_argument("-o", "--output", required=True, help="output root; the result is <output>/0/items")
     p.add_argument("--mesh", required=True, help="target mesh, e.g. fsdp=16,tensor=2,expert=4")
     _writer_options(p, convert=False)
     p.set_defaults(func=cmd_reshard_orbax)
 
-    p = sub.add_parser("verify", help="check a converted checkpoint (universal, HF or MaxText) against its manifest "
-                       "and every tensor's shape, dtype and finiteness")
-    p.add_argument("path", help="the output directory (a MaxText root or its 0/items)")
-    p.add_argument("--config", help="MaxText: HF config.json (default: the one recorded)")
+    p = sub.add_parser("verify", help="check a checkpoint: a converted one (universal, HF or MaxText) against its "
+                       "manifest, a DeepSpeed one file by file; every tensor's shape, dtype and finiteness")
+    p.add_argument("path", help="a checkpoint directory (any format; for MaxText the root or <root>/0/items)")
+    p.add_argument("--config", help="HF config.json where the checkpoint has none (MaxText, HF)")
     p.add_argument("--family", help="MaxText: model family (default: recorded or inferred)")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("inspect", help="describe a DeepSpeed or universal checkpoint")
+    p = sub.add_parser("inspect", help="describe a checkpoint (DeepSpeed, universal, HF or MaxText)")
     p.add_argument("checkpoint")
     p.add_argument("--tag")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--config", help="HF config.json where the checkpoint has none (MaxText, HF)")
+    p.add_argument("--family", help="MaxText: model family (default: recorded or inferred)")
     p.set_defaults(func=cmd_inspect)
     return parser
 
@@ -378,10 +400,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.debug = True
     if not args.debug:
         _quiet_library_warnings()
+    if argv is None:  # run as the program (not called from Python code, whose own Ctrl-C handling stays)
+        from deepspeed_ext.checkpoint.output import exit_on_interrupt
+        exit_on_interrupt()
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        return code
+    except BrokenPipeError:
+        # The reader of our stdout went away (`inspect | head`): not an error. Point stdout at /dev/null so
+        # the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        return _interrupted()
     except (DeepSpeedExtError, ValueError, OSError) as exc:
         if args.debug:
             raise
         print(f"deepspeed-ext: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _interrupted() -> int:
+    """A KeyboardInterrupt that reached here (main() called without the signal handler, from a thread):
+    every writer has unwound and removed its staging directory; say so in one line (exit 130, as shells do)."""
+    from deepspeed_ext.checkpoint.output import discard_in_flight
+    discard_in_flight()
+    print("deepspeed-ext: interrupted; nothing was written", file=sys.stderr)
+    return 130

@@ -117,6 +117,11 @@ class Scenario:
         return [torch.load(self.dump_dir / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(self.tp)]
 
 
+def universal_in(save_dir: Path) -> Path:
+    """The universal checkpoint directory of a save directory that ``-o`` wrote (its ``latest_universal``)."""
+    return save_dir / (save_dir / "latest_universal").read_text().strip()
+
+
 def assert_losses_continue(scenario: Scenario, resumed: dict[int, float], rel: float = 1e-2) -> None:
     assert sorted(resumed) == list(range(scenario.save_at + 1, scenario.steps + 1)), resumed
     for step, loss in resumed.items():

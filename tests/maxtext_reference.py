@@ -1,4 +1,4 @@
-"""A forward pass in JAX written from MaxText's conventions (../shared/docs/maxtext-orbax.md), not from
+"""A forward pass in JAX written from MaxText's conventions (as docs/maxtext.md describes them), not from
 deepspeed-ext's code: it reads a restored MaxText parameter tree and computes logits.
 
 Conventions used: kernels are (in, out); attention kernels per head (H, N, D) / (N, D, H); the query

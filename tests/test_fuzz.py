@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deepspeed_ext.cli import _open_any
+from deepspeed_ext.checkpoint.formats import open_checkpoint
 from deepspeed_ext.demo.models import build_model
 from deepspeed_ext.errors import DeepSpeedExtError
 
@@ -56,7 +56,7 @@ def _damage(root: Path, choice: int, spec) -> Path:
 
 
 def read_everything(path: Path) -> None:
-    ckpt = _open_any(str(path), None)
+    ckpt = open_checkpoint(path)
     for tensor in ckpt.tensors():
         for state in tensor.states:
             tensor.load(state)

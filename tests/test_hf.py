@@ -18,6 +18,7 @@ from deepspeed_ext.checkpoint.hf import HFCheckpoint
 from deepspeed_ext.cli import main
 from deepspeed_ext.demo.models import FAMILIES, batch, build_model, eval_batch
 from deepspeed_ext.demo.runner import read_losses, torchrun_train
+from e2e import universal_in
 
 SHARD = "30KB"  # tiny models: several shards each
 
@@ -65,7 +66,7 @@ def test_hf_to_universal_to_hf_gives_back_the_files(tmp_path, caplog, family, dt
     cli("from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "universal"))
     cli("to-hf", str(tmp_path / "universal"), "-o", str(tmp_path / "out"), "--max-shard-size", SHARD)
 
-    zero = tmp_path / "universal" / "zero"
+    zero = universal_in(tmp_path / "universal") / "zero"
     params = dict(model.named_parameters())
     assert sorted(p.name for p in zero.iterdir() if p.is_dir()) == sorted(params)
     for name, param in params.items():
@@ -114,7 +115,8 @@ def test_from_hf_reads_lazily_and_builds_no_model(tmp_path):
             "sys.exit(rc)")
     subprocess.run([sys.executable, "-c", code, "from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "u"), "-q"],
                    check=True)
-    assert not (tmp_path / "u" / "zero" / "lm_head.weight").exists()
+    zero = universal_in(tmp_path / "u") / "zero"
+    assert (zero / "model.embed_tokens.weight").is_dir() and not (zero / "lm_head.weight").exists()
     assert shard.is_file()
 
     with safe_open(str(tmp_path / "hf" / "extra.safetensors"), "pt") as handle:
@@ -149,7 +151,8 @@ def test_to_hf_dtype_choice_and_refusals(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["config.json", "deepspeed_ext.manifest.json",
                                                                         "model.safetensors"]
     cli("from-hf", str(tmp_path / "single"), "-o", str(tmp_path / "universal"))
-    stored = serialization.load(tmp_path / "universal" / "zero" / "lm_head.weight" / "fp32.pt")["param"]
+    stored = serialization.load(universal_in(tmp_path / "universal") / "zero" / "lm_head.weight" / "fp32.pt")
+    stored = stored["param"]
     assert stored.dtype == torch.float32 and torch.equal(stored, model.lm_head.weight.detach().float())
 
 
@@ -279,8 +282,8 @@ def test_check_finite_names_the_parameters_and_writes_nothing(tmp_path, capsys):
         model.model.norm.weight[3] = float("inf")
     save_pretrained(model, tmp_path / "hf")
     cli("from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "universal"))  # no check asked: converts
-    assert torch.isnan(serialization.load(tmp_path / "universal" / "zero" / "model.layers.1.mlp.down_proj.weight" /
-                                          "fp32.pt")["param"]).any()
+    zero = universal_in(tmp_path / "universal") / "zero"
+    assert torch.isnan(serialization.load(zero / "model.layers.1.mlp.down_proj.weight" / "fp32.pt")["param"]).any()
     for command, source in (("from-hf", "hf"), ("to-hf", "hf"), ("to-maxtext", "hf"), ("to-hf", "universal")):
         out = tmp_path / f"{command}_{source}_checked"
         capsys.readouterr()

@@ -47,7 +47,7 @@ def test_kv_heads_probe_order():
 
 # --------------------------------------------------------------------------- worked example
 def test_fused_qkv_rank_holds_its_piece_of_each_sub_param():
-    """../shared/docs worked example: q=64, kv=32 fused, TP=2 rank r holds cat(q_r, k_r, v_r)."""
+    """Worked example: q=64, kv=32 fused, TP=2 rank r holds cat(q_r, k_r, v_r)."""
     layout = TPLayout.sub_params((128, 4), 2, 0, (64, 32, 32), ((32, 32), (16, 16), (16, 16)), role="fused_qkv")
     full = torch.arange(128 * 4).reshape(128, 4)
     q, k, v = full[:64], full[64:96], full[96:]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from deepspeed_ext.demo.models import build_model
+from e2e import universal_in
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -93,10 +94,11 @@ def _flip_to_nan(shard: Path) -> None:
 def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     """Every converter writes a manifest; `verify` passes a fresh HF, universal and MaxText output and, after
     damage, names each file that changed, appeared or broke, and each tensor with NaN/Inf (exit 1)."""
-    hf, universal = tmp_path / "hf", tmp_path / "universal"
+    hf, saved = tmp_path / "hf", tmp_path / "universal"
     assert _run("to-hf", str(sources / "hf"), "-o", str(hf)).returncode == 0
-    assert _run("from-hf", str(sources / "hf"), "-o", str(universal)).returncode == 0
-    for out in (hf, universal, sources / "maxtext", sources / "maxtext" / "0" / "items"):
+    assert _run("from-hf", str(sources / "hf"), "-o", str(saved)).returncode == 0
+    universal = universal_in(saved)
+    for out in (hf, saved, universal, sources / "maxtext", sources / "maxtext" / "0" / "items"):
         proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(out)], capture_output=True,
                               text=True, env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
         assert proc.returncode == 0 and ": OK: " in proc.stdout and " 0 problem(s)" in proc.stdout, proc.stdout

@@ -1,6 +1,6 @@
 """Source: a regular DeepSpeed checkpoint (TP slices × ZeRO-1/2 partitions) as a stream of full tensors.
 
-Files (see ../shared/docs/deepspeed-formats.md §4.2):
+Files (see docs/universal-checkpoints.md):
 
 * ``<tag>/mp_rank_{tp:02d}_model_states.pt`` — one per TP rank: ``param_shapes`` (TP-local shapes in
   flat-buffer order), degrees, steps, ``universal_checkpoint_info`` (upstream's tags), client state.
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
-from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
@@ -307,6 +307,11 @@ class DeepSpeedCheckpoint:
     @property
     def path(self) -> Path:
         return self.tag_dir
+
+    @property
+    def read_paths(self) -> list[Path]:
+        """What converting this checkpoint reads, which no output may touch."""
+        return output.read_paths(self.tag_dir)
 
     @property
     def names(self) -> list[str]:

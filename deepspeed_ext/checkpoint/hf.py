@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, FiniteCheck, LogicalTensor
@@ -234,20 +234,21 @@ def write_hf(tensors: Iterable[LogicalTensor],
              overwrite: bool = False,
              progress: bool = True,
              source: str = "source",
-             finite: FiniteCheck | None = None) -> Path:
+             finite: FiniteCheck | None = None,
+             protect: Iterable[str | Path] = ()) -> Path:
     """Write the stream ``tensors`` (full parameters, HF/universal names) as an HF checkpoint at ``out``.
 
     Each tensor's master weights (``fp32`` state) are cast to ``dtype`` (``source``: the dtype the
     source model had, ``LogicalTensor.dtype``) and written once, straight into its shard. The parameter
     names and shapes are checked against transformers' model for ``model_config`` before anything is
     written, so the output loads with no missing or unexpected keys. ``finite``: check every tensor for
-    NaN/Inf and publish nothing if any has them.
+    NaN/Inf and publish nothing if any has them. ``protect``: the source's paths, which the output may not
+    touch (:mod:`deepspeed_ext.checkpoint.output`).
     """
     from huggingface_hub import split_state_dict_into_shards_factory
 
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
+    given = out
+    out = output.prepare(out, protect, overwrite=overwrite)
     tensors = {tensor.name: tensor for tensor in (finite.stream(tensors) if finite else tensors)}
     tied = bool(model_config.get("tie_word_embeddings", False))
     dropped_tied = tied and all(name in tensors for name in TIED_PAIR)
@@ -266,7 +267,7 @@ def write_hf(tensors: Iterable[LogicalTensor],
                                                  filename_pattern=FILENAME_PATTERN, max_shard_size=max_shard_size)
     if dropped_tied:
         _check_tied(tensors, source)
-    with serialization.staged_directory(out) as partial:
+    with output.staged(out) as partial:
         _write_shards(partial, split.filename_to_tensors, plan, params, pieces, progress)
         if finite is not None:
             finite.raise_if_any()
@@ -279,7 +280,7 @@ def write_hf(tensors: Iterable[LogicalTensor],
             tmp.write_text(json.dumps(index, indent=2) + "\n")
             os.replace(tmp, partial / INDEX_FILE)
         ManifestRecorder(partial).write()
-    return out
+    return Path(given)
 
 
 def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],
@@ -357,18 +358,23 @@ class HFCheckpoint:
     dp_degree = 1
     zero_stage = 0
 
-    def __init__(self, path: str | Path, dtype: str = "source"):
+    def __init__(self, path: str | Path, dtype: str = "source", model_config: Mapping[str, Any] | None = None):
+        """``model_config``: the HF config to use instead of the directory's ``config.json`` (``--config``)."""
         self.path = Path(path)
         self.tag_dir = self.path
         self.dtype_choice = dtype
         output_dtype(dtype, torch.float32)  # validates the choice
         config_path = self.path / CONFIG_FILE
-        if not config_path.is_file():
-            raise CheckpointError(f"{config_path}: file not found (an HF model directory needs its config.json)")
-        try:
-            self.model_config: dict[str, Any] = json.loads(config_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{config_path}: cannot read JSON: {exc}") from exc
+        if model_config is not None:
+            self.model_config: dict[str, Any] = dict(model_config)
+        elif not config_path.is_file():
+            raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint needs its model config: add "
+                                  "config.json to the directory or pass --config CONFIG.json")
+        else:
+            try:
+                self.model_config = json.loads(config_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{config_path}: cannot read JSON: {exc}") from exc
         self._file_of = self._weight_files()
         self.splits = hf_expert_splits(self.model_config.get("model_type"))
         self._pieces = group_file_names(self._file_of, self.splits, str(self.path))
@@ -378,10 +384,11 @@ class HFCheckpoint:
         else:
             self._tied_head = False
 
-    @staticmethod
-    def is_hf(path: str | Path) -> bool:
-        path = Path(path)
-        return (path / CONFIG_FILE).is_file() and ((path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
+    @property
+    def read_paths(self) -> list[Path]:
+        """The directory and, for a Hugging Face cache snapshot, the blobs its symlinks point at."""
+        from deepspeed_ext.checkpoint import output
+        return output.read_paths(self.path)
 
     def _weight_files(self) -> dict[str, Path]:
         index = self.path / INDEX_FILE

@@ -1,5 +1,5 @@
 """MaxText checkpoints in Orbax: the sink behind ``to-maxtext``, the source behind ``from-maxtext``, and
-``reshard-orbax``. Facts: ../shared/docs/maxtext-orbax.md.
+``reshard-orbax``. The conventions are in docs/maxtext.md.
 
 Layout written (what MaxText loads with ``load_parameters_path=<out>/0/items``)::
 
@@ -22,8 +22,6 @@ times the largest single tensor, not the model or a whole stack. bf16 is written
 from __future__ import annotations
 
 import math
-import os
-import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,13 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deepspeed_ext.checkpoint import output
+from deepspeed_ext.checkpoint.formats import ORBAX_ITEM
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
 from deepspeed_ext.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
     from deepspeed_ext.checkpoint.tensor import FiniteCheck
 
-ITEM = "items"
+ITEM = ORBAX_ITEM
 METADATA_KEY = "deepspeed_ext"  # our entry in the step's custom metadata
 STEP_DIR = "0"
 DTYPES = ("bfloat16", "float32")
@@ -389,7 +389,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
                   mesh: Mapping[str, int] | None = None,
                   with_optimizer: bool = False,
                   optimizer_step: int | None = None,
-                  finite: FiniteCheck | None = None) -> Path:
+                  finite: FiniteCheck | None = None,
+                  protect: Iterable[str | Path] = ()) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
     ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
@@ -409,6 +410,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
     ``load(name, state)`` returns one full fp32 tensor (``state``: ``fp32``, ``exp_avg`` or ``exp_avg_sq``) as
     numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it. ``finite``: check
     every tensor for NaN/Inf; if any has them, the written checkpoint is removed and nothing is left.
+    ``protect``: the source's paths, which the output may not touch; the output is built aside and published
+    whole (:mod:`deepspeed_ext.checkpoint.output`).
     """
     import ml_dtypes
     from tqdm import tqdm
@@ -416,9 +419,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
-    out = Path(out).absolute()  # OCDBT refuses relative paths
+    out = output.prepare(out, protect, overwrite=overwrite)  # absolute: OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, scan_layers, source)  # validates before anything is written
-    _clear_output(out, overwrite)
     states = STATES if with_optimizer else STATES[:1]
     if finite is not None:
         load = finite.loader(load)
@@ -465,34 +467,19 @@ def write_maxtext(load: Callable[..., np.ndarray],
     custom = {"scan_layers": scan_layers,
               METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}}
     try:
-        _save_items(out, tree, custom, finish=finite.raise_if_any if finite else None)
+        with output.staged(out) as partial:
+            _save_items(partial, tree, custom, finish=finite.raise_if_any if finite else None)
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
 
 
-def _clear_output(out: Path, overwrite: bool) -> None:
-    """Make room for a new output at ``out``: an existing checkpoint only with ``overwrite``; what an
-    interrupted run left is cleared (a rerun restarts cleanly)."""
-    if out.exists():
-        if not overwrite and not _interrupted_leftover(out):
-            raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
-        shutil.rmtree(out)
-
-
-def _interrupted_leftover(out: Path) -> bool:
-    """Whether ``out`` is what an interrupted run left: empty, or only Orbax's uncommitted temporary steps
-    (Orbax writes ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>`` when complete)."""
-    return out.is_dir() and all(".orbax-checkpoint-tmp" in entry.name for entry in out.iterdir())
-
-
 def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
                 finish: Callable[[], None] | None = None) -> None:
-    """Save ``tree`` (lazy leaves allowed) as step 0, item ``items``, the way MaxText's own writers do;
-    ``finish`` runs after the save, and if it raises, the output is removed."""
+    """Save ``tree`` (lazy leaves allowed) into the staging directory ``out`` as step 0, item ``items``, the
+    way MaxText's own writers do, then its manifest; ``finish`` runs after the save (it may refuse it)."""
     import orbax.checkpoint as ocp
     _register_lazy_leaf()
-    os.makedirs(out, exist_ok=True)
     try:
         # MaxText's own storage choice: OCDBT + zarr3. Orbax writes the step into a temporary directory
         # and renames it when complete, so an interrupted run leaves no "0/" that looks finished.
@@ -510,11 +497,7 @@ def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, A
         from deepspeed_ext.checkpoint.manifest import ManifestRecorder
         ManifestRecorder(out).write()
     except (ValueError, OSError) as exc:  # tensorstore reports failed writes (disk full) as ValueError
-        shutil.rmtree(out, ignore_errors=True)
         raise CheckpointError(f"{out}: cannot write the Orbax checkpoint: {first_line(exc)}") from exc
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
 
 
 # --------------------------------------------------------------------------- source
@@ -604,6 +587,14 @@ class MaxTextCheckpoint:
         self.step = self._read_scalar(("step", ))
         self.optimizer_step = self._read_scalar(("opt_state", "0", "count")) if self.has_optimizer else 0
         self._cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    @property
+    def read_paths(self) -> list[Path]:
+        """The checkpoint: the step directory (the item, its metadata) and, when the step sits in an Orbax
+        checkpoint manager's root (``<root>/<step>/items``), the root with its manifest."""
+        from deepspeed_ext.checkpoint import output
+        step = self.items.parent
+        return output.read_paths(step.parent if step.name.isdigit() else step)
 
     def _restore(self, path: tuple[str, ...], restore_type: type, dtype: Any = None) -> Any:
         return restore_leaf(self._checkpointer, self.items, self._tree, path, restore_type, dtype)
@@ -717,6 +708,21 @@ class MaxTextCheckpoint:
         from deepspeed_ext.checkpoint.universal import write_fresh_model_states
         write_fresh_model_states(directory, self.step)
 
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": "maxtext",
+            "path": str(self.items),
+            "family": self.family.name,
+            "model_type": self.model_config.get("model_type"),
+            "scan_layers": self.scan_layers,
+            "arrays": len(self.stored),
+            "tensor_dtypes": sorted(set(self.stored_dtypes.values())),
+            "global_steps": self.step,
+            "optimizer": "optax adamw (mu, nu)" if self.has_optimizer else "none",
+            "optimizer_step": self.optimizer_step if self.has_optimizer else None,
+            "num_parameters": sum(math.prod(layout.shape) for layout in self.layouts.values()),
+        }
+
 
 def stored_model_info(items: str | Path) -> dict[str, Any]:
     """What to-maxtext recorded in the step's custom metadata (family, HF model config), or {}."""
@@ -738,7 +744,8 @@ def reshard_orbax(items: str | Path,
                   mesh: Mapping[str, int],
                   *,
                   overwrite: bool = False,
-                  progress: bool = True) -> tuple[Path, list[str]]:
+                  progress: bool = True,
+                  protect: Iterable[str | Path] = ()) -> tuple[Path, list[str]]:
     """Re-chunk a MaxText Orbax checkpoint for a target mesh, holding one array at a time.
 
     Every array is read whole (one partial restore), and rewritten with its storage chunk set to one
@@ -752,8 +759,9 @@ def reshard_orbax(items: str | Path,
     items = Path(items).absolute()
     if not (items / "_METADATA").is_file():
         raise CheckpointError(f"{items}: not an Orbax checkpoint item directory (no _METADATA)")
-    out = Path(out).absolute()
-    _clear_output(out, overwrite)
+    step = items.parent
+    out = output.prepare(out, [*protect, *output.read_paths(step.parent if step.name.isdigit() else step)],
+                         overwrite=overwrite)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
     tree = ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree
     try:
@@ -799,7 +807,8 @@ def reshard_orbax(items: str | Path,
 
     new_tree = rebuild(tree, ())
     try:
-        _save_items(out, new_tree, custom)
+        with output.staged(out) as partial:
+            _save_items(partial, new_tree, custom)
     finally:
         bar.close()
     return out / STEP_DIR / ITEM, whole

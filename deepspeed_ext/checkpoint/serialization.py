@@ -11,7 +11,6 @@ import collections
 import ctypes
 import os
 import pickle
-import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -126,27 +125,6 @@ class BackgroundWriter:
             for future in self._pending:
                 future.cancel()
             self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-@contextmanager
-def staged_directory(out: Path) -> Iterator[Path]:
-    """Build an output directory under ``<out>.partial``; rename it to ``out`` only when the block completes.
-
-    An interrupted or failed run leaves no directory under the final name (a stale ``.partial`` from an
-    earlier interrupted run is cleared first), so nothing half-written ever looks like a checkpoint.
-    """
-    partial = out.with_name(out.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
 
 
 _MADV_DONTNEED = 4

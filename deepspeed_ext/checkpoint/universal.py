@@ -1,42 +1,43 @@
 """DeepSpeed's universal checkpoint layout: sink (write) and source (read).
 
-Layout (compatible with upstream ``ds_to_universal``; ../shared/docs/deepspeed-formats.md §4.3)::
+Layout (the one upstream's ``ds_to_universal`` writes, see docs/universal-checkpoints.md)::
 
-    <out>/zero/<param>/fp32.pt         {'param': full fp32 tensor[, 'cat_dim': d]}
-    <out>/zero/<param>/exp_avg.pt      same, Adam first moment
-    <out>/zero/<param>/exp_avg_sq.pt   same, Adam second moment
-    <out>/zero/<param>/step.pt         the bare optimizer step
-    <out>/zero/optimizer_state.pt      DP0/TP0 optimizer state minus flat tensors, plus param_groups
-    <out>/mp_rank_XX_model_states.pt   copied unchanged (steps, lr scheduler, client state)
-    <out>/deepspeed_ext.json           our UC info (layouts of the source, model config)
-    <parent>/latest_universal          basename of <out>, written last
+    <save dir>/latest_universal            the name of the universal directory (<tag>_universal)
+    <save dir>/<tag>_universal/
+        zero/<param>/fp32.pt               {'param': full fp32 tensor[, 'cat_dim': d]}
+        zero/<param>/exp_avg.pt            same, Adam first moment
+        zero/<param>/exp_avg_sq.pt         same, Adam second moment
+        zero/<param>/step.pt               the bare optimizer step
+        zero/optimizer_state.pt            DP0/TP0 optimizer state minus flat tensors, plus param_groups
+        mp_rank_XX_model_states.pt         copied unchanged (steps, lr scheduler, client state)
+        deepspeed_ext.json                 our UC info (layouts of the source, model config)
+        deepspeed_ext.manifest.json        size and CRC-32C of every file above
 
-The output is built under ``<out>.partial`` and renamed into place only when complete, so an
-interrupted run never leaves a directory that looks like a finished checkpoint.
+Without ``-o`` the save directory is the source's (the universal directory goes beside the tag); with
+``-o OUT`` it is ``OUT``. The output is built aside and published whole (:mod:`.output`).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 from functools import cached_property
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tqdm import tqdm
 
-from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STATES_RE, DeepSpeedCheckpoint,
                                                 resolve_tag_dir)
+from deepspeed_ext.checkpoint.formats import LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
-ZERO_DIR = "zero"
-LATEST_UNIVERSAL = "latest_universal"
 OPTIMIZER_STATE_FILE = "optimizer_state.pt"
 TENSOR_STATES = (MASTER_WEIGHTS, *ADAM_STATES)
 
@@ -58,8 +59,11 @@ def _entry(tensor: torch.Tensor, layout: TPLayout) -> dict[str, Any]:
     return entry
 
 
-def default_output(source: DeepSpeedCheckpoint) -> Path:
-    return source.tag_dir.parent / f"{source.tag}_universal"
+def universal_name(source: Any) -> str:
+    """``<tag>_universal``, the directory name upstream's converter uses; sources without a DeepSpeed tag
+    (HF, MaxText) are named after the training step they hold."""
+    tag = getattr(source, "tag", None) or f"global_step{int(source.model_states.get('global_steps') or 0)}"
+    return f"{tag}_universal"
 
 
 def write_universal(source: DeepSpeedCheckpoint,
@@ -68,8 +72,15 @@ def write_universal(source: DeepSpeedCheckpoint,
                     overwrite: bool = False,
                     progress: bool = True,
                     distributed: bool = False,
-                    finite: FiniteCheck | None = None) -> Path:
-    """Convert ``source`` into DeepSpeed's universal layout at ``out``; returns the output path.
+                    finite: FiniteCheck | None = None,
+                    protect: Iterable[str | Path] = ()) -> Path:
+    """Convert ``source`` into DeepSpeed's universal layout; returns the universal checkpoint directory.
+
+    ``out`` None: ``<tag>_universal/`` beside the source tag, then the ``latest_universal`` pointer in the
+    save directory, as upstream's ``ds_to_universal`` lays them out. ``out`` given: a save directory of its
+    own, ``out/<tag>_universal/`` + ``out/latest_universal``, which ``engine.load_checkpoint(out)`` loads;
+    nothing is written outside it. Either way the output is built aside and published whole, and may not
+    touch the source or the paths in ``protect`` (:mod:`deepspeed_ext.checkpoint.output`).
 
     Streams one parameter and one state at a time: memory stays at about one full tensor.
     ``distributed``: every rank of the initialized ``torch.distributed`` group calls this, each converts
@@ -77,30 +88,33 @@ def write_universal(source: DeepSpeedCheckpoint,
     the output is byte-identical to a single-process run. ``finite``: check every tensor for NaN/Inf and
     publish nothing if any has them.
     """
-    out = Path(out) if out is not None else default_output(source)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: output already exists; pass --overwrite to replace it")
-    if out.resolve() == source.tag_dir.resolve():
-        raise CheckpointError(f"{out}: output would overwrite the source checkpoint")
-    layouts = source.layouts  # validates metadata before anything is written
-    if distributed:
-        _write_distributed(source, layouts, out, progress, finite)
+    name = universal_name(source)
+    if out is None:  # beside the tag: adds a directory and the pointer, replaces no file of the checkpoint
+        publish, inner = output.prepare(source.tag_dir.parent / name, source.read_paths, overwrite=overwrite), None
     else:
-        with serialization.staged_directory(out) as partial:
-            (partial / ZERO_DIR).mkdir()
-            manifest = ManifestRecorder(partial)
-            _write_tensors(source, list(layouts), partial, progress, manifest,
-                           first=lambda: _write_summary(source, layouts, partial), finite=finite)
+        publish, inner = output.prepare(out, [*protect, *source.read_paths], overwrite=overwrite), name
+    layouts = source.layouts  # validates metadata before anything is written
+    rank = _rank() if distributed else 0
+    # Beside the tag, the pointer goes into the save directory once the output is published.
+    pointer = (publish.parent / LATEST_UNIVERSAL, publish.name) if inner is None else None
+    staged = output.staged(publish, pointer) if rank == 0 else contextlib.nullcontext(output.staging_path(publish))
+    with staged as partial:
+        universal = partial / inner if inner else partial
+        if rank == 0:
+            (universal / ZERO_DIR).mkdir(parents=True)
+            if inner:
+                (partial / LATEST_UNIVERSAL).write_text(inner)
+        if distributed:
+            _write_distributed(source, layouts, universal, progress, finite)
+        else:
+            manifest = ManifestRecorder(universal)
+            _write_tensors(source, list(layouts), universal, progress, manifest,
+                           first=lambda: _write_summary(source, layouts, universal), finite=finite)
             manifest.write()
-    latest = out.parent / LATEST_UNIVERSAL
-    if not distributed or _rank() == 0:
-        tmp = latest.with_name(latest.name + ".tmp")
-        tmp.write_text(out.name)
-        os.replace(tmp, latest)
     if distributed:
         import torch.distributed as dist
         dist.barrier()  # nobody returns before the output and its pointer are in place
-    return out
+    return publish / inner if inner else publish
 
 
 def _rank() -> int:
@@ -120,12 +134,11 @@ def shares_by_size(layouts: dict[str, TPLayout], world: int) -> list[list[str]]:
     return [sorted(share, key=order.__getitem__) for share in shares]
 
 
-def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], out: Path, progress: bool,
+def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], universal: Path, progress: bool,
                        finite: FiniteCheck | None) -> None:
-    import contextlib
+    """This rank's share of the parameters into ``universal`` (inside rank 0's staging directory)."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    partial = out.with_name(out.name + ".partial")
 
     def attempt(work: Any) -> BaseException | None:
         try:
@@ -134,25 +147,21 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
             return exc
         return None
 
-    staged = serialization.staged_directory(out) if rank == 0 else contextlib.nullcontext(partial)
-    with staged:
-        if rank == 0:
-            (partial / ZERO_DIR).mkdir()
-        dist.barrier()
-        mine = shares_by_size(layouts, world)[rank]
-        summary = (lambda: _write_summary(source, layouts, partial)) if rank == 0 else None
-        manifest = ManifestRecorder(partial)
-        error = attempt(lambda: _write_tensors(source, mine, partial, progress and rank == 0, manifest,
-                                               first=summary, finite=finite))
-        if error is None and rank != 0:
-            error = attempt(lambda: manifest.write_rank_part(rank))
-        failed = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
-            raise error or CheckpointError(f"{out}: another rank failed; its error is in its output")
-        if rank == 0:  # every rank's files are in place: the manifest is the output's last file
-            manifest.merge_rank_parts(world)
-            manifest.write()
+    dist.barrier()  # rank 0 has created the staging directory
+    mine = shares_by_size(layouts, world)[rank]
+    summary = (lambda: _write_summary(source, layouts, universal)) if rank == 0 else None
+    manifest = ManifestRecorder(universal)
+    error = attempt(lambda: _write_tensors(source, mine, universal, progress and rank == 0, manifest,
+                                           first=summary, finite=finite))
+    if error is None and rank != 0:
+        error = attempt(lambda: manifest.write_rank_part(rank))
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise error or CheckpointError(f"{universal}: another rank failed; its error is in its output")
+    if rank == 0:  # every rank's files are in place: the manifest is the output's last file
+        manifest.merge_rank_parts(world)
+        manifest.write()
 
 
 def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool,
@@ -225,6 +234,10 @@ class UniversalCheckpoint:
         self.zero = self.path / ZERO_DIR
         if not self.zero.is_dir():
             raise CheckpointError(f"{self.path}: not a universal checkpoint (no {ZERO_DIR}/ directory)")
+
+    @property
+    def read_paths(self) -> list[Path]:
+        return output.read_paths(self.path)
 
     @staticmethod
     def is_universal(path: str | Path) -> bool:

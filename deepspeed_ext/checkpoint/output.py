@@ -1,0 +1,210 @@
+"""Where a command may write, and how an output is published: the one rule every writer follows.
+
+* **Never the source.** The output may not be a source, contain one or lie inside one, after symlinks and
+  ``..`` are resolved, with or without ``--overwrite`` (:func:`prepare`). Files that a source reaches through
+  symlinks (a Hugging Face cache's ``snapshots/`` point into ``blobs/``) are protected too.
+* **Built aside, published whole.** Everything is written under ``<out>.partial`` and renamed to ``<out>`` only
+  when complete (:func:`staged`); an existing output is replaced only with ``--overwrite``, and only at that
+  moment, so a failed or interrupted run leaves the previous output as it was and nothing under the final name.
+* **Nothing outside the output.** A writer writes only inside ``<out>`` (and its ``.partial`` twin). The one
+  exception is ``to-universal`` without ``-o``, which adds ``<tag>_universal/`` and the ``latest_universal``
+  pointer beside the tag, as upstream's converter does, and never replaces a file of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from deepspeed_ext.errors import CheckpointError
+
+PARTIAL_SUFFIX = ".partial"
+
+#: Staging directories being built right now, and outputs published by this process: what an interrupt
+#: (Ctrl-C) removes and reports. Plain set/list operations are atomic under the GIL, so the signal handler,
+#: which runs between two bytecodes of the main thread, needs (and may take) no lock.
+_in_flight: set[Path] = set()
+_published: list[Path] = []
+#: Publishing (renames, the pointer file) is never cut in half: an interrupt then waits for it to finish.
+_publishing = 0
+_interrupt_pending = False
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The absolute path with every symlink and ``..`` resolved (the path need not exist)."""
+    return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
+
+
+def staging_path(out: Path) -> Path:
+    return out.with_name(out.name + PARTIAL_SUFFIX)
+
+
+def read_paths(directory: str | os.PathLike) -> list[Path]:
+    """``directory`` plus the resolved targets of the symlinks inside it: every place reading it touches."""
+    directory = Path(directory)
+    paths = [resolve(directory)]
+    if directory.is_dir():
+        for root, dirs, files in os.walk(directory):
+            for name in (*dirs, *files):
+                entry = Path(root, name)
+                if entry.is_symlink():
+                    paths.append(resolve(entry))
+    return paths
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner != outer and outer in inner.parents
+
+
+def prepare(out: str | os.PathLike, sources: Iterable[str | os.PathLike | None], *, overwrite: bool) -> Path:
+    """Check that ``out`` may be written by a command reading ``sources``; returns ``out`` resolved.
+
+    Refused, whatever ``overwrite`` says: an output (or its staging twin) that is a source, contains one or
+    lies inside one. Refused without ``overwrite``: an existing output that is not an empty directory.
+    """
+    given = Path(out)
+    target = resolve(given)
+    for source in sources:
+        if source is None:
+            continue
+        protected = resolve(source)
+        for candidate in (target, staging_path(target)):
+            if candidate == protected:
+                problem = f"is the source checkpoint {protected}"
+            elif _within(protected, candidate):
+                problem = f"contains the source checkpoint {protected}"
+            elif _within(candidate, protected) and protected.is_dir():
+                problem = f"lies inside the source checkpoint {protected}"
+            else:
+                continue
+            what = "the output" if candidate == target else f"the output's staging directory {candidate}"
+            raise CheckpointError(f"{given}: {what} {problem}; deepspeed-ext never writes into its input (with or "
+                                  "without --overwrite): choose an output outside it")
+    if target.exists():
+        if not target.is_dir():
+            raise CheckpointError(f"{given}: exists and is not a directory; choose another output")
+        if any(target.iterdir()) and not overwrite:
+            raise CheckpointError(f"{given}: output already exists; pass --overwrite to replace it")
+    return target
+
+
+@contextmanager
+def staged(out: Path, pointer: tuple[Path, str] | None = None) -> Iterator[Path]:
+    """Build an output under ``<out>.partial``; publish it as ``out`` only when the block completes.
+
+    A stale ``.partial`` from an earlier interrupted run is cleared first. On failure or interrupt the
+    ``.partial`` is removed and an existing ``out`` is left as it was; on success it is replaced (the
+    caller checked ``--overwrite`` in :func:`prepare`). ``pointer``: ``(file, text)`` written atomically right
+    after publishing (``latest_universal`` beside a tag), in the same uninterruptible step.
+    """
+    partial = staging_path(out)
+    if partial.exists() or partial.is_symlink():
+        _remove(partial)
+    partial.mkdir(parents=True)
+    _in_flight.add(partial)
+    try:
+        yield partial
+        with _uninterruptible():
+            _publish(partial, out)
+            _in_flight.discard(partial)
+            _published.append(out)
+            if pointer is not None:
+                write_text_atomic(*pointer)
+    except KeyboardInterrupt:
+        # Stays registered: a library's worker thread may still write into it until the process exits.
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        _in_flight.discard(partial)
+        raise
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Rename ``partial`` to ``out``; an existing ``out`` is moved aside first and removed after, so at every
+    moment one complete output exists on disk."""
+    if out.exists():
+        old = out.with_name(f"{out.name}.replaced-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(partial, out)
+        _remove(old)
+    else:
+        os.replace(partial, out)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+@contextmanager
+def _uninterruptible() -> Iterator[None]:
+    global _publishing
+    _publishing += 1
+    try:
+        yield
+    finally:
+        _publishing -= 1
+        if not _publishing and _interrupt_pending:
+            _exit_interrupted()
+
+
+def discard_in_flight() -> list[Path]:
+    """Remove every staging directory still being built (after an interrupt); returns them.
+
+    Each is renamed first, so a worker thread that still writes by path fails instead of re-creating it."""
+    paths = sorted(_in_flight)
+    for path in paths:
+        doomed = path.with_name(f"{path.name}.interrupted-{os.getpid()}")
+        try:
+            os.replace(path, doomed)
+        except OSError:
+            doomed = path
+        shutil.rmtree(doomed, ignore_errors=True)
+        _in_flight.discard(path)
+    return paths
+
+
+def exit_on_interrupt() -> None:
+    """Ctrl-C (SIGINT) ends the process at once, exit 130, after removing the staging directories and
+    saying in one line what was (not) written; publishing in progress is finished first. For the CLI: a
+    KeyboardInterrupt raised wherever the main thread happens to be (inside an import, a GC callback, a
+    library that catches it) can be lost or turned into another error, and library threads would go on
+    writing while it unwinds."""
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _on_interrupt)
+
+
+def _on_interrupt(signum: int, frame: object) -> None:
+    global _interrupt_pending
+    if _publishing:
+        _interrupt_pending = True
+        return
+    _exit_interrupted()
+
+
+def _exit_interrupted() -> None:
+    import sys
+    discard_in_flight()
+    if _published:
+        message = f"interrupted; already complete: {', '.join(map(str, _published))}; nothing else was written"
+    else:
+        message = "interrupted; nothing was written"
+    try:
+        sys.stderr.write(f"deepspeed-ext: {message}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(130)
