@@ -144,7 +144,6 @@ def conversions(args: argparse.Namespace, tag_dir: Path, work: Path) -> dict[str
         order = list(commands) if round_ % 2 == 0 else list(reversed(commands))
         for name in order:
             shutil.rmtree(out, ignore_errors=True)
-            (work / "latest_universal").unlink(missing_ok=True)
             result = timed(commands[name], cold=tag_dir)
             result["output"] = du(out)
             runs[name].append(result)
@@ -156,7 +155,6 @@ def conversions(args: argparse.Namespace, tag_dir: Path, work: Path) -> dict[str
     for _ in range(args.rounds):
         for name, cmd in conversion_commands(args, tiny, out).items():
             shutil.rmtree(out, ignore_errors=True)
-            (work / "latest_universal").unlink(missing_ok=True)
             fixed[name].append(timed(cmd, cold=None)["wall"])
     shutil.rmtree(out, ignore_errors=True)
     medians = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}

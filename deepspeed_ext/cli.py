@@ -215,9 +215,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.hf import hf_config, parameter_mismatch
     from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
     from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
-    from deepspeed_ext.errors import CheckpointError
-    kind = detect(args.path)
-    ckpt = _open(args.path, None, args.config, args.family)
+    from deepspeed_ext.errors import CheckpointError, MissingConfigError
+    kind = detect(args.path)  # not a checkpoint at all: an error (exit 2), not a failed verification
+    try:
+        ckpt = _open(args.path, None, args.config, args.family)
+    except MissingConfigError:
+        raise  # nothing to verify against until --config is given: a usage error
+    except CheckpointError as exc:  # a damaged checkpoint that does not even open: a failed verification
+        print(exc)
+        print(f"{args.path}: FAILED: the checkpoint does not open, 1 problem(s)")
+        return 1
     # Where the manifest of each output sits: a MaxText output's at its root (MaxText loads <root>/0/items).
     if kind == MAXTEXT:
         step = maxtext_items(Path(args.path)).parent

@@ -11,6 +11,10 @@ class CheckpointError(DeepSpeedExtError):
     """A checkpoint on disk is missing, malformed or inconsistent."""
 
 
+class MissingConfigError(CheckpointError):
+    """A checkpoint that needs a model config (HF weights, a MaxText checkpoint) has none: pass --config."""
+
+
 class MissingMetadataError(CheckpointError):
     """A checkpoint lacks the tensor-parallel metadata needed to merge its slices."""
 

@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -167,16 +168,20 @@ def _hook_load(engine: Any) -> None:
 def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
     """Which restore serves ``load_checkpoint(load_dir, tag)``; None: DeepSpeed's own.
 
-    * ``load_universal`` and a universal checkpoint: ours, at any TP/DP degree;
+    * a universal checkpoint: ours, at any TP/DP degree. With ``load_universal`` off too when nothing else is
+      there to load (a save directory with only ``latest_universal``, as ``-o`` writes, or a universal tag):
+      DeepSpeed would find no ``latest`` and silently load nothing;
     * a regular DeepSpeed checkpoint saved at other TP/DP degrees (or with ``load_universal`` set): read
       directly, resharding at load time, no conversion step;
     * a regular checkpoint at the engine's own degrees: DeepSpeed's native loader (it is already exact).
     """
     from deepspeed_ext.checkpoint import restore, serialization
     from deepspeed_ext.checkpoint.deepspeed import resolve_tag_dir
+    from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     from deepspeed_ext.errors import CheckpointError
-    if engine.load_universal_checkpoint() and tag is None and UniversalCheckpoint.is_universal(load_dir):
+    only_universal = not (Path(load_dir) / LATEST).is_file() or engine.load_universal_checkpoint()
+    if tag is None and only_universal and UniversalCheckpoint.is_universal(load_dir):
         return restore.load_universal_checkpoint
     try:
         tag_dir = resolve_tag_dir(load_dir, tag)
@@ -184,8 +189,8 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
         if engine.load_universal_checkpoint():
             return restore.load_universal_checkpoint  # let it report what is missing
         return None
-    if (tag_dir / "zero").is_dir():
-        return restore.load_universal_checkpoint if engine.load_universal_checkpoint() else None
+    if (tag_dir / ZERO_DIR).is_dir():
+        return restore.load_universal_checkpoint
     if engine.load_universal_checkpoint():
         return restore.load_deepspeed_checkpoint
     model_files = sorted(tag_dir.glob("*mp_rank_*_model_states.pt"))

@@ -25,6 +25,7 @@ class Scenario:
     family: str = "llama"
     grad_accum_dtype: str | None = None  # "fp32" with bf16 + ZeRO-1 selects DeepSpeed's BF16_Optimizer
     fused_adam: bool = False  # DeepSpeed's FusedAdam instead of torch's Adam
+    kv_heads: int = 4  # 2: TP=3/4 ranks beyond the KV-head count hold empty attention shards
     python: str = sys.executable  # the environment (DeepSpeed version) that trains, converts and resumes
     steps: int = 5
     save_at: int = 3
@@ -51,7 +52,7 @@ class Scenario:
 
     def common(self, tp: int) -> list[str]:
         return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps),
-                "--grad-accum", str(self.grad_accum), "--family", self.family] + (
+                "--grad-accum", str(self.grad_accum), "--family", self.family, "--kv-heads", str(self.kv_heads)] + (
                     ["--grad-accum-dtype", self.grad_accum_dtype] if self.grad_accum_dtype else []) + (
                         ["--fused-adam"] if self.fused_adam else []) + (
                             ["--allow-cpu-fp16"] if self.dtype == "fp16" else [])
@@ -115,6 +116,17 @@ class Scenario:
     def live_state(self) -> list[dict[str, dict[str, torch.Tensor]]]:
         """Per TP rank, the TP-local fp32 / exp_avg / exp_avg_sq DeepSpeed itself reported at save time."""
         return [torch.load(self.dump_dir / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(self.tp)]
+
+
+#: Tiny models with 2 KV heads: at TP=3 and TP=4 the ranks beyond the head count hold empty attention shards.
+#: Shared by the test files that use them (the session builds each once, by name).
+KV2_SCENARIOS = {
+    "kv2_llama_tp2": dict(tp=2, kv_heads=2),
+    "kv2_llama_tp3": dict(tp=3, kv_heads=2),
+    "kv2_qwen3_tp2": dict(tp=2, kv_heads=2, family="qwen3"),
+    "kv2_qwen3_tp3": dict(tp=3, kv_heads=2, family="qwen3"),
+    "kv2_llama_tp2_zero3": dict(tp=2, kv_heads=2, zero=3),
+}
 
 
 def universal_in(save_dir: Path) -> Path:

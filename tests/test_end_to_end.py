@@ -16,7 +16,7 @@ import torch
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.demo.runner import cli, run_logged
 from e2e import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
-                 upstream_ds_to_universal)
+                 universal_in, upstream_ds_to_universal)
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +55,16 @@ def test_direct_load_of_the_deepspeed_checkpoint_equals_loading_its_universal_fo
     assert abs(direct_losses[step] - tp2.baseline[step]) <= 1e-2 * abs(tp2.baseline[step])
 
 
+def test_a_universal_save_directory_loads_with_or_without_load_universal(tp2, tmp_path):
+    """``to-universal -o OUT`` writes a save directory; engine.load_checkpoint(OUT) restores it at TP=3 even with
+    load_universal off (DeepSpeed would find no 'latest' and load nothing), exactly as the default output does."""
+    out = tmp_path / "uni"
+    cli(["to-universal", str(tp2.save_dir), "-o", str(out), "--quiet"], tmp_path / "convert.log")
+    _, losses = tp2.loaded(3, 1, out, load_universal=False)
+    step = tp2.save_at + 1
+    assert losses[step] == tp2.resume(3)[step]
+
+
 def test_distributed_to_universal_writes_the_same_bytes(tp2, tmp_path):
     """torchrun -m deepspeed_ext to-universal --distributed: two ranks split the parameters; the output is
     byte-identical to the single-process conversion, and only complete output is published."""
@@ -67,11 +77,12 @@ def test_distributed_to_universal_writes_the_same_bytes(tp2, tmp_path):
     def files(root):
         return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
 
-    assert files(out) == files(single) and len(files(out)) == 21 * 4 + 5  # + the manifest
+    universal = universal_in(out)
+    assert universal.name == single.name and sorted(p.name for p in out.iterdir()) == [single.name, "latest_universal"]
+    assert files(universal) == files(single) and len(files(universal)) == 21 * 4 + 5  # + the manifest
     for relative in files(single):
-        assert (out / relative).read_bytes() == (single / relative).read_bytes(), relative
-    assert (tmp_path / "latest_universal").read_text() == out.name
-    assert not list(tmp_path.glob("*.partial"))
+        assert (universal / relative).read_bytes() == (single / relative).read_bytes(), relative
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["distributed.log", out.name]  # nothing outside -o
 
 
 def test_tp2_universal_equals_upstream_ds_to_universal(tp2, tmp_path):
@@ -335,7 +346,7 @@ def test_kill_9_mid_conversion_leaves_nothing_that_looks_complete(tp2, tmp_path,
     _copy_checkpoint(tp2, save_dir)
     before = _tree_digest(save_dir)
     out = tmp_path / "universal"
-    zero = tmp_path / "universal.partial" / "zero"
+    zero = tmp_path / "universal.partial" / f"{tp2.tag_dir.name}_universal" / "zero"
     killed = _kill_when([sys.executable, "-m", "deepspeed_ext", "to-universal", str(save_dir), "-o", str(out), "-q"],
                         lambda: zero.is_dir() and len(os.listdir(zero)) >= written, tmp_path / "killed.log")
     if not killed:
@@ -348,15 +359,17 @@ def test_kill_9_mid_conversion_leaves_nothing_that_looks_complete(tp2, tmp_path,
 
 
 def test_kill_9_mid_to_maxtext_then_rerun(tp2, tmp_path):
-    """kill -9 while Orbax writes: no committed step; the rerun clears the leftover and finishes."""
+    """kill -9 while Orbax writes: nothing under the output's name; the rerun clears the leftover and finishes."""
     out = tmp_path / "maxtext"
+    staging = tmp_path / "maxtext.partial"
     killed = _kill_when([sys.executable, "-m", "deepspeed_ext", "to-maxtext", str(tp2.tag_dir), "-o", str(out), "-q"],
-                        lambda: out.is_dir() and any(".orbax-checkpoint-tmp" in e for e in os.listdir(out)),
+                        lambda: staging.is_dir() and any(".orbax-checkpoint-tmp" in e for e in os.listdir(staging)),
                         tmp_path / "killed.log")
     if not killed:
         pytest.skip("the conversion finished before the kill point")
-    assert not (out / "0").exists()
+    assert not out.exists()
     cli(["to-maxtext", str(tp2.tag_dir), "-o", str(out), "--quiet"], tmp_path / "rerun.log")
+    assert not staging.exists()
     assert "0 problem(s)" in cli(["verify", str(out)], tmp_path / "verify.log").stdout
 
 

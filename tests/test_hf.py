@@ -18,7 +18,7 @@ from deepspeed_ext.checkpoint.hf import HFCheckpoint
 from deepspeed_ext.cli import main
 from deepspeed_ext.demo.models import FAMILIES, batch, build_model, eval_batch
 from deepspeed_ext.demo.runner import read_losses, torchrun_train
-from e2e import universal_in
+from e2e import KV2_SCENARIOS, universal_in
 
 SHARD = "30KB"  # tiny models: several shards each
 
@@ -188,7 +188,9 @@ def test_hf_to_maxtext_to_hf_is_exact_but_the_scaled_query(tmp_path, caplog, fam
 # --------------------------------------------------------------------------- with the DeepSpeed engine
 LIVE = [("tp2_zero1_fp32", dict(tp=2, dtype="fp32")), ("tp2_zero1_bf16", dict(tp=2)),
         ("qwen2_tp2", dict(tp=2, family="qwen2")), ("qwen3_tied_tp2", dict(tp=2, family="qwen3")),
-        ("qwen3_moe_tp2", dict(tp=2, family="qwen3_moe")), ("tp2_dp2_zero3_bf16", dict(tp=2, dp=2, zero=3))]
+        ("qwen3_moe_tp2", dict(tp=2, family="qwen3_moe")), ("tp2_dp2_zero3_bf16", dict(tp=2, dp=2, zero=3)),
+        # TP=3 with 2 KV heads: rank 2 holds empty attention shards
+        ("kv2_llama_tp3", KV2_SCENARIOS["kv2_llama_tp3"]), ("kv2_qwen3_tp3", KV2_SCENARIOS["kv2_qwen3_tp3"])]
 
 
 @pytest.mark.e2e

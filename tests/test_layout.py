@@ -174,6 +174,19 @@ def test_json_round_trip(layout):
     assert again.to_json() == layout.to_json()
 
 
+def _recording_region(source: TPLayout, full: torch.Tensor, read: list[int]):
+    """``region`` for :meth:`TPLayout.reshard` over the saved shards of ``full``, recording each read's size."""
+    shards = [source.slice(full, r) for r in range(source.tp_size)]
+
+    def region(src, offset, length):
+        view = shards[src].reshape(source.local_view_shape(src))
+        piece = view if offset is None else view.narrow(source.partition_dim, offset, length)
+        read.append(piece.numel())
+        return piece
+
+    return region
+
+
 @settings(max_examples=300, deadline=None)
 @given(layout_families(), st.integers(1, 8), st.integers(1, 8), st.booleans())
 def test_reshard_equals_slicing_the_full_tensor_and_reads_each_element_once(family, tp_from, tp_to,
@@ -183,15 +196,8 @@ def test_reshard_equals_slicing_the_full_tensor_and_reads_each_element_once(fami
     source = family(tp_from)
     target = TPLayout.replicated(source.shape, tp_to) if to_replicated else family(tp_to)
     full = torch.arange(source.numel, dtype=torch.int64).reshape(source.shape)
-    shards = [source.slice(full, r) for r in range(tp_from)]
-    read = []
-
-    def region(src, offset, length):
-        view = shards[src].reshape(source.local_view_shape(src))
-        piece = view if offset is None else view.narrow(source.partition_dim, offset, length)
-        read.append(piece.numel())
-        return piece
-
+    read: list[int] = []
+    region = _recording_region(source, full, read)
     for rank in range(tp_to):
         got = source.reshard(target, rank, region)
         assert tuple(got.shape) == target.local_shape(rank)
@@ -208,3 +214,73 @@ def test_reshard_refuses_a_different_shape():
     source = TPLayout.split((8, 4), 2, 0, (4, 4), "column")
     with pytest.raises(LayoutError, match=r"saved shape \(8, 4\) does not match the model's \(6, 4\)"):
         source.reshard(TPLayout.split((6, 4), 2, 0, (3, 3), "column"), 0, lambda *a: None)
+
+
+# --------------------------------------------------------------------------- whole-model geometry sweep
+@st.composite
+def model_geometries(draw):
+    """A decoder's attention and MLP geometry, including fewer KV heads than TP ranks and widths that no TP
+    degree divides."""
+    return dict(kv_heads=draw(st.integers(1, 8)), group=draw(st.integers(1, 4)), head_dim=draw(st.integers(1, 6)),
+                hidden=draw(st.integers(1, 12)), vocab=draw(st.integers(1, 131)), mlp=draw(st.integers(1, 70)))
+
+
+def model_layouts(g: dict, tp: int) -> dict[str, TPLayout]:
+    """Every parameter kind of a Llama-style layer (separate and fused q/k/v, gate/up) at TP=``tp``, cut by
+    AutoTP's rule: attention on whole KV-head groups, MLP and vocabulary near-evenly."""
+    kv, hidden = g["kv_heads"], g["hidden"]
+    q, k = kv * g["group"] * g["head_dim"], kv * g["head_dim"]
+
+    def sizes(total: int, name: str) -> tuple[int, ...]:
+        return shard_sizes(total, tp, name=name, num_kv_heads=kv)
+
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    return {
+        f"{attn}.q_proj.weight": TPLayout.split((q, hidden), tp, 0, sizes(q, f"{attn}.q_proj"), "column"),
+        f"{attn}.k_proj.weight": TPLayout.split((k, hidden), tp, 0, sizes(k, f"{attn}.k_proj"), "column"),
+        f"{attn}.v_proj.weight": TPLayout.split((k, hidden), tp, 0, sizes(k, f"{attn}.v_proj"), "column"),
+        f"{attn}.o_proj.weight": TPLayout.split((hidden, q), tp, 1, sizes(q, f"{attn}.o_proj"), "row"),
+        f"{attn}.qkv_proj.weight": TPLayout.sub_params((q + 2 * k, hidden), tp, 0, (q, k, k),
+                                                       (sizes(q, f"{attn}.qkv_proj"), sizes(k, f"{attn}.qkv_proj"),
+                                                        sizes(k, f"{attn}.qkv_proj")), role="fused_qkv"),
+        f"{mlp}.gate_proj.weight": TPLayout.split((g["mlp"], hidden), tp, 0, sizes(g["mlp"], f"{mlp}.gate_proj"),
+                                                  "column"),
+        f"{mlp}.down_proj.weight": TPLayout.split((hidden, g["mlp"]), tp, 1, sizes(g["mlp"], f"{mlp}.down_proj"),
+                                                  "row"),
+        f"{mlp}.gate_up_proj.weight": TPLayout.sub_params((2 * g["mlp"], hidden), tp, 0, (g["mlp"], g["mlp"]),
+                                                          (sizes(g["mlp"], f"{mlp}.gate_up_proj"), ) * 2,
+                                                          role="gate_up"),
+        "lm_head.weight": TPLayout.split((g["vocab"], hidden), tp, 0, sizes(g["vocab"], "lm_head"), "column",
+                                         role="vocab"),
+        "model.embed_tokens.weight": TPLayout.split((g["vocab"], hidden), tp, 0, shard_sizes(g["vocab"], tp),
+                                                    "column", role="vocab"),
+        "model.norm.weight": TPLayout.replicated((hidden, ), tp),
+    }
+
+
+@settings(max_examples=300, deadline=None)
+@given(model_geometries(), st.integers(1, 8), st.integers(1, 8))
+def test_model_geometry_reshards_exactly_empty_shards_included(geometry, tp_from, tp_to):
+    """Saved at TP=tp_from, loaded at TP=tp_to: for every parameter, reshard equals slicing the full tensor and
+    reads each saved element once. The attention cut keeps whole GQA groups (a rank's query heads are those of
+    its KV heads), and the ranks beyond the KV-head count hold empty shards."""
+    saved, wanted = model_layouts(geometry, tp_from), model_layouts(geometry, tp_to)
+    kv, group = geometry["kv_heads"], geometry["group"]
+    for tp, layouts in ((tp_from, saved), (tp_to, wanted)):
+        attn = "model.layers.0.self_attn"
+        for rank in range(tp):
+            q = layouts[f"{attn}.q_proj.weight"].local_width(rank)
+            k = layouts[f"{attn}.k_proj.weight"].local_width(rank)
+            assert q == group * k and layouts[f"{attn}.o_proj.weight"].local_width(rank) == q
+            assert layouts[f"{attn}.qkv_proj.weight"].local_width(rank) == q + 2 * k
+            assert (k == 0) == (rank >= kv)  # empty exactly beyond the head count
+    for name, source in saved.items():
+        target = wanted[name]
+        full = torch.arange(source.numel, dtype=torch.int64).reshape(source.shape)
+        read: list[int] = []
+        region = _recording_region(source, full, read)
+        for rank in range(tp_to):
+            got = source.reshard(target, rank, region)
+            assert tuple(got.shape) == target.local_shape(rank), (name, rank)
+            assert torch.equal(got, target.slice(full, rank)), (name, rank)
+        assert sum(read) == source.numel * (tp_to if source.is_replicated else 1), name

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.errors import CheckpointError, MissingConfigError
 
 DEEPSPEED, UNIVERSAL, HUGGINGFACE, MAXTEXT = "deepspeed", "universal", "huggingface", "maxtext"
 
@@ -114,7 +114,7 @@ def open_maxtext(items: Path, config_path: str | Path | None, family_name: str |
     elif stored.get("model_config"):
         config = stored["model_config"]
     else:
-        raise CheckpointError(f"{items}: no model config recorded with this MaxText checkpoint (it was not written "
+        raise MissingConfigError(f"{items}: no model config recorded with this MaxText checkpoint (it was not written "
                               "by deepspeed-ext); pass --config config.json (the model's HF config)")
     family_name = family_name or stored.get("family")
     family = get_family(family_name) if family_name else infer_family(config)

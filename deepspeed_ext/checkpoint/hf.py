@@ -37,7 +37,7 @@ from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, FiniteCheck, LogicalTensor
-from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.errors import CheckpointError, MissingConfigError
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -368,7 +368,7 @@ class HFCheckpoint:
         if model_config is not None:
             self.model_config: dict[str, Any] = dict(model_config)
         elif not config_path.is_file():
-            raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint needs its model config: add "
+            raise MissingConfigError(f"{config_path}: missing; a Hugging Face checkpoint needs its model config: add "
                                   "config.json to the directory or pass --config CONFIG.json")
         else:
             try:

@@ -14,13 +14,15 @@ import torch
 FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 
-def tiny_config(family: str = "llama") -> Any:
+def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
+    """``kv_heads``: fewer KV heads than TP ranks is legal in DeepSpeed (the ranks beyond the head count hold
+    empty attention shards), a geometry the tests train with 2."""
     common = dict(vocab_size=101,
                   hidden_size=64,
                   intermediate_size=160,
                   num_hidden_layers=2,
                   num_attention_heads=16,
-                  num_key_value_heads=4,
+                  num_key_value_heads=kv_heads,
                   max_position_embeddings=64,
                   tie_word_embeddings=False)
     if family == "llama":
@@ -52,7 +54,7 @@ def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> 
     return AutoModelForCausalLM.from_config(config or tiny_config(family), attn_implementation="eager")
 
 
-def tensor_parallel_section(family: str, tp: int) -> dict[str, Any]:
+def tensor_parallel_section(family: str, tp: int, kv_heads: int = 4) -> dict[str, Any]:
     """The ``tensor_parallel`` config section for ``family``.
 
     Llama uses AutoTP's defaults. Phi3 needs explicit specs: DeepSpeed's phi3 preset assumes q, k and
@@ -60,7 +62,7 @@ def tensor_parallel_section(family: str, tp: int) -> dict[str, Any]:
     """
     section: dict[str, Any] = {"autotp_size": tp}
     if family == "phi3":
-        cfg = tiny_config("phi3")
+        cfg = tiny_config("phi3", kv_heads)
         head_dim = cfg.hidden_size // cfg.num_attention_heads
         q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
         section["partition_config"] = {
@@ -111,7 +113,8 @@ def ds_config(*,
               load_universal: bool = False,
               grad_accum_dtype: str | None = None,
               fused_adam: bool = False,
-              lr: float = 1e-2) -> dict[str, Any]:
+              lr: float = 1e-2,
+              kv_heads: int = 4) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
@@ -122,7 +125,7 @@ def ds_config(*,
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 12, "loss_scale_window": 2},
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
-        "tensor_parallel": tensor_parallel_section(family, tp),
+        "tensor_parallel": tensor_parallel_section(family, tp, kv_heads),
     }
     if ext:
         config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}}

@@ -20,6 +20,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--family", default="llama")
     p.add_argument("--model-config", help="build the model from this HF config.json instead of the family's tiny "
                    "one (the family still picks the tensor_parallel section)")
+    p.add_argument("--kv-heads", type=int, default=4, help="KV heads of the family's tiny model (2 gives TP=3 and TP=4 "
+                   "ranks with empty attention shards)")
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -151,12 +153,12 @@ def main() -> None:
         allow_cpu_fp16()
 
     import deepspeed_ext
-    from deepspeed_ext.demo.models import batch, build_model, ds_config, finish_distributed
+    from deepspeed_ext.demo.models import batch, build_model, ds_config, finish_distributed, tiny_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tp:
         raise SystemExit(f"world size {world} is not a multiple of --tp {args.tp}")
-    config = None
+    config = tiny_config(args.family, args.kv_heads)
     if args.model_config:
         from transformers import AutoConfig
         values = json.loads(Path(args.model_config).read_text())
@@ -171,7 +173,8 @@ def main() -> None:
                        ext=not args.plain,
                        load_universal=args.load_dir is not None and args.load_universal,
                        grad_accum_dtype=args.grad_accum_dtype,
-                       fused_adam=args.fused_adam)
+                       fused_adam=args.fused_adam,
+                       kv_heads=args.kv_heads)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
 
