@@ -178,9 +178,9 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 
 def cmd_reshard_orbax(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh, reshard_orbax
-    from deepspeed_ext.checkpoint.formats import MAXTEXT, detect, maxtext_items
+    from deepspeed_ext.checkpoint.formats import MAXTEXT, detect_all, maxtext_items
     from deepspeed_ext.errors import CheckpointError
-    if detect(args.source) != MAXTEXT:
+    if MAXTEXT not in detect_all(args.source):
         raise CheckpointError(f"{args.source}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
     items, whole = reshard_orbax(maxtext_items(Path(args.source)), args.output, parse_mesh(args.mesh),
                                  overwrite=args.overwrite, progress=not args.quiet, protect=[args.source])

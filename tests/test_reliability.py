@@ -6,6 +6,8 @@ pickle) are in test_end_to_end.py, which has a real engine's checkpoint to damag
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import subprocess
@@ -14,13 +16,21 @@ from pathlib import Path
 
 import pytest
 
+from deepspeed_ext.cli import main
 from deepspeed_ext.demo.models import build_model
 from e2e import universal_in
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``deepspeed-ext ARGS`` in this process (as a subprocess would see it: exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepspeed_ext", *args, "-q"], capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
+    return _cli(*args, "-q")
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +109,7 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     assert _run("from-hf", str(sources / "hf"), "-o", str(saved)).returncode == 0
     universal = universal_in(saved)
     for out in (hf, saved, universal, sources / "maxtext", sources / "maxtext" / "0" / "items"):
-        proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(out)], capture_output=True,
-                              text=True, env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
+        proc = _cli("verify", str(out))
         assert proc.returncode == 0 and ": OK: " in proc.stdout and " 0 problem(s)" in proc.stdout, proc.stdout
 
     shard = sorted(hf.glob("*.safetensors"))[0]
@@ -108,13 +117,11 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     broken = universal / "zero" / "model.norm.weight" / "fp32.pt"
     broken.write_bytes(broken.read_bytes()[:100])
     (universal / "notes.txt").write_text("not ours")
-    proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(hf)], capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = _cli("verify", str(hf))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{shard}: contents differ from the manifest (crc32c mismatch)" in proc.stdout
     assert "has NaN/Inf" in proc.stdout and ": FAILED: " in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "deepspeed_ext", "verify", str(universal)], capture_output=True,
-                          text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    proc = _cli("verify", str(universal))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{broken}: 100 bytes, the manifest says" in proc.stdout
     assert f"{broken}: cannot read torch file" in proc.stdout

@@ -34,8 +34,10 @@ def maxtext_items(path: Path) -> Path | None:
     return max(steps, key=lambda p: int(p.name)) / ORBAX_ITEM if steps else None
 
 
-def detect(path: str | Path, tag: str | None = None) -> str:
-    """The format at ``path``; one line naming the path and what is wrong with it otherwise."""
+def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
+    """Every format at ``path``, the most specific first; one line naming the path and what is wrong with it
+    when there is none. A directory can hold two: a Hugging Face Trainer checkpoint (``checkpoint-500/``) has
+    the DeepSpeed save (``latest`` + ``global_step500/``) beside the model's safetensors."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -45,21 +47,31 @@ def detect(path: str | Path, tag: str | None = None) -> str:
                 "a checkpoint directory")
         raise CheckpointError(f"{path}: is a file, not a checkpoint directory; give {hint}")
     if tag is not None:
-        return UNIVERSAL if (path / tag / ZERO_DIR).is_dir() else DEEPSPEED
+        return [UNIVERSAL if (path / tag / ZERO_DIR).is_dir() else DEEPSPEED]
+    found = []
+    if (path / ZERO_DIR).is_dir():  # a universal directory (it holds copies of the model-states files too)
+        found.append(UNIVERSAL)
+    elif any(path.glob("*mp_rank_*_model_states.pt")) or (path / LATEST).is_file():
+        found.append(DEEPSPEED)
+    elif (path / LATEST_UNIVERSAL).is_file():
+        found.append(UNIVERSAL)
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
-        return HUGGINGFACE
+        found.append(HUGGINGFACE)
     if maxtext_items(path) is not None:
-        return MAXTEXT
-    if (path / ZERO_DIR).is_dir() or ((path / LATEST_UNIVERSAL).is_file() and not (path / LATEST).is_file()):
-        return UNIVERSAL
-    if any(path.glob("*mp_rank_*_model_states.pt")) or (path / LATEST).is_file():
-        return DEEPSPEED
+        found.append(MAXTEXT)
+    if found:
+        return found
     if (path / "config.json").is_file():
         raise CheckpointError(f"{path}: has config.json but no *.safetensors weights (a Hugging Face checkpoint "
                               "needs them; .bin weights are not read, as they are pickles)")
     raise CheckpointError(f"{path}: not a checkpoint: neither a tag directory (DeepSpeed *model_states.pt, or "
                           "universal zero/) nor a save directory ('latest' or 'latest_universal'), nor Hugging Face "
                           f"*.safetensors, nor Orbax {ORBAX_METADATA}")
+
+
+def detect(path: str | Path, tag: str | None = None) -> str:
+    """The format at ``path`` (the most specific, where there are several)."""
+    return detect_all(path, tag)[0]
 
 
 def read_config(config_path: str | Path) -> dict[str, Any]:
@@ -89,9 +101,11 @@ def open_checkpoint(path: str | Path,
     ``dtype``: the dtype HF weights are read in. ``accept``: the formats the caller reads, each mapped to
     nothing, and the others to the line it says when one of them is found instead.
     """
-    kind = detect(path, tag)
-    if accept is not None and accept.get(kind):
-        raise CheckpointError(f"{path}: {accept[kind]}")
+    found = detect_all(path, tag)
+    readable = [kind for kind in found if accept is None or not accept.get(kind)]
+    if not readable:
+        raise CheckpointError(f"{path}: {accept[found[0]]}")
+    kind = readable[0]
     if kind == HUGGINGFACE:
         from deepspeed_ext.checkpoint.hf import HFCheckpoint
         return HFCheckpoint(path, dtype=dtype, model_config=read_config(config) if config else None)
