@@ -126,6 +126,7 @@ KV2_SCENARIOS = {
     "kv2_qwen3_tp2": dict(tp=2, kv_heads=2, family="qwen3"),
     "kv2_qwen3_tp3": dict(tp=3, kv_heads=2, family="qwen3"),
     "kv2_llama_tp2_zero3": dict(tp=2, kv_heads=2, zero=3),
+    "kv2_llama_tp3_zero0": dict(tp=3, kv_heads=2, zero=0),  # no ZeRO: FP16_UnfusedOptimizer, per-rank order
 }
 
 
