@@ -67,22 +67,19 @@ def prepare(out: str | os.PathLike, sources: Iterable[str | os.PathLike | None],
     """
     given = Path(out)
     target = resolve(given)
-    for source in sources:
-        if source is None:
-            continue
-        protected = resolve(source)
+    protected = [resolve(source) for source in sources if source is not None]
+    relations = (("is", lambda candidate, source: candidate == source),
+                 ("contains", lambda candidate, source: _within(source, candidate)),
+                 ("lies inside", lambda candidate, source: _within(candidate, source) and source.is_dir()))
+    # The closest relation names the problem best (`-o ROOT` of a MaxText ROOT/0/items *is* the checkpoint).
+    for relation, holds in relations:
         for candidate in (target, staging_path(target)):
-            if candidate == protected:
-                problem = f"is the source checkpoint {protected}"
-            elif _within(protected, candidate):
-                problem = f"contains the source checkpoint {protected}"
-            elif _within(candidate, protected) and protected.is_dir():
-                problem = f"lies inside the source checkpoint {protected}"
-            else:
-                continue
-            what = "the output" if candidate == target else f"the output's staging directory {candidate}"
-            raise CheckpointError(f"{given}: {what} {problem}; deepspeed-ext never writes into its input (with or "
-                                  "without --overwrite): choose an output outside it")
+            source = next((source for source in protected if holds(candidate, source)), None)
+            if source is not None:
+                what = "the output" if candidate == target else f"the output's staging directory {candidate}"
+                raise CheckpointError(f"{given}: {what} {relation} the source checkpoint {source}; deepspeed-ext "
+                                      "never writes into its input (with or without --overwrite): choose an output "
+                                      "outside it")
     if target.exists():
         if not target.is_dir():
             raise CheckpointError(f"{given}: exists and is not a directory; choose another output")
