@@ -435,12 +435,6 @@ class DeepSpeedCheckpoint:
         names = list(dict.fromkeys(name for shapes in per_rank for name in shapes))
         return OrderedDict((name, [shapes.get(name) for shapes in per_rank]) for name in names)
 
-    @property
-    def local_shapes(self) -> OrderedDict[str, list[tuple[int, ...]]]:
-        """``{name: [shape on TP rank 0, rank 1, ...]}`` in flat-buffer order; empty shards included."""
-        return OrderedDict((name, [layout.local_shape(tp) for tp in range(self.tp_degree)])
-                           for name, layout in self.layouts.items())
-
     @cached_property
     def uc_info(self) -> UCInfo | None:
         return read_uc_info(self.tag_dir)
