@@ -130,6 +130,20 @@ KV2_SCENARIOS = {
 }
 
 
+def without_recorded_order(tag_dir: Path, copy: Path) -> Path:
+    """A copy of a stage-0 tag directory whose deepspeed_ext.json lacks the recorded optimizer parameter order,
+    as an older deepspeed-ext (or upstream's tags alone) would leave it."""
+    import json
+    import shutil
+
+    from deepspeed_ext.checkpoint.metadata import METADATA_FILE
+    shutil.copytree(tag_dir, copy)
+    info = json.loads((copy / METADATA_FILE).read_text())
+    assert info.pop("optimizer_param_names")
+    (copy / METADATA_FILE).write_text(json.dumps(info))
+    return copy
+
+
 def universal_in(save_dir: Path) -> Path:
     """The universal checkpoint directory of a save directory that ``-o`` wrote (its ``latest_universal``)."""
     return save_dir / (save_dir / "latest_universal").read_text().strip()
