@@ -8,7 +8,10 @@ ZeRO-3, and a TP=2 Qwen3-MoE at ZeRO-1), runs every command that writes on them 
 and records the sha256 of every output file (and of ``inspect --json``'s text). Exit 1 if ``--compare`` finds
 a difference.
 
-Files whose bytes hold the time of writing are recorded by name only (:data:`TIMESTAMPED`).
+Orbax names its OCDBT data files at random and writes the commit time into ``_CHECKPOINT_METADATA``: for a
+MaxText output the arrays are compared instead (each array's dtype, shape, storage chunk and bytes, read back
+with tensorstore), ``_CHECKPOINT_METADATA`` without its timestamps, and our manifest without the randomly named
+files; every other file byte for byte.
 """
 
 from __future__ import annotations
@@ -24,8 +27,14 @@ from pathlib import Path
 
 from deepspeed_ext.demo.runner import torchrun_train
 
-#: Orbax writes the commit time into these; everything else must match byte for byte.
-TIMESTAMPED = ("_CHECKPOINT_METADATA",)
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+MANIFEST = "deepspeed_ext.manifest.json"
+
+
+def _orbax_random(rel: str) -> bool:
+    """OCDBT's data and manifest files, named at random (their content is compared array by array)."""
+    parts = rel.split("/")
+    return "d" in parts[:-1] or parts[-1] == "manifest.ocdbt"
 
 SOURCES = {
     "llama_zero0": ["--family", "llama", "--zero", "0", "--dtype", "bf16"],
@@ -74,11 +83,47 @@ def conversions(ckpt: dict[str, Path], out: Path) -> list[tuple[str, list[str]]]
     return cases
 
 
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def digest_tree(root: Path) -> dict[str, str]:
     found = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        found[rel] = "timestamped" if path.name in TIMESTAMPED else hashlib.sha256(path.read_bytes()).hexdigest()
+        if _orbax_random(rel):
+            continue
+        if path.name == ORBAX_STEP_METADATA:
+            meta = {k: v for k, v in json.loads(path.read_text()).items() if not k.endswith("timestamp_nsecs")}
+            found[rel] = _sha(json.dumps(meta, sort_keys=True).encode())
+        elif path.name == MANIFEST and any(_orbax_random(f) for f in json.loads(path.read_text())["files"]):
+            manifest = json.loads(path.read_text())
+            manifest["files"] = {f: e for f, e in manifest["files"].items() if not _orbax_random(f)}
+            found[rel] = _sha(json.dumps(manifest, sort_keys=True).encode())
+        else:
+            found[rel] = _sha(path.read_bytes())
+    for items in sorted(p.parent for p in root.rglob("items/_METADATA")):
+        found.update(digest_orbax_arrays(items, prefix=items.relative_to(root).as_posix()))
+    return found
+
+
+def digest_orbax_arrays(items: Path, prefix: str) -> dict[str, str]:
+    """``{prefix/array:<leaf>: sha256 of dtype, shape, storage chunk and bytes}`` for every array in the item."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    tree = ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree
+    found = {}
+    for name in sorted(ocp.tree.to_flat_dict(tree, sep=".")):
+        spec = {"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{items}"}, "path": name}
+        try:
+            array = ts.open(spec).result()
+        except ValueError:  # a scalar Orbax keeps in its metadata (hashed with _METADATA)
+            continue
+        data = np.asarray(array.read().result())
+        chunk = array.chunk_layout.write_chunk.shape  # None for a 0-d array
+        chunk = tuple(chunk) if chunk is not None else None
+        found[f"{prefix}/array:{name}"] = _sha(f"{data.dtype}{data.shape}{chunk}".encode() + data.tobytes())
     return found
 
 

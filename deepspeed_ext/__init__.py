@@ -2,15 +2,32 @@
 
 Replace ``deepspeed.initialize`` with :func:`deepspeed_ext.initialize` and add
 ``"deepspeed_ext": {"universal_checkpoint": {"enabled": true}}`` to the DeepSpeed config.
+Checkpoints in any supported format: :func:`open_checkpoint`, :func:`convert`, :func:`verify`
+(docs/python-api.md).
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from deepspeed_ext.api import convert, open_checkpoint, verify
 
-def initialize(*args, **kwargs):
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """Drop-in replacement for ``deepspeed.initialize`` (same arguments, same return tuple)."""
     from deepspeed_ext.runtime import initialize as _initialize
     return _initialize(*args, **kwargs)
 
 
-__all__ = ["initialize", "__version__"]
+def __getattr__(name: str) -> Any:
+    # The checkpoint API imports only when used: `import deepspeed_ext` stays instant.
+    if name in ("open_checkpoint", "convert", "verify"):
+        from deepspeed_ext import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'deepspeed_ext' has no attribute {name!r}")
+
+
+__all__ = ["initialize", "open_checkpoint", "convert", "verify", "__version__"]

@@ -37,22 +37,22 @@ _FROM_MAXTEXT_READS = {
 
 def _open(path: str, tag: str | None = None, config: str | None = None, family: str | None = None,
           **options: Any) -> Any:
-    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    from deepspeed_ext.api import open_checkpoint
+    from deepspeed_ext.checkpoint.formats import open_checkpoint as open_reading
+    if "accept" in options:  # the command reads some formats only, and says which command reads the others
+        return open_reading(path, tag=tag, config=config, family=family, **options)
     return open_checkpoint(path, tag=tag, config=config, family=family, **options)
 
 
-def _protect(named: str, source: Any) -> list[Any]:
-    """What the output may not touch: the path the user named and every path reading the source touches."""
-    return [named, *source.read_paths]
+def _write(source: Any, output: str | None, to: str, args: argparse.Namespace, **options: Any) -> Any:
+    """``convert(source, output, to=to)`` with the options every writing command shares."""
+    from deepspeed_ext.api import convert
+    return convert(source, output, to=to, overwrite=args.overwrite, progress=not args.quiet,
+                   check_finite=args.check_finite, **options)
 
 
 def cmd_to_universal(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.universal import write_universal
     source = _open(args.checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
-    # Without -o the output goes beside the tag inside the save directory (the documented exception);
-    # with -o it may not touch what the user named.
-    protect = [args.checkpoint] if args.output is not None else []
-    finite = _finite(args, source.tag_dir)
     if args.distributed:
         import torch.distributed as dist
         if "RANK" not in os.environ:
@@ -60,79 +60,29 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
                              "to-universal --distributed ...)")
         dist.init_process_group("gloo")
         try:
-            out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                                  distributed=True, finite=finite, protect=protect)
+            out = _write(source, args.output, "universal", args, distributed=True)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                              finite=finite, protect=protect)
+        out = _write(source, args.output, "universal", args)
     if not args.quiet:
-        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, "
-              f"TP={source.tp_degree} x DP={source.dp_degree}, ZeRO-{source.zero_stage}, "
-              f"metadata: {source.metadata_source})")
+        info = source.info
+        print(f"wrote universal checkpoint {out} ({len(info.layouts)} parameters, "
+              f"TP={info.tp_degree} x DP={info.dp_degree}, ZeRO-{info.zero_stage}, metadata: {info.metadata})")
     return 0
 
 
-def _model_config(ckpt: Any, config_path: str | None) -> dict[str, Any]:
-    """The HF model config: ``--config`` if given, else the one deepspeed-ext saved with the checkpoint."""
-    from deepspeed_ext.checkpoint.formats import read_config
-    from deepspeed_ext.errors import CheckpointError
-    if config_path:
-        return read_config(config_path)
-    config = ckpt.uc_info.model_config if ckpt.uc_info is not None else None
-    if not config:
-        raise CheckpointError(f"{getattr(ckpt, 'path', None) or ckpt.tag_dir}: no model config saved with the "
-                              "checkpoint (deepspeed_ext.json); pass --config config.json (the model's HF config)")
-    return config
-
-
-def _global_steps(ckpt: Any) -> int:
-    return int(ckpt.model_states.get("global_steps") or 0)
-
-
 def cmd_to_maxtext(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.families import get_family, infer_family
-    from deepspeed_ext.checkpoint.hf import check_fits_config
-    from deepspeed_ext.checkpoint.maxtext import ModelDims, parse_mesh, write_maxtext
-    from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, STEP
-    from deepspeed_ext.errors import CheckpointError
-    ckpt = _open(args.source, args.tag, args.config, args.family)
-    config = _model_config(ckpt, args.config)
-    family = get_family(args.family) if args.family else infer_family(config)
-    tensors = {tensor.name: tensor for tensor in ckpt.tensors()}
-    check_fits_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, str(args.source))
-
-    def load(name: str, state: str = MASTER_WEIGHTS):
-        return tensors[name].load(state).detach().float().numpy()
-
-    optimizer_step = None
-    if args.with_optimizer:
-        first = next(iter(tensors.values()))
-        if STEP not in first.states:
-            raise CheckpointError(f"{args.source}: no optimizer step to carry (--with-optimizer)")
-        value = first.load(STEP)
-        optimizer_step = int(value.item() if hasattr(value, "item") else value)
-
-    items = write_maxtext(load, {name: t.shape for name, t in tensors.items()},
-                          family,
-                          ModelDims.from_config(config),
-                          args.output,
-                          scan_layers=args.scan_layers,
-                          dtype=args.dtype,
-                          overwrite=args.overwrite,
-                          progress=not args.quiet,
-                          source=str(args.source),
-                          model_config=config,
-                          step=_global_steps(ckpt),
-                          mesh=parse_mesh(args.mesh) if args.mesh else None,
-                          with_optimizer=args.with_optimizer,
-                          optimizer_step=optimizer_step,
-                          finite=_finite(args, args.source),
-                          protect=_protect(args.source, ckpt))
+    from deepspeed_ext.checkpoint.maxtext import parse_mesh
+    source = _open(args.source, args.tag, args.config, args.family)
+    items = _write(source, args.output, "maxtext", args, family=args.family, scan_layers=args.scan_layers,
+                   dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh else None,
+                   with_optimizer=args.with_optimizer)
     if not args.quiet:
+        from deepspeed_ext.checkpoint.families import get_family, infer_family
+        family = get_family(args.family) if args.family else infer_family(source.info.model_config)
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); load it with load_parameters_path={items}")
     return 0
@@ -140,39 +90,33 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
 
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.hf import check_fits_config
-    from deepspeed_ext.checkpoint.universal import write_universal
     source = _open(args.source, None, args.config, args.family, accept=_FROM_MAXTEXT_READS)
-    check_fits_config(source.model_config, {t.name: tuple(t.shape) for t in source.tensors()}, str(args.source))
-    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                          finite=_finite(args, args.source), protect=[args.source])
+    info = source.info
+    check_fits_config(info.model_config, {name: layout.shape for name, layout in info.layouts.items()},
+                      str(args.source))
+    out = _write(source, args.output, "universal", args)
     if not args.quiet:
-        optimizer = (f"Adam state at step {source.optimizer_step}" if source.has_optimizer else
+        optimizer = (f"Adam state at step {source.optimizer_step}" if info.has_optimizer else
                      "fresh optimizer state")
-        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, family {source.family.name}, "
+        print(f"wrote universal checkpoint {out} ({len(info.layouts)} parameters, family {source.family.name}, "
               f"{optimizer}); resume with \"checkpoint\": {{\"load_universal\": true}} at any TP degree")
     return 0
 
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.hf import write_hf
-    ckpt = _open(args.source, args.tag, args.config, args.family)
-    config = _model_config(ckpt, args.config)
-    out = write_hf(ckpt.tensors(), args.output, model_config=config, dtype=args.dtype,
-                   max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
-                   source=str(args.source), finite=_finite(args, args.source), protect=_protect(args.source, ckpt))
+    source = _open(args.source, args.tag, args.config, args.family)
+    out = _write(source, args.output, "hf", args, dtype=args.dtype, max_shard_size=args.max_shard_size)
     if not args.quiet:
         print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
 def cmd_from_hf(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.universal import write_universal
     source = _open(args.source, None, args.config, dtype=args.dtype, accept=_FROM_HF_READS)
-    out = write_universal(source, args.output, overwrite=args.overwrite, progress=not args.quiet,
-                          finite=_finite(args, args.source), protect=[args.source])
+    out = _write(source, args.output, "universal", args)
     if not args.quiet:
-        print(f"wrote universal checkpoint {out} ({len(source.layouts)} parameters, fresh optimizer state); train "
-              "from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
+        print(f"wrote universal checkpoint {out} ({len(source.info.layouts)} parameters, fresh optimizer state); "
+              "train from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
     return 0
 
 
@@ -192,9 +136,9 @@ def cmd_reshard_orbax(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    ckpt = _open(args.checkpoint, args.tag, args.config, args.family)
-    summary: dict[str, Any] = ckpt.summary()
-    layouts = {t.name: t.layout for t in ckpt.tensors()}
+    source = _open(args.checkpoint, args.tag, args.config, args.family)
+    summary: dict[str, Any] = source.summary()
+    layouts = source.info.layouts
     if args.json:
         # Master weights and moments are fp32 in both formats; model dtypes are in the summary.
         summary["parameters"] = {name: {"dtype": "float32", **layout.to_json()} for name, layout in layouts.items()}
@@ -210,76 +154,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint import serialization
-    from deepspeed_ext.checkpoint.formats import DEEPSPEED, HUGGINGFACE, MAXTEXT, detect, maxtext_items
-    from deepspeed_ext.checkpoint.hf import hf_config, parameter_mismatch
-    from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
-    from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
-    from deepspeed_ext.errors import CheckpointError, MissingConfigError
-    kind = detect(args.path)  # not a checkpoint at all: an error (exit 2), not a failed verification
-    try:
-        ckpt = _open(args.path, None, args.config, args.family)
-    except MissingConfigError:
-        raise  # nothing to verify against until --config is given: a usage error
-    except CheckpointError as exc:  # a damaged checkpoint that does not even open: a failed verification
-        print(exc)
-        print(f"{args.path}: FAILED: the checkpoint does not open, 1 problem(s)")
-        return 1
-    # Where the manifest of each output sits: a MaxText output's at its root (MaxText loads <root>/0/items).
-    if kind == MAXTEXT:
-        step = maxtext_items(Path(args.path)).parent
-        root = step.parent if step.name.isdigit() else step
-    else:
-        root = Path(getattr(ckpt, "path", None) or ckpt.tag_dir)
-    problems: list[str] = []
-    if kind == DEEPSPEED:
-        # DeepSpeed writes no manifest: check what can be checked. Every file must load with the allow-list;
-        # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
-        files = sorted(root.glob("*.pt"))
-        for file in files:
-            try:
-                serialization.load(file)
-            except CheckpointError as exc:
-                problems.append(str(exc))
-        files_checked = f"DeepSpeed checkpoint (no manifest): {len(files)} files load safely"
-    elif (root / MANIFEST_FILE).is_file():
-        count, problems = check_manifest(root)
-        files_checked = f"{count} files against the manifest"
-    else:
-        files_checked = "no manifest (not written by deepspeed-ext: file checksums not checked)"
-    finite = FiniteCheck(str(root))
-    count = 0
-    tensors = ckpt.tensors()
-    while True:
-        try:  # opening the next tensor may read its file too
-            tensor = next(tensors)
-        except StopIteration:
-            break
-        except CheckpointError as exc:
-            problems.append(f"{exc} (tensor checks stopped here)")
-            break
-        for state in (s for s in tensor.states if s != STEP):
-            try:
-                value = finite.check(tensor.name, state, tensor.load(state))
-            except CheckpointError as exc:  # an unreadable file: report it with the others
-                problems.append(str(exc))
-                continue
-            count += 1
-            if tuple(value.shape) != tuple(tensor.shape):
-                problems.append(f"{root}: {tensor.name} ({state}) has shape {list(value.shape)}, the checkpoint's "
-                                f"metadata says {list(tensor.shape)}")
-            if not value.is_floating_point():
-                problems.append(f"{root}: {tensor.name} ({state}) is {value.dtype}, not a floating-point tensor")
-    problems += [f"{root}: {name} ({'/'.join(states)}) has NaN/Inf" for name, states in finite.offenders.items()]
-    if kind == HUGGINGFACE:
-        mismatch = parameter_mismatch(hf_config(ckpt.model_config, None, str(root)), ckpt.shapes)
-        if mismatch:
-            problems.append(f"{root}: {mismatch}")
-    for problem in problems:
-        print(problem)
-    print(f"{root}: {'FAILED' if problems else 'OK'}: {files_checked}, {count} tensors (shape, dtype, finite), "
-          f"{len(problems)} problem(s)")
-    return 1 if problems else 0
+    from deepspeed_ext.api import verify
+    report = verify(args.path, config=args.config, family=args.family)
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
 
 
 def _writer_options(p: argparse.ArgumentParser, convert: bool = True) -> None:
@@ -289,12 +168,6 @@ def _writer_options(p: argparse.ArgumentParser, convert: bool = True) -> None:
     if convert:
         p.add_argument("--check-finite", action="store_true",
                        help="check every tensor for NaN/Inf; if any has them, name the parameters and write nothing")
-
-
-def _finite(args: argparse.Namespace, source: Any) -> Any:
-    """The NaN/Inf check ``--check-finite`` asks for, reporting against ``source``; else None."""
-    from deepspeed_ext.checkpoint.tensor import FiniteCheck
-    return FiniteCheck(str(source)) if args.check_finite else None
 
 
 def build_parser() -> argparse.ArgumentParser:

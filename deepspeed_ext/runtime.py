@@ -177,11 +177,10 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
     """
     from deepspeed_ext.checkpoint import restore, serialization
     from deepspeed_ext.checkpoint.deepspeed import resolve_tag_dir
-    from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR
-    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR, holds_universal
     from deepspeed_ext.errors import CheckpointError
     only_universal = not (Path(load_dir) / LATEST).is_file() or engine.load_universal_checkpoint()
-    if tag is None and only_universal and UniversalCheckpoint.is_universal(load_dir):
+    if tag is None and only_universal and holds_universal(Path(load_dir)):
         return restore.load_universal_checkpoint
     try:
         tag_dir = resolve_tag_dir(load_dir, tag)

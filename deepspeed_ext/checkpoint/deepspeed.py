@@ -29,6 +29,7 @@ import torch
 
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
+from deepspeed_ext.checkpoint.source import OpenOptions, SourceInfo
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
 from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info, name_patterns, unsharded_weights
@@ -206,10 +207,19 @@ def _param_names_of_module(module: dict[str, Any], buffer_names: list[str]) -> l
     return names
 
 
+def open_source(path: Path, options: OpenOptions) -> DeepSpeedCheckpoint:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
+    config = dict(options.model_config) if options.model_config is not None else None
+    return DeepSpeedCheckpoint(path, options.tag, model_config=config)
+
+
 class DeepSpeedCheckpoint:
     """A regular DeepSpeed checkpoint tag directory, read lazily."""
 
-    def __init__(self, path: str | Path, tag: str | None = None):
+    def __init__(self, path: str | Path, tag: str | None = None, model_config: dict[str, Any] | None = None):
+        """``model_config``: the HF config to report instead of the one recorded at save time (``--config``)."""
+        self.given = Path(path)
+        self._model_config = model_config
         self.tag_dir = resolve_tag_dir(path, tag)
         self.tag = self.tag_dir.name
         files = sorted(p.name for p in self.tag_dir.iterdir())
@@ -307,6 +317,24 @@ class DeepSpeedCheckpoint:
     @property
     def path(self) -> Path:
         return self.tag_dir
+
+    @cached_property
+    def info(self) -> SourceInfo:
+        recorded = self.uc_info
+        return SourceInfo(format="deepspeed",
+                          given=self.given,
+                          path=self.tag_dir,
+                          layouts=self.layouts,
+                          states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
+                          global_step=int(self.model_states.get("global_steps") or 0),
+                          tp_degree=self.tp_degree,
+                          dp_degree=self.dp_degree,
+                          zero_stage=self.zero_stage,
+                          tag=self.tag,
+                          model_config=self._model_config or (recorded.model_config if recorded else None),
+                          model_class=recorded.model_class if recorded else None,
+                          versions=dict(recorded.versions) if recorded else {},
+                          metadata=self.metadata_source)
 
     @property
     def read_paths(self) -> list[Path]:

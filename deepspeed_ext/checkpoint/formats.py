@@ -1,19 +1,30 @@
-"""Which checkpoint format a path holds, and opening it as a source: the one place commands find their input.
+"""The format registry: which checkpoint format a path holds, and the module that reads (and writes) it.
+
+Every command and the engine's load route find their input here. A format is one module with
+``open_source(path, options) -> CheckpointSource`` and, if it can be written, ``write(source, out, options)``
+and its options class; adding one is that module plus an entry in :data:`FORMATS`.
 
 * **DeepSpeed** — a save directory (``latest`` names the tag) or a tag directory (``*model_states.pt``).
 * **universal** — a universal directory (``zero/``) or a save directory whose ``latest_universal`` names one.
 * **Hugging Face** — a model directory with ``*.safetensors`` (and ``config.json``, or ``--config``).
 * **MaxText** — an Orbax checkpoint: the item directory (``_METADATA``), its step directory, or the root of the
   checkpoint manager (``<root>/<step>/items``, the highest step).
+
+Detection looks at names only (no file is opened), so it is cheap and imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
-from deepspeed_ext.errors import CheckpointError, MissingConfigError
+from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions
+from deepspeed_ext.errors import CheckpointError
 
 DEEPSPEED, UNIVERSAL, HUGGINGFACE, MAXTEXT = "deepspeed", "universal", "huggingface", "maxtext"
 
@@ -34,10 +45,85 @@ def maxtext_items(path: Path) -> Path | None:
     return max(steps, key=lambda p: int(p.name)) / ORBAX_ITEM if steps else None
 
 
+def _has_deepspeed_files(path: Path) -> bool:
+    return any(path.glob("*mp_rank_*_model_states.pt")) or (path / LATEST).is_file()
+
+
+def holds_universal(path: Path) -> bool:
+    """A universal directory, or a save directory that names one (it may hold a DeepSpeed tag too)."""
+    return (path / ZERO_DIR).is_dir() or (path / LATEST_UNIVERSAL).is_file()
+
+
+def _is_universal(path: Path) -> bool:
+    # A universal directory holds copies of the model-states files too: zero/ decides. A save directory with
+    # both 'latest' and 'latest_universal' is read as the DeepSpeed checkpoint it is (resuming with
+    # load_universal reads the universal one: deepspeed_ext.runtime).
+    return (path / ZERO_DIR).is_dir() or (holds_universal(path) and not _has_deepspeed_files(path))
+
+
+def _is_deepspeed(path: Path) -> bool:
+    return not (path / ZERO_DIR).is_dir() and _has_deepspeed_files(path)
+
+
+def _is_huggingface(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+
+
+def _is_maxtext(path: Path) -> bool:
+    return maxtext_items(path) is not None
+
+
+@dataclass(frozen=True)
+class Format:
+    """One checkpoint format: how to recognise it and the module that reads and writes it."""
+
+    name: str
+    title: str
+    detect: Callable[[Path], bool]
+    #: The module with ``open_source`` (and ``write`` and :attr:`options`, when :attr:`options` is set).
+    module: str
+    #: The name of the writer's options class in :attr:`module`; None: deepspeed-ext does not write the format.
+    options: str | None = None
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+    def open(self, path: str | Path, options: OpenOptions) -> CheckpointSource:
+        source: CheckpointSource = self.load().open_source(Path(path), options)
+        return source
+
+    def write_options(self, **values: Any) -> Any:
+        if self.options is None:
+            raise CheckpointError(f"deepspeed-ext reads {self.title} checkpoints but does not write them")
+        cls = getattr(self.load(), self.options)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise TypeError(f"unknown option(s) for writing {self.title}: {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+        return cls(**values)
+
+    def write(self, source: CheckpointSource, out: str | Path | None, options: Any) -> Path:
+        written: Path = self.load().write(source, out, options)
+        return written
+
+
+#: The most specific first: where a directory holds two (a Hugging Face Trainer checkpoint has the DeepSpeed
+#: save beside the model's safetensors), the first is the default reading.
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format(UNIVERSAL, "universal", _is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions"),
+    Format(DEEPSPEED, "DeepSpeed", _is_deepspeed, "deepspeed_ext.checkpoint.deepspeed"),
+    Format(HUGGINGFACE, "Hugging Face", _is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions"),
+    Format(MAXTEXT, "MaxText (Orbax)", _is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions"),
+)}
+
+#: Output format names users may give (``convert(..., to=...)``), each a registry entry.
+TARGETS = {"universal": UNIVERSAL, "hf": HUGGINGFACE, "huggingface": HUGGINGFACE, "maxtext": MAXTEXT}
+
+
 def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
     """Every format at ``path``, the most specific first; one line naming the path and what is wrong with it
-    when there is none. A directory can hold two: a Hugging Face Trainer checkpoint (``checkpoint-500/``) has
-    the DeepSpeed save (``latest`` + ``global_step500/``) beside the model's safetensors."""
+    when there is none."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -48,17 +134,7 @@ def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
         raise CheckpointError(f"{path}: is a file, not a checkpoint directory; give {hint}")
     if tag is not None:
         return [UNIVERSAL if (path / tag / ZERO_DIR).is_dir() else DEEPSPEED]
-    found = []
-    if (path / ZERO_DIR).is_dir():  # a universal directory (it holds copies of the model-states files too)
-        found.append(UNIVERSAL)
-    elif any(path.glob("*mp_rank_*_model_states.pt")) or (path / LATEST).is_file():
-        found.append(DEEPSPEED)
-    elif (path / LATEST_UNIVERSAL).is_file():
-        found.append(UNIVERSAL)
-    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
-        found.append(HUGGINGFACE)
-    if maxtext_items(path) is not None:
-        found.append(MAXTEXT)
+    found = [name for name, fmt in FORMATS.items() if fmt.detect(path)]
     if found:
         return found
     if (path / "config.json").is_file():
@@ -90,46 +166,31 @@ def read_config(config_path: str | Path) -> dict[str, Any]:
 def open_checkpoint(path: str | Path,
                     *,
                     tag: str | None = None,
-                    config: str | Path | None = None,
+                    config: str | Path | Mapping[str, Any] | None = None,
                     family: str | None = None,
                     dtype: str = "source",
-                    accept: dict[str, str] | None = None) -> Any:
-    """The source at ``path`` in whatever format it is.
+                    format: str | None = None,
+                    accept: Mapping[str, str] | None = None) -> CheckpointSource:
+    """The source at ``path`` in whatever format it is (or in ``format``, where the directory holds several).
 
-    ``config``: an HF config.json for the formats that need one and may lack it (HF weights without
-    config.json, MaxText checkpoints not written by deepspeed-ext). ``family``: MaxText's model family.
-    ``dtype``: the dtype HF weights are read in. ``accept``: the formats the caller reads, each mapped to
-    nothing, and the others to the line it says when one of them is found instead.
+    ``config``: an HF config (a ``config.json`` path or its dict) to use instead of the recorded one, and for
+    the formats that may lack one (HF weights without config.json, MaxText checkpoints not written by
+    deepspeed-ext). ``family``: MaxText's model family. ``dtype``: the dtype HF weights are read in.
+    ``accept``: the formats the caller reads, each mapped to nothing, and the others to the line it says when
+    one of them is found instead.
     """
     found = detect_all(path, tag)
+    if format is not None:
+        if format not in FORMATS:
+            raise CheckpointError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")
+        if format not in found:
+            raise CheckpointError(f"{path}: not a {FORMATS[format].title} checkpoint (found: "
+                                  f"{', '.join(FORMATS[f].title for f in found)})")
+        found = [format]
     readable = [kind for kind in found if accept is None or not accept.get(kind)]
     if not readable:
+        assert accept is not None
         raise CheckpointError(f"{path}: {accept[found[0]]}")
-    kind = readable[0]
-    if kind == HUGGINGFACE:
-        from deepspeed_ext.checkpoint.hf import HFCheckpoint
-        return HFCheckpoint(path, dtype=dtype, model_config=read_config(config) if config else None)
-    if kind == MAXTEXT:
-        return open_maxtext(maxtext_items(Path(path)), config, family)
-    if kind == UNIVERSAL:
-        from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-        return UniversalCheckpoint(path, tag)
-    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
-    return DeepSpeedCheckpoint(path, tag)
-
-
-def open_maxtext(items: Path, config_path: str | Path | None, family_name: str | None) -> Any:
-    """A MaxText checkpoint with its HF config and family: given, else what to-maxtext recorded."""
-    from deepspeed_ext.checkpoint.families import get_family, infer_family
-    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
-    stored = stored_model_info(items)
-    if config_path:
-        config = read_config(config_path)
-    elif stored.get("model_config"):
-        config = stored["model_config"]
-    else:
-        raise MissingConfigError(f"{items}: no model config recorded with this MaxText checkpoint (it was not written "
-                              "by deepspeed-ext); pass --config config.json (the model's HF config)")
-    family_name = family_name or stored.get("family")
-    family = get_family(family_name) if family_name else infer_family(config)
-    return MaxTextCheckpoint(items, family, config)
+    model_config = read_config(config) if isinstance(config, str | Path) else dict(config) if config else None
+    return FORMATS[readable[0]].open(path, OpenOptions(tag=tag, model_config=model_config, family=family,
+                                                       dtype=dtype))

@@ -36,8 +36,11 @@ import torch
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
-from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, FiniteCheck, LogicalTensor
+from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
+                                             protected_paths, required_model_config)
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
+from deepspeed_ext.module_inject.layout import TPLayout
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -225,50 +228,50 @@ def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: 
         raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
 
 
-def write_hf(tensors: Iterable[LogicalTensor],
-             out: str | Path,
-             *,
-             model_config: Mapping[str, Any],
-             dtype: str = "source",
-             max_shard_size: int | str = "5GB",
-             overwrite: bool = False,
-             progress: bool = True,
-             source: str = "source",
-             finite: FiniteCheck | None = None,
-             protect: Iterable[str | Path] = ()) -> Path:
-    """Write the stream ``tensors`` (full parameters, HF/universal names) as an HF checkpoint at ``out``.
+@dataclass(frozen=True)
+class HFOptions(WriteOptions):
+    """``dtype``: of the weights written (``source``: the dtype the source model had); ``max_shard_size``: the
+    largest safetensors file (bytes, or "5GB")."""
 
-    Each tensor's master weights (``fp32`` state) are cast to ``dtype`` (``source``: the dtype the
-    source model had, ``LogicalTensor.dtype``) and written once, straight into its shard. The parameter
-    names and shapes are checked against transformers' model for ``model_config`` before anything is
-    written, so the output loads with no missing or unexpected keys. ``finite``: check every tensor for
-    NaN/Inf and publish nothing if any has them. ``protect``: the source's paths, which the output may not
-    touch (:mod:`deepspeed_ext.checkpoint.output`).
+    dtype: str = "source"
+    max_shard_size: int | str = "5GB"
+
+
+def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOptions()) -> Path:
+    """Write ``source``'s parameters (full tensors, HF/universal names) as an HF checkpoint at ``out``.
+
+    Each tensor's master weights (``fp32`` state) are cast to ``options.dtype`` and written once, straight
+    into its shard. The parameter names and shapes are checked against transformers' model for the source's
+    model config before anything is written, so the output loads with no missing or unexpected keys.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
 
+    model_config = required_model_config(source.info)
+    label, dtype = str(source.info.given), options.dtype
     given = out
-    out = output.prepare(out, protect, overwrite=overwrite)
-    tensors = {tensor.name: tensor for tensor in (finite.stream(tensors) if finite else tensors)}
+    out = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite)
+    finite = finite_check(source, options)
+    tensors = {tensor.name: tensor for tensor in (finite.stream(source.tensors()) if finite else source.tensors())}
     tied = bool(model_config.get("tie_word_embeddings", False))
     dropped_tied = tied and all(name in tensors for name in TIED_PAIR)
     params = [tensor for name, tensor in tensors.items() if not (dropped_tied and name == TIED_PAIR[0])]
     if not params:
-        raise CheckpointError(f"{source}: no parameters to write")
+        raise CheckpointError(f"{label}: no parameters to write")
     out_dtypes = {t.name: output_dtype(dtype, t.dtype) for t in params}
     weights_dtype = max(out_dtypes.values(), key=list(out_dtypes.values()).count)
-    config = hf_config(model_config, weights_dtype, source)
-    check_fits_config(config, {t.name: tuple(t.shape) for t in params}, source)
+    config = hf_config(model_config, weights_dtype, label)
+    check_fits_config(config, {t.name: tuple(t.shape) for t in params}, label)
 
     splits = hf_expert_splits(model_config.get("model_type"))
     pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
     plan = {entry.name: entry for entries in pieces.values() for entry in entries}
     split = split_state_dict_into_shards_factory(plan, get_storage_size=lambda entry: entry.nbytes,
-                                                 filename_pattern=FILENAME_PATTERN, max_shard_size=max_shard_size)
+                                                 filename_pattern=FILENAME_PATTERN,
+                                                 max_shard_size=options.max_shard_size)
     if dropped_tied:
-        _check_tied(tensors, source)
+        _check_tied(tensors, label)
     with output.staged(out) as partial:
-        _write_shards(partial, split.filename_to_tensors, plan, params, pieces, progress)
+        _write_shards(partial, split.filename_to_tensors, plan, params, pieces, options.progress)
         if finite is not None:
             finite.raise_if_any()
         config.save_pretrained(partial)
@@ -346,6 +349,11 @@ def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:
 
 
 # --------------------------------------------------------------------------- source
+def open_source(path: Path, options: OpenOptions) -> HFCheckpoint:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
+    return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config)
+
+
 class HFCheckpoint:
     """An HF model directory (``config.json`` + safetensors) as a stream of full parameters.
 
@@ -353,10 +361,6 @@ class HFCheckpoint:
     the file's dtype unless ``dtype`` says otherwise. No transformers model is built. There is no
     optimizer state: a universal checkpoint written from here starts a fresh optimizer at step 0.
     """
-
-    tp_degree = 1
-    dp_degree = 1
-    zero_stage = 0
 
     def __init__(self, path: str | Path, dtype: str = "source", model_config: Mapping[str, Any] | None = None):
         """``model_config``: the HF config to use instead of the directory's ``config.json`` (``--config``)."""
@@ -486,20 +490,16 @@ class HFCheckpoint:
                 tensor[expert].narrow(0, piece * rows, rows).copy_(self._read(name))
         return tensor.to(output_dtype(self.dtype_choice, tensor.dtype))
 
-    # ---- the universal writer's source protocol
     @cached_property
-    def layouts(self) -> dict[str, Any]:
-        from deepspeed_ext.module_inject.layout import TPLayout
+    def layouts(self) -> dict[str, TPLayout]:
         return {name: TPLayout.replicated(shape, 1) for name, shape in self.shapes.items()}
 
-    @property
-    def uc_info(self) -> Any:
-        from deepspeed_ext.checkpoint.metadata import UCInfo
-        return UCInfo(tp_size=1, layouts=self.layouts, model_config=self.model_config,
-                      model_class=(self.model_config.get("architectures") or [None])[0],
-                      versions={"source": "huggingface safetensors"})
-
-    model_states: dict[str, Any] = {}  # no training state: step 0
+    @cached_property
+    def info(self) -> SourceInfo:
+        return SourceInfo(format="huggingface", given=self.path, path=self.path, layouts=self.layouts,
+                          states=(MASTER_WEIGHTS, ), model_config=self.model_config,
+                          model_class=(self.model_config.get("architectures") or [None])[0],
+                          versions={"source": "huggingface safetensors"})
 
     def tensors(self) -> Iterator[LogicalTensor]:
         if self._tied_head:
@@ -511,13 +511,6 @@ class HFCheckpoint:
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=(MASTER_WEIGHTS, ),
                                 loader=lambda state, name=name: self.load(name),
                                 dtype=output_dtype(self.dtype_choice, self.file_dtype(name)))
-
-    def optimizer_state_for_universal(self) -> dict[str, Any]:
-        return {"param_groups": []}
-
-    def copy_model_states(self, directory: Path) -> None:
-        from deepspeed_ext.checkpoint.universal import write_fresh_model_states
-        write_fresh_model_states(directory, global_steps=0)
 
     def summary(self) -> dict[str, Any]:
         return {"kind": "huggingface", "path": str(self.path), "model_type": self.model_config.get("model_type"),

@@ -22,7 +22,7 @@ times the largest single tensor, not the model or a whole stack. bf16 is written
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -33,10 +33,14 @@ import numpy as np
 from deepspeed_ext.checkpoint import output
 from deepspeed_ext.checkpoint.formats import ORBAX_ITEM
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
-from deepspeed_ext.errors import CheckpointError, first_line
+from deepspeed_ext.checkpoint.source import (ADAM_STATES, MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions,
+                                             SourceInfo, WriteOptions, finite_check, protected_paths,
+                                             required_model_config)
+from deepspeed_ext.errors import CheckpointError, MissingConfigError, first_line
 
-if TYPE_CHECKING:
-    from deepspeed_ext.checkpoint.tensor import FiniteCheck
+if TYPE_CHECKING:  # torch only where tensors are handed over: reshard-orbax needs none
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
+    from deepspeed_ext.module_inject.layout import TPLayout
 
 ITEM = ORBAX_ITEM
 METADATA_KEY = "deepspeed_ext"  # our entry in the step's custom metadata
@@ -138,7 +142,7 @@ def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
 
 
 #: Tensor states a leaf can hold: the fp32 master weights and Adam's two moments (universal names).
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
+STATES = (MASTER_WEIGHTS, *ADAM_STATES)
 
 
 def _moment_factor(dims: ModelDims, family: Family, state: str) -> np.float32:
@@ -373,6 +377,61 @@ def _register_lazy_leaf() -> None:
 
 
 # --------------------------------------------------------------------------- sink
+@dataclass(frozen=True)
+class MaxTextOptions(WriteOptions):
+    """``family``: the MaxText model family (None: inferred from the model config); ``scan_layers``: stack the
+    decoder layers as MaxText's ``scan_layers=true`` expects; ``dtype`` of the weights; ``mesh``: the target
+    mesh the storage chunks are cut for (``{"fsdp": 16}`` or ``"fsdp=16"``); ``with_optimizer``: also write
+    the Adam moments as optax adamw's state."""
+
+    family: str | None = None
+    scan_layers: bool = True
+    dtype: str = "bfloat16"
+    mesh: Mapping[str, int] | str | None = None
+    with_optimizer: bool = False
+
+
+def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = MaxTextOptions()) -> Path:
+    """Write ``source`` as a MaxText Orbax checkpoint at ``out``; returns ``out/0/items`` (MaxText's
+    ``load_parameters_path``). One tensor is read when Orbax writes the leaf that needs it."""
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.hf import check_fits_config
+    info = source.info
+    label = str(info.given)
+    config = required_model_config(info)
+    family = get_family(options.family) if options.family else infer_family(config)
+    tensors = {tensor.name: tensor for tensor in source.tensors()}
+    check_fits_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
+
+    def load(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
+        return tensors[name].load(state).detach().float().numpy()
+
+    optimizer_step = None
+    if options.with_optimizer:
+        first = next(iter(tensors.values()))
+        if STEP not in first.states:
+            raise CheckpointError(f"{label}: no optimizer step to carry (--with-optimizer)")
+        value = first.load(STEP)
+        optimizer_step = int(value.item() if hasattr(value, "item") else value)
+    mesh = parse_mesh(options.mesh) if isinstance(options.mesh, str) else options.mesh
+    return write_maxtext(load, {name: t.shape for name, t in tensors.items()},
+                         family,
+                         ModelDims.from_config(config),
+                         out,
+                         scan_layers=options.scan_layers,
+                         dtype=options.dtype,
+                         overwrite=options.overwrite,
+                         progress=options.progress,
+                         source=label,
+                         model_config=config,
+                         step=info.global_step,
+                         mesh=mesh,
+                         with_optimizer=options.with_optimizer,
+                         optimizer_step=optimizer_step,
+                         finite=finite_check(source, options),
+                         protect=protected_paths(source, options))
+
+
 def write_maxtext(load: Callable[..., np.ndarray],
                   hf_shapes: Mapping[str, tuple[int, ...]],
                   family: Family,
@@ -539,6 +598,27 @@ def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...
     return value
 
 
+def open_source(path: Path, options: OpenOptions) -> MaxTextCheckpoint:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`): the checkpoint with its HF config
+    and family, given, else what to-maxtext recorded."""
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.formats import maxtext_items
+    items = maxtext_items(path)
+    if items is None:
+        raise CheckpointError(f"{path}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
+    stored = stored_model_info(items)
+    if options.model_config is not None:
+        config = dict(options.model_config)
+    elif stored.get("model_config"):
+        config = stored["model_config"]
+    else:
+        raise MissingConfigError(f"{items}: no model config recorded with this MaxText checkpoint (it was not written "
+                                 "by deepspeed-ext); pass --config config.json (the model's HF config)")
+    family_name = options.family or stored.get("family")
+    family = get_family(family_name) if family_name else infer_family(config)
+    return MaxTextCheckpoint(items, family, config, given=path)
+
+
 class MaxTextCheckpoint:
     """A MaxText Orbax checkpoint (``<root>/<step>/items``) as a stream of HF-named fp32 tensors.
 
@@ -550,9 +630,12 @@ class MaxTextCheckpoint:
     otherwise the optimizer state is fresh (zero moments, step 0).
     """
 
-    def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any]):
+    def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any],
+                 given: str | Path | None = None):
+        """``given``: the path the user named (the root, a step or the item directory); errors name it."""
         import orbax.checkpoint as ocp
         self.items = Path(items).absolute()
+        self.given = Path(given) if given is not None else self.items
         if not (self.items / "_METADATA").is_file():
             hint = " (point at <root>/0/items)" if (self.items / STEP_DIR / ITEM / "_METADATA").is_file() else ""
             raise CheckpointError(f"{self.items}: not an Orbax checkpoint item directory (no _METADATA){hint}")
@@ -660,29 +743,24 @@ class MaxTextCheckpoint:
         axis = TRANSFORMS[self._sources[name][0][0].kind].join_axis
         return np.ascontiguousarray(pieces[0] if axis is None else np.concatenate(pieces, axis=axis))
 
-    # ---- the universal writer's source protocol
-    tp_degree = 1
-    dp_degree = 1
-    zero_stage = 0
-
     @cached_property
-    def layouts(self) -> dict[str, Any]:
+    def layouts(self) -> dict[str, TPLayout]:
         from deepspeed_ext.module_inject.layout import TPLayout
         return {name: TPLayout.replicated(self._hf_shape(parts), 1) for name, parts in self._sources.items()}
 
-    @property
-    def uc_info(self) -> Any:
-        from deepspeed_ext.checkpoint.metadata import UCInfo
-        return UCInfo(tp_size=1, layouts=self.layouts, model_config=self.model_config,
-                      model_class=None, versions={"source": f"maxtext ({self.family.name})"})
-
-    def tensors(self) -> Iterable[Any]:
-        import torch
-
-        from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, LogicalTensor
-        from deepspeed_ext.checkpoint.hf import torch_dtype
+    @cached_property
+    def info(self) -> SourceInfo:
         # Without optax state there are only weights: the resuming optimizer starts fresh.
         states = (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer else (MASTER_WEIGHTS, )
+        return SourceInfo(format="maxtext", given=self.given, path=self.items, layouts=self.layouts, states=states,
+                          global_step=self.step, model_config=self.model_config,
+                          versions={"source": f"maxtext ({self.family.name})"})
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        import torch
+
+        from deepspeed_ext.checkpoint.hf import torch_dtype
+        from deepspeed_ext.checkpoint.tensor import LogicalTensor
         # Weights first, then each moment, so a cached scanned stack serves all its layers in a row.
         for name, layout in self.layouts.items():
 
@@ -692,21 +770,8 @@ class MaxTextCheckpoint:
                 return torch.from_numpy(self.hf_tensor(name, state))
 
             leaf = self._sources[name][0][1]
-            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=self.info.states, loader=loader,
                                 dtype=torch_dtype(self.stored_dtypes[leaf]))
-
-    def optimizer_state_for_universal(self) -> dict[str, Any]:
-        return {"param_groups": []}
-
-    @property
-    def model_states(self) -> dict[str, Any]:
-        """The training state a DeepSpeed model-states file would hold: the step the weights are from."""
-        return {"global_steps": self.step}
-
-    def copy_model_states(self, directory: Path) -> None:
-        """The model-states file a universal checkpoint carries: the recorded step, TP=1, DP=1."""
-        from deepspeed_ext.checkpoint.universal import write_fresh_model_states
-        write_fresh_model_states(directory, self.step)
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -14,13 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP  # noqa: F401 (re-exported)
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
-
-#: Optimizer states of Adam-family optimizers, in the names DeepSpeed's universal layout uses.
-MASTER_WEIGHTS = "fp32"
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
-STEP = "step"
 
 
 @dataclass

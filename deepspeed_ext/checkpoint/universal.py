@@ -20,10 +20,11 @@ Without ``-o`` the save directory is the source's (the universal directory goes 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -34,6 +35,7 @@ from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STA
 from deepspeed_ext.checkpoint.formats import LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
+from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions, SourceInfo, WriteOptions
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -59,42 +61,48 @@ def _entry(tensor: torch.Tensor, layout: TPLayout) -> dict[str, Any]:
     return entry
 
 
-def universal_name(source: Any) -> str:
+@dataclass(frozen=True)
+class UniversalOptions(WriteOptions):
+    """``distributed``: every rank of the initialized ``torch.distributed`` group calls :func:`write`; each
+    converts its share of the parameters (balanced by size) and rank 0 writes the rest and publishes the
+    result, byte-identical to a single-process run."""
+
+    distributed: bool = False
+
+
+def universal_name(info: SourceInfo) -> str:
     """``<tag>_universal``, the directory name upstream's converter uses; sources without a DeepSpeed tag
     (HF, MaxText) are named after the training step they hold."""
-    tag = getattr(source, "tag", None) or f"global_step{int(source.model_states.get('global_steps') or 0)}"
-    return f"{tag}_universal"
+    return f"{info.tag or f'global_step{info.global_step}'}_universal"
 
 
-def write_universal(source: DeepSpeedCheckpoint,
-                    out: str | Path | None = None,
-                    *,
-                    overwrite: bool = False,
-                    progress: bool = True,
-                    distributed: bool = False,
-                    finite: FiniteCheck | None = None,
-                    protect: Iterable[str | Path] = ()) -> Path:
+def write(source: CheckpointSource, out: str | Path | None = None,
+          options: UniversalOptions = UniversalOptions()) -> Path:
     """Convert ``source`` into DeepSpeed's universal layout; returns the universal checkpoint directory.
 
-    ``out`` None: ``<tag>_universal/`` beside the source tag, then the ``latest_universal`` pointer in the
-    save directory, as upstream's ``ds_to_universal`` lays them out. ``out`` given: a save directory of its
-    own, ``out/<tag>_universal/`` + ``out/latest_universal``, which ``engine.load_checkpoint(out)`` loads;
-    nothing is written outside it. Either way the output is built aside and published whole, and may not
-    touch the source or the paths in ``protect`` (:mod:`deepspeed_ext.checkpoint.output`).
+    ``out`` None (DeepSpeed sources): ``<tag>_universal/`` beside the source tag, then the ``latest_universal``
+    pointer in the save directory, as upstream's ``ds_to_universal`` lays them out. ``out`` given: a save
+    directory of its own, ``out/<tag>_universal/`` + ``out/latest_universal``, which
+    ``engine.load_checkpoint(out)`` loads; nothing is written outside it. Either way the output is built aside
+    and published whole, and may not touch the source (:mod:`deepspeed_ext.checkpoint.output`).
 
     Streams one parameter and one state at a time: memory stays at about one full tensor.
-    ``distributed``: every rank of the initialized ``torch.distributed`` group calls this, each converts
-    its share of the parameters (balanced by size), and rank 0 writes the rest and publishes the result;
-    the output is byte-identical to a single-process run. ``finite``: check every tensor for NaN/Inf and
-    publish nothing if any has them.
     """
-    name = universal_name(source)
+    info = source.info
+    if info.format == "universal":
+        raise CheckpointError(f"{info.given}: already a universal checkpoint: resume from it with \"checkpoint\": "
+                              "{\"load_universal\": true}, or convert it with to-hf / to-maxtext")
+    name = universal_name(info)
     if out is None:  # beside the tag: adds a directory and the pointer, replaces no file of the checkpoint
-        publish, inner = output.prepare(source.tag_dir.parent / name, source.read_paths, overwrite=overwrite), None
+        if info.tag is None:
+            raise CheckpointError(f"{info.given}: a {info.format} checkpoint has no save directory to write "
+                                  "beside: give an output")
+        publish, inner = output.prepare(info.path.parent / name, source.read_paths, overwrite=options.overwrite), None
     else:
-        publish, inner = output.prepare(out, [*protect, *source.read_paths], overwrite=overwrite), name
-    layouts = source.layouts  # validates metadata before anything is written
-    rank = _rank() if distributed else 0
+        protect = [*options.protect, info.given, *source.read_paths]
+        publish, inner = output.prepare(out, protect, overwrite=options.overwrite), name
+    finite = FiniteCheck(str(info.given)) if options.check_finite else None
+    rank = _rank() if options.distributed else 0
     # Beside the tag, the pointer goes into the save directory once the output is published.
     pointer = (publish.parent / LATEST_UNIVERSAL, publish.name) if inner is None else None
     staged = output.staged(publish, pointer) if rank == 0 else contextlib.nullcontext(output.staging_path(publish))
@@ -104,14 +112,14 @@ def write_universal(source: DeepSpeedCheckpoint,
             (universal / ZERO_DIR).mkdir(parents=True)
             if inner:
                 (partial / LATEST_UNIVERSAL).write_text(inner)
-        if distributed:
-            _write_distributed(source, layouts, universal, progress, finite)
+        if options.distributed:
+            _write_distributed(source, universal, options.progress, finite)
         else:
             manifest = ManifestRecorder(universal)
-            _write_tensors(source, list(layouts), universal, progress, manifest,
-                           first=lambda: _write_summary(source, layouts, universal), finite=finite)
+            _write_tensors(source, list(info.layouts), universal, options.progress, manifest,
+                           first=lambda: _write_summary(source, universal), finite=finite)
             manifest.write()
-    if distributed:
+    if options.distributed:
         import torch.distributed as dist
         dist.barrier()  # nobody returns before the output and its pointer are in place
     return publish / inner if inner else publish
@@ -134,8 +142,7 @@ def shares_by_size(layouts: dict[str, TPLayout], world: int) -> list[list[str]]:
     return [sorted(share, key=order.__getitem__) for share in shares]
 
 
-def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], universal: Path, progress: bool,
-                       finite: FiniteCheck | None) -> None:
+def _write_distributed(source: CheckpointSource, universal: Path, progress: bool, finite: FiniteCheck | None) -> None:
     """This rank's share of the parameters into ``universal`` (inside rank 0's staging directory)."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,8 +155,8 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
         return None
 
     dist.barrier()  # rank 0 has created the staging directory
-    mine = shares_by_size(layouts, world)[rank]
-    summary = (lambda: _write_summary(source, layouts, universal)) if rank == 0 else None
+    mine = shares_by_size(dict(source.info.layouts), world)[rank]
+    summary = (lambda: _write_summary(source, universal)) if rank == 0 else None
     manifest = ManifestRecorder(universal)
     error = attempt(lambda: _write_tensors(source, mine, universal, progress and rank == 0, manifest,
                                            first=summary, finite=finite))
@@ -164,7 +171,7 @@ def _write_distributed(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout]
         manifest.write()
 
 
-def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path, progress: bool,
+def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, progress: bool,
                    manifest: ManifestRecorder, first: Callable[[], None] | None = None,
                    finite: FiniteCheck | None = None) -> None:
     """The per-parameter files of ``names``, each recorded in ``manifest`` by the thread that wrote it;
@@ -196,18 +203,25 @@ def _write_tensors(source: DeepSpeedCheckpoint, names: list[str], partial: Path,
         finite.raise_if_any()
 
 
-def _write_summary(source: DeepSpeedCheckpoint, layouts: dict[str, TPLayout], partial: Path) -> None:
-    """Everything but the per-parameter files: optimizer summary, model states, our UC info."""
-    serialization.save(source.optimizer_state_for_universal(), partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
-    source.copy_model_states(partial)
-    src_info = source.uc_info
+def _write_summary(source: CheckpointSource, partial: Path) -> None:
+    """Everything but the per-parameter files: optimizer summary, model states, our UC info.
+
+    A DeepSpeed source has its own (copied); a source that never ran in DeepSpeed gets a fresh optimizer
+    summary and a model-states file at TP=1, DP=1 that records its step."""
+    info = source.info
+    if isinstance(source, DeepSpeedCheckpoint):
+        serialization.save(source.optimizer_state_for_universal(), partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
+        source.copy_model_states(partial)
+    else:
+        serialization.save({"param_groups": []}, partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
+        write_fresh_model_states(partial, info.global_step)
     write_uc_info(
         partial,
-        UCInfo(tp_size=source.tp_degree,
-               layouts=layouts,
-               model_config=src_info.model_config if src_info else None,
-               model_class=src_info.model_class if src_info else None,
-               versions=dict(src_info.versions) if src_info else {},
+        UCInfo(tp_size=info.tp_degree,
+               layouts=dict(info.layouts),
+               model_config=dict(info.model_config) if info.model_config is not None else None,
+               model_class=info.model_class,
+               versions=dict(info.versions),
                kind="universal"))
 
 
@@ -222,11 +236,20 @@ def write_fresh_model_states(directory: Path, global_steps: int) -> None:
     serialization.save(states, directory / "mp_rank_00_model_states.pt")
 
 
+def open_source(path: Path, options: OpenOptions) -> UniversalCheckpoint:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
+    config = dict(options.model_config) if options.model_config is not None else None
+    return UniversalCheckpoint(path, options.tag, model_config=config)
+
+
 class UniversalCheckpoint:
     """A universal checkpoint directory (ours or upstream's), read lazily and memory-mapped."""
 
-    def __init__(self, path: str | Path, tag: str | None = None):
+    def __init__(self, path: str | Path, tag: str | None = None, model_config: dict[str, Any] | None = None):
+        """``model_config``: the HF config to report instead of the one recorded with it (``--config``)."""
         path = Path(path)
+        self.given = path
+        self._model_config = model_config
         if (path / ZERO_DIR).is_dir() and tag is None:
             self.path = path
         else:
@@ -238,11 +261,6 @@ class UniversalCheckpoint:
     @property
     def read_paths(self) -> list[Path]:
         return output.read_paths(self.path)
-
-    @staticmethod
-    def is_universal(path: str | Path) -> bool:
-        path = Path(path)
-        return (path / ZERO_DIR).is_dir() or (path / LATEST_UNIVERSAL).is_file()
 
     @cached_property
     def names(self) -> list[str]:
@@ -316,17 +334,39 @@ class UniversalCheckpoint:
         value = module.get(name) if isinstance(module, dict) else None
         return value.dtype if torch.is_tensor(value) else self.load(name).dtype
 
+    @cached_property
+    def layouts(self) -> dict[str, TPLayout]:
+        """The source's TP layouts as recorded; a parameter without one (upstream's output) as one tensor."""
+        recorded = self.uc_info.layouts if self.uc_info else {}
+        return {name: recorded[name] if name in recorded else TPLayout.replicated(tuple(self.load(name).shape), 1)
+                for name in self.names}
+
+    @cached_property
+    def info(self) -> SourceInfo:
+        recorded = self.uc_info
+        states = self.model_states if self.model_state_files else {}
+        first = self.names[0] if self.names else None
+        return SourceInfo(format="universal",
+                          given=self.given,
+                          path=self.path,
+                          layouts=self.layouts,
+                          states=tuple(s for s in (*TENSOR_STATES, STEP) if first is not None and self.has(first, s)),
+                          global_step=int(states.get("global_steps") or 0),
+                          tp_degree=int(states.get("mp_world_size") or 1),
+                          dp_degree=int(states.get("dp_world_size") or 1),
+                          tag=self.path.name,
+                          model_config=self._model_config or (recorded.model_config if recorded else None),
+                          model_class=recorded.model_class if recorded else None,
+                          versions=dict(recorded.versions) if recorded else {},
+                          metadata="deepspeed_ext" if recorded else "none")
+
     def tensors(self) -> Iterator[LogicalTensor]:
-        layouts = self.uc_info.layouts if self.uc_info else {}
-        for name in self.names:
+        for name, layout in self.layouts.items():
             states = tuple(s for s in (*TENSOR_STATES, STEP) if self.has(name, s))
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
                 return self.step(name) if state == STEP else self.load(name, state)
 
-            layout = layouts.get(name)
-            if layout is None:
-                layout = TPLayout.replicated(tuple(self.load(name).shape), 1)
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
                                 dtype=self.model_dtype(name))
 

@@ -1,0 +1,133 @@
+"""The typed joint between readers and writers: every reader is a :class:`CheckpointSource`, every writer
+takes one (``write(source, out, options)``).
+
+A source says what it holds in a small :class:`SourceInfo` and streams its parameters as
+:class:`~deepspeed_ext.checkpoint.tensor.LogicalTensor` objects, one full tensor at a time. Nothing a writer
+needs beyond that is asked of every source: what only a DeepSpeed checkpoint has (its model-states files,
+its optimizer's summary) the universal writer takes from a DeepSpeed source and makes up for the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from deepspeed_ext.errors import CheckpointError
+
+#: The states of a parameter, in the names DeepSpeed's universal layout uses: fp32 master weights, the Adam
+#: moments, and the optimizer step.
+MASTER_WEIGHTS = "fp32"
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+STEP = "step"
+
+if TYPE_CHECKING:  # torch-free at import: reshard-orbax and the CLI's help need no torch
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
+    from deepspeed_ext.module_inject.layout import TPLayout
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """What a checkpoint holds, known once it is opened (before any tensor is read)."""
+
+    #: The format's name in the registry (:mod:`deepspeed_ext.checkpoint.formats`).
+    format: str
+    #: The path the checkpoint was opened by, as given: errors and reports name it.
+    given: Path
+    #: The directory the tensors are read from (a DeepSpeed tag, a universal directory, an Orbax item).
+    path: Path
+    #: Every parameter's TP layout at save time, in the checkpoint's order (TP=1 for HF and MaxText).
+    layouts: Mapping[str, TPLayout]
+    #: The states every parameter has: ``fp32`` alone, or with ``exp_avg``, ``exp_avg_sq`` and ``step``.
+    states: tuple[str, ...]
+    #: The training step the checkpoint was saved at (0 when it records none).
+    global_step: int = 0
+    tp_degree: int = 1
+    dp_degree: int = 1
+    #: DeepSpeed's ZeRO stage (None: not a DeepSpeed checkpoint).
+    zero_stage: int | None = None
+    #: The DeepSpeed tag (None: the format has no tags).
+    tag: str | None = None
+    #: The Hugging Face model config (``config.json``): recorded with the checkpoint or given with ``--config``.
+    model_config: Mapping[str, Any] | None = None
+    #: The model class that was trained, where known (e.g. ``LlamaForCausalLM``).
+    model_class: str | None = None
+    #: Versions of the software that wrote the checkpoint, where recorded.
+    versions: Mapping[str, str] = field(default_factory=dict)
+    #: Where the TP layouts come from (``deepspeed_ext``, ``deepspeed``, ``none``).
+    metadata: str = "none"
+
+    @property
+    def has_optimizer(self) -> bool:
+        """Whether the parameters carry Adam moments (a resume then continues the optimizer)."""
+        return ADAM_STATES[0] in self.states
+
+
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """A checkpoint opened for reading, in any format."""
+
+    @property
+    def info(self) -> SourceInfo: ...
+
+    @property
+    def read_paths(self) -> list[Path]:
+        """Every path reading this checkpoint touches: no output may lie there."""
+        ...
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        """The parameters, one :class:`LogicalTensor` each, in the checkpoint's order; nothing read yet."""
+        ...
+
+    def summary(self) -> dict[str, Any]:
+        """What ``inspect`` shows: plain values only (JSON-serialisable)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """What every writer takes."""
+
+    #: Replace an existing output (only once the new one is complete).
+    overwrite: bool = False
+    #: Show a progress bar.
+    progress: bool = True
+    #: Check every tensor for NaN/Inf and write nothing if any has them.
+    check_finite: bool = False
+    #: Paths the output may not touch, beyond the source's own.
+    protect: Sequence[str | Path] = ()
+
+
+def protected_paths(source: CheckpointSource, options: WriteOptions) -> list[str | Path]:
+    """What an output may not touch: the path the source was named by, every path reading it touches, and
+    whatever the caller adds."""
+    return [*options.protect, source.info.given, *source.read_paths]
+
+
+def finite_check(source: CheckpointSource, options: WriteOptions) -> FiniteCheck | None:
+    """The NaN/Inf check ``options.check_finite`` asks for, reporting against the path the source was named by."""
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck
+    return FiniteCheck(str(source.info.given)) if options.check_finite else None
+
+
+def required_model_config(info: SourceInfo) -> dict[str, Any]:
+    """The HF model config a writer needs (to-hf, to-maxtext), or one line on how to supply it."""
+    if not info.model_config:
+        raise CheckpointError(f"{info.path}: no model config saved with the checkpoint (deepspeed_ext.json); pass "
+                              "--config config.json (the model's HF config)")
+    return dict(info.model_config)
+
+
+@dataclass(frozen=True)
+class OpenOptions:
+    """What opening a checkpoint may be told; each format uses what applies to it."""
+
+    #: The DeepSpeed tag to read (None: the save directory's ``latest`` or ``latest_universal``).
+    tag: str | None = None
+    #: The HF model config to use instead of the one recorded with the checkpoint.
+    model_config: Mapping[str, Any] | None = None
+    #: MaxText: the model family (None: recorded, else inferred from the model config).
+    family: str | None = None
+    #: Hugging Face: the dtype weights are read in (``source``: the files' own).
+    dtype: str = "source"

@@ -1,0 +1,113 @@
+"""``verify``: check a checkpoint in any format and report every problem found, not just the first.
+
+* An output of deepspeed-ext: every file against its manifest (size and CRC-32C; missing, extra, changed).
+* A DeepSpeed checkpoint (it has no manifest): every ``.pt`` file loads with the safe loader.
+* Every format: every tensor state is read; its shape must match the checkpoint's metadata, it must be floating
+  point and finite; merging checks that TP shards fit their layouts and that replicas agree. A Hugging Face
+  checkpoint's parameters must fit transformers' model for its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepspeed_ext.checkpoint.formats import DEEPSPEED, HUGGINGFACE, MAXTEXT, detect, maxtext_items, open_checkpoint
+from deepspeed_ext.errors import CheckpointError, MissingConfigError
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` found: ``ok`` when ``problems`` is empty."""
+
+    #: The directory reported on (a MaxText output's root, where its manifest is).
+    root: Path
+    #: What was checked file by file, in words.
+    files_checked: str
+    #: How many tensor states were read and checked.
+    tensors: int = 0
+    problems: list[str] = field(default_factory=list)
+    #: False when the checkpoint did not even open (then ``problems`` says why).
+    opened: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        """Each problem, then one summary line."""
+        if not self.opened:
+            return [*self.problems, f"{self.root}: FAILED: the checkpoint does not open, 1 problem(s)"]
+        return [*self.problems, f"{self.root}: {'OK' if self.ok else 'FAILED'}: {self.files_checked}, "
+                f"{self.tensors} tensors (shape, dtype, finite), {len(self.problems)} problem(s)"]
+
+
+def verify(path: str | Path, *, config: str | Path | None = None, family: str | None = None) -> VerifyReport:
+    """Verify the checkpoint at ``path``. Raises :class:`CheckpointError` when ``path`` is no checkpoint at all,
+    and :class:`MissingConfigError` when a model config is needed and there is none (nothing to verify
+    against); a damaged checkpoint is a report with problems, not an exception."""
+    from deepspeed_ext.checkpoint import serialization
+    from deepspeed_ext.checkpoint.hf import hf_config, parameter_mismatch
+    from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
+    from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
+    kind = detect(path)  # not a checkpoint at all: an error, not a failed verification
+    try:
+        source = open_checkpoint(path, config=config, family=family)
+    except MissingConfigError:
+        raise
+    except CheckpointError as exc:
+        return VerifyReport(Path(path), "", problems=[str(exc)], opened=False)
+    # Where the manifest of each output sits: a MaxText output's at its root (MaxText loads <root>/0/items).
+    root = source.info.path
+    if kind == MAXTEXT:
+        items = maxtext_items(Path(path))
+        assert items is not None
+        root = items.parent.parent if items.parent.name.isdigit() else items.parent
+    report = VerifyReport(root, "")
+    if kind == DEEPSPEED:
+        # DeepSpeed writes no manifest: check what can be checked. Every file must load with the allow-list;
+        # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
+        files = sorted(root.glob("*.pt"))
+        for file in files:
+            try:
+                serialization.load(file)
+            except CheckpointError as exc:
+                report.problems.append(str(exc))
+        report.files_checked = f"DeepSpeed checkpoint (no manifest): {len(files)} files load safely"
+    elif (root / MANIFEST_FILE).is_file():
+        count, problems = check_manifest(root)
+        report.problems += problems
+        report.files_checked = f"{count} files against the manifest"
+    else:
+        report.files_checked = "no manifest (not written by deepspeed-ext: file checksums not checked)"
+    finite = FiniteCheck(str(root))
+    tensors = source.tensors()
+    while True:
+        try:  # opening the next tensor may read its file too
+            tensor = next(tensors)
+        except StopIteration:
+            break
+        except CheckpointError as exc:
+            report.problems.append(f"{exc} (tensor checks stopped here)")
+            break
+        for state in (s for s in tensor.states if s != STEP):
+            try:
+                value = finite.check(tensor.name, state, tensor.load(state))
+            except CheckpointError as exc:  # an unreadable file: report it with the others
+                report.problems.append(str(exc))
+                continue
+            report.tensors += 1
+            if tuple(value.shape) != tuple(tensor.shape):
+                report.problems.append(f"{root}: {tensor.name} ({state}) has shape {list(value.shape)}, the "
+                                       f"checkpoint's metadata says {list(tensor.shape)}")
+            if not value.is_floating_point():
+                report.problems.append(f"{root}: {tensor.name} ({state}) is {value.dtype}, not a floating-point "
+                                       "tensor")
+    report.problems += [f"{root}: {name} ({'/'.join(states)}) has NaN/Inf" for name, states in finite.offenders.items()]
+    if kind == HUGGINGFACE:
+        assert source.info.model_config is not None
+        shapes = {name: layout.shape for name, layout in source.info.layouts.items()}
+        mismatch = parameter_mismatch(hf_config(source.info.model_config, None, str(root)), shapes)
+        if mismatch:
+            report.problems.append(f"{root}: {mismatch}")
+    return report
