@@ -98,7 +98,8 @@ def digest_tree(root: Path) -> dict[str, str]:
             found[rel] = _sha(json.dumps(meta, sort_keys=True).encode())
         elif path.name == MANIFEST and any(_orbax_random(f) for f in json.loads(path.read_text())["files"]):
             manifest = json.loads(path.read_text())
-            manifest["files"] = {f: e for f, e in manifest["files"].items() if not _orbax_random(f)}
+            manifest["files"] = {f: e for f, e in manifest["files"].items()
+                                 if not _orbax_random(f) and not f.endswith(ORBAX_STEP_METADATA)}
             found[rel] = _sha(json.dumps(manifest, sort_keys=True).encode())
         else:
             found[rel] = _sha(path.read_bytes())
