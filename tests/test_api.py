@@ -1,0 +1,137 @@
+"""The Python API without the CLI: open_checkpoint, convert and verify on every format, and the typed joint
+between sources and writers (SourceInfo, the format registry, the options classes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import deepspeed_ext
+from deepspeed_ext.checkpoint.formats import FORMATS, detect_all
+from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, CheckpointSource, SourceInfo
+from deepspeed_ext.demo.models import build_model
+from deepspeed_ext.errors import CheckpointError, MissingConfigError
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    root = tmp_path_factory.mktemp("api")
+    model = build_model("llama", seed=11)
+    model.save_pretrained(root / "hf", max_shard_size="40KB")
+    return root / "hf", model
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_open_reports_what_the_checkpoint_holds(hf):
+    path, model = hf
+    source = deepspeed_ext.open_checkpoint(path)
+    assert isinstance(source, CheckpointSource)
+    info = source.info
+    assert isinstance(info, SourceInfo)
+    assert (info.format, info.given, info.tp_degree, info.global_step, info.states) == (
+        "huggingface", path, 1, 0, (MASTER_WEIGHTS, ))
+    assert not info.has_optimizer and info.model_config["model_type"] == "llama"
+    assert {name: tuple(p.shape) for name, p in model.named_parameters()} == {
+        name: layout.shape for name, layout in info.layouts.items()}
+    streamed = {t.name: t.load() for t in source.tensors()}
+    assert all(torch.equal(streamed[name], value) for name, value in state(model).items())
+    assert source.summary()["num_parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_convert_round_trips_through_every_written_format(hf, tmp_path):
+    """HF -> universal -> HF and HF -> MaxText -> HF, through the API alone: the weights come back exactly
+    (float32 end to end), and each output verifies."""
+    path, model = hf
+    universal = deepspeed_ext.convert(path, tmp_path / "uni", to="universal", progress=False)
+    assert universal == tmp_path / "uni" / "global_step0_universal"
+    assert (tmp_path / "uni" / "latest_universal").read_text() == universal.name
+    opened = deepspeed_ext.open_checkpoint(tmp_path / "uni")
+    assert opened.info.format == "universal" and opened.info.model_config["model_type"] == "llama"
+
+    back = deepspeed_ext.convert(opened, tmp_path / "hf_again", to="hf", dtype="float32", progress=False)
+    items = deepspeed_ext.convert(path, tmp_path / "mt", to="maxtext", dtype="float32", progress=False)
+    assert items == tmp_path / "mt" / "0" / "items"
+    from_maxtext = deepspeed_ext.convert(tmp_path / "mt", tmp_path / "hf_from_mt", to="hf", progress=False)
+    for out in (back, from_maxtext):
+        files = sorted(out.glob("*.safetensors"))
+        weights = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                weights.update({name: handle.get_tensor(name) for name in handle.keys()})
+        assert weights.keys() == state(model).keys()
+        assert all(torch.equal(weights[name], value) for name, value in state(model).items()), out
+    for written in (tmp_path / "uni", back, tmp_path / "mt", from_maxtext):
+        report = deepspeed_ext.verify(written)
+        assert report.ok, report.lines()
+        assert report.tensors == len(state(model)) and report.lines()[-1].startswith(f"{report.root}: OK: ")
+
+
+def test_verify_reports_damage_instead_of_raising(hf, tmp_path):
+    path, _ = hf
+    out = deepspeed_ext.convert(path, tmp_path / "hf_copy", to="hf", progress=False)
+    shard = sorted(out.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-8])
+    report = deepspeed_ext.verify(out)
+    assert not report.ok and any(str(shard.name) in problem for problem in report.problems), report.lines()
+    assert report.lines()[-1].startswith(f"{out}: FAILED: ")
+
+
+def test_options_are_checked_per_writer(hf, tmp_path):
+    path, _ = hf
+    with pytest.raises(ValueError, match="to='onnx'"):
+        deepspeed_ext.convert(path, tmp_path / "x", to="onnx")
+    with pytest.raises(TypeError, match="max_shard_size"):
+        deepspeed_ext.convert(path, tmp_path / "x", to="universal", max_shard_size="1GB")
+    with pytest.raises(ValueError, match="needs an output"):
+        deepspeed_ext.convert(path, None, to="hf")
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_source_is_protected_through_the_api_too(hf, tmp_path):
+    path, _ = hf
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    for out in (path, path / "inside", path.parent):
+        with pytest.raises(CheckpointError, match="never writes into its input"):
+            deepspeed_ext.convert(path, out, to="hf", overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_config_given_as_a_dict_or_a_path(hf, tmp_path):
+    path, _ = hf
+    weights_only = tmp_path / "weights_only"
+    weights_only.mkdir()
+    for file in path.glob("*.safetensors*"):
+        (weights_only / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(MissingConfigError, match="config.json: missing"):
+        deepspeed_ext.open_checkpoint(weights_only)
+    config = json.loads((path / "config.json").read_text())
+    for given in (config, path / "config.json", str(path / "config.json")):
+        assert deepspeed_ext.open_checkpoint(weights_only, config=given).info.model_config == config
+
+
+def test_the_registry_names_every_format_once(hf, tmp_path):
+    """Each format is one registry entry whose module has the reader (and the writer with its options)."""
+    assert list(FORMATS) == ["universal", "deepspeed", "huggingface", "maxtext"]
+    for fmt in FORMATS.values():
+        module = fmt.load()
+        assert callable(module.open_source), fmt.name
+        if fmt.options is not None:
+            assert callable(module.write) and hasattr(module, fmt.options), fmt.name
+    path, _ = hf
+    assert detect_all(path) == ["huggingface"]
+    with pytest.raises(CheckpointError, match="not a DeepSpeed checkpoint"):
+        deepspeed_ext.open_checkpoint(path, format="deepspeed")
+
+
+def test_the_documented_example_runs():
+    """docs/python-api.md's runnable example, as written there."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/python-api.md", "exec"), {})
