@@ -135,3 +135,26 @@ def test_the_documented_example_runs():
     text = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "docs/python-api.md", "exec"), {})
+
+
+def test_the_family_registry_holds_everything_about_each_family():
+    """Every family module exports FAMILIES; each family is found by its name (and the HF spelling of it) and
+    inferred from a config of its own model_type; the HF expert splits come from the family that has them."""
+    from deepspeed_ext.checkpoint.families import (FAMILY_MODULES, family_names, get_family, hf_expert_splits,
+                                                   infer_family)
+    assert family_names() == ["llama", "llama3.1", "mistral", "qwen3", "qwen3-moe"]
+    assert len(FAMILY_MODULES) == 3
+    for name in family_names():
+        family = get_family(name)
+        config = {"model_type": family.model_type}
+        if family.rope_type:
+            config["rope_scaling"] = {"rope_type": family.rope_type, "factor": 8.0}
+        assert infer_family(config) is family, name
+    assert get_family("qwen3_moe") is get_family("qwen3-moe")
+    assert infer_family({"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}).name == "llama"
+    assert hf_expert_splits("qwen3_moe") == get_family("qwen3-moe").hf_expert_splits != ()
+    assert hf_expert_splits("llama") == ()
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' has no MaxText mapping"):
+        infer_family({"model_type": "gpt2"})
+    with pytest.raises(CheckpointError, match="unknown model family 'gpt2'"):
+        get_family("gpt2")

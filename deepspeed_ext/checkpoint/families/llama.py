@@ -25,6 +25,7 @@ DENSE_MLP = (
 )
 
 LLAMA = Family(name="llama",
+               model_type="llama",
                rules=EMBEDDING_AND_NORM + ATTENTION + DENSE_MLP,
                untied_rules=LM_HEAD,
                query_scaled=True,
@@ -32,6 +33,8 @@ LLAMA = Family(name="llama",
                maxtext_settings={"decoder_block": "llama2", "mlp_activations": ["silu", "linear"]})
 
 LLAMA31 = Family(name="llama3.1",
+                 model_type="llama",
+                 rope_type="llama3",
                  rules=LLAMA.rules,
                  untied_rules=LM_HEAD,
                  query_scaled=True,
@@ -40,8 +43,11 @@ LLAMA31 = Family(name="llama3.1",
                                    "mlp_activations": ["silu", "linear"]})
 
 MISTRAL = Family(name="mistral",
+                 model_type="mistral",
                  rules=LLAMA.rules,
                  untied_rules=LM_HEAD,
                  query_scaled=True,
                  rope_interleaved=False,
                  maxtext_settings={"decoder_block": "mistral", "mlp_activations": ["silu", "linear"]})
+
+FAMILIES = (LLAMA, LLAMA31, MISTRAL)

@@ -9,9 +9,12 @@ QK_NORMS = (
 )
 
 QWEN3 = Family(name="qwen3",
+               model_type="qwen3",
                rules=EMBEDDING_AND_NORM + ATTENTION + QK_NORMS + DENSE_MLP,
                untied_rules=LM_HEAD,
                query_scaled=False,
                rope_interleaved=False,
                maxtext_settings={"decoder_block": "qwen3", "use_qk_norm": True,
                                  "mlp_activations": ["silu", "linear"]})
+
+FAMILIES = (QWEN3, )

@@ -18,16 +18,21 @@ MOE_BLOCK = (
     Rule(f"{_L}.experts.down_proj", f"{_M}/wo", "expert_down"),
 )
 
-QWEN3_MOE = Family(name="qwen3-moe",
-                   rules=EMBEDDING_AND_NORM + ATTENTION + QK_NORMS + MOE_BLOCK,
-                   untied_rules=LM_HEAD,
-                   query_scaled=False,
-                   rope_interleaved=False,
-                   maxtext_settings={"decoder_block": "qwen3_moe", "use_qk_norm": True})
-
 #: transformers' save_pretrained writes the experts one by one (``experts.<e>.gate_proj.weight`` [I, H], ...).
 HF_EXPERTS = (
     ExpertSplit(f"{_L}.experts.gate_up_proj",
                 (f"{_L}.experts.{{expert}}.gate_proj.weight", f"{_L}.experts.{{expert}}.up_proj.weight")),
     ExpertSplit(f"{_L}.experts.down_proj", (f"{_L}.experts.{{expert}}.down_proj.weight", )),
 )
+
+QWEN3_MOE = Family(name="qwen3-moe",
+                   model_type="qwen3_moe",
+                   rules=EMBEDDING_AND_NORM + ATTENTION + QK_NORMS + MOE_BLOCK,
+                   untied_rules=LM_HEAD,
+                   query_scaled=False,
+                   rope_interleaved=False,
+                   maxtext_settings={"decoder_block": "qwen3_moe", "use_qk_norm": True},
+                   hf_expert_splits=HF_EXPERTS)
+
+
+FAMILIES = (QWEN3_MOE, )
