@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
+from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL
 from deepspeed_ext.errors import DeepSpeedExtError
 
 
 #: What a command says when it is given a format it does not read (the formats it reads map to "").
 _TO_UNIVERSAL_READS = {
     "deepspeed": "",
-    "universal": ("already a universal checkpoint: resume from it with \"checkpoint\": {\"load_universal\": "
-                  "true}, or convert it with to-hf / to-maxtext"),
+    "universal": ALREADY_UNIVERSAL,
     "huggingface": "a Hugging Face checkpoint: convert it with from-hf",
     "maxtext": "a MaxText (Orbax) checkpoint: convert it with from-maxtext",
 }

@@ -34,6 +34,10 @@ ZERO_DIR = "zero"
 ORBAX_METADATA = "_METADATA"
 ORBAX_ITEM = "items"
 
+#: What converting a universal checkpoint into the universal form is told instead.
+ALREADY_UNIVERSAL = ("already a universal checkpoint: resume from it with \"checkpoint\": {\"load_universal\": "
+                     "true}, or convert it with to-hf / to-maxtext")
+
 
 def maxtext_items(path: Path) -> Path | None:
     """The Orbax item directory that ``path`` (item, step or root directory) designates, else None."""

@@ -32,10 +32,11 @@ from tqdm import tqdm
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STATES_RE, DeepSpeedCheckpoint,
                                                 resolve_tag_dir)
-from deepspeed_ext.checkpoint.formats import LATEST_UNIVERSAL, ZERO_DIR
+from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
-from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions, SourceInfo, WriteOptions
+from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
+                                             protected_paths)
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -90,8 +91,7 @@ def write(source: CheckpointSource, out: str | Path | None = None,
     """
     info = source.info
     if info.format == "universal":
-        raise CheckpointError(f"{info.given}: already a universal checkpoint: resume from it with \"checkpoint\": "
-                              "{\"load_universal\": true}, or convert it with to-hf / to-maxtext")
+        raise CheckpointError(f"{info.given}: {ALREADY_UNIVERSAL}")
     name = universal_name(info)
     if out is None:  # beside the tag: adds a directory and the pointer, replaces no file of the checkpoint
         if info.tag is None:
@@ -99,9 +99,8 @@ def write(source: CheckpointSource, out: str | Path | None = None,
                                   "beside: give an output")
         publish, inner = output.prepare(info.path.parent / name, source.read_paths, overwrite=options.overwrite), None
     else:
-        protect = [*options.protect, info.given, *source.read_paths]
-        publish, inner = output.prepare(out, protect, overwrite=options.overwrite), name
-    finite = FiniteCheck(str(info.given)) if options.check_finite else None
+        publish, inner = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), name
+    finite = finite_check(source, options)
     rank = _rank() if options.distributed else 0
     # Beside the tag, the pointer goes into the save directory once the output is published.
     pointer = (publish.parent / LATEST_UNIVERSAL, publish.name) if inner is None else None
