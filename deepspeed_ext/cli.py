@@ -37,10 +37,8 @@ _FROM_MAXTEXT_READS = {
 
 def _open(path: str, tag: str | None = None, config: str | None = None, family: str | None = None,
           **options: Any) -> Any:
-    from deepspeed_ext.api import open_checkpoint
-    from deepspeed_ext.checkpoint.formats import open_checkpoint as open_reading
-    if "accept" in options:  # the command reads some formats only, and says which command reads the others
-        return open_reading(path, tag=tag, config=config, family=family, **options)
+    # The registry's opener (the API's, plus ``accept``: which command reads the formats this one does not).
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
     return open_checkpoint(path, tag=tag, config=config, family=family, **options)
 
 
