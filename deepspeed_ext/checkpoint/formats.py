@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions
 from deepspeed_ext.errors import CheckpointError
@@ -120,6 +120,15 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(HUGGINGFACE, "Hugging Face", _is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions"),
     Format(MAXTEXT, "MaxText (Orbax)", _is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions"),
 )}
+
+if TYPE_CHECKING:
+    # The modules above are imported by name at run time, which a type checker cannot follow: here every
+    # format's reader is checked against the contract, so one whose source lacks part of CheckpointSource (as
+    # when ``inspect`` called a ``summary`` a reader did not have) is a type error. One entry per format.
+    from deepspeed_ext.checkpoint import deepspeed, hf, maxtext, universal
+    _READERS: dict[str, Callable[[Path, OpenOptions], CheckpointSource]] = {
+        UNIVERSAL: universal.open_source, DEEPSPEED: deepspeed.open_source, HUGGINGFACE: hf.open_source,
+        MAXTEXT: maxtext.open_source}
 
 #: Output format names users may give (``convert(..., to=...)``), each a registry entry.
 TARGETS = {"universal": UNIVERSAL, "hf": HUGGINGFACE, "huggingface": HUGGINGFACE, "maxtext": MAXTEXT}

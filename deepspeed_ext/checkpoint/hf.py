@@ -25,7 +25,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -136,9 +136,10 @@ def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
             match = pattern.match(name)
             if match:
                 param = split.param.replace(LAYER, match.group("layer"))
-                if params.get(param, {}) is None:
+                found = params.setdefault(param, {})
+                if found is None:
                     raise CheckpointError(f"{source}: holds {param} both fused and as per-expert tensors")
-                params.setdefault(param, {})[(int(match.group("expert")), piece)] = name
+                found[(int(match.group("expert")), piece)] = name
                 break
         else:
             if name in params:
@@ -147,12 +148,13 @@ def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
     for param, pieces in params.items():
         if pieces is None:
             continue
-        split, _ = _split_of(param, splits)
+        split_of = _split_of(param, splits)
+        assert split_of is not None  # its pieces were matched by one of the splits' patterns
+        split, layer = split_of
         experts = 1 + max(expert for expert, _ in pieces)
         missing = [(e, p) for e in range(experts) for p in range(len(split.pieces)) if (e, p) not in pieces]
         if missing:
             e, p = missing[0]
-            layer = _pattern(split.param).match(param).group("layer")
             raise CheckpointError(f"{source}: {split.pieces[p].replace(LAYER, layer).replace(EXPERT, str(e))} is "
                                   f"missing ({len(missing)} expert tensors of {param} in all)")
     return params
@@ -174,7 +176,8 @@ def _header(entries: list[FileTensor], metadata: Mapping[str, str]) -> bytes:
 
 def causal_lm_class(model_type: str) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    name: str | None = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return name
 
 
 def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source: str) -> Any:
@@ -312,7 +315,7 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                 raise _write_error(directory / filename, exc) from exc
         with serialization.BackgroundWriter() as writer:
             for tensor in params:
-                full = tensor.load(MASTER_WEIGHTS)
+                full = tensor.load_tensor(MASTER_WEIGHTS)
                 for entry in pieces[tensor.name]:
                     data = entry.cut(full).to(entry.dtype).contiguous()
                     filename, offset = where[entry.name]
@@ -342,14 +345,14 @@ def _write_error(path: Path, exc: OSError) -> CheckpointError:
 
 
 def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:
-    head, embedding = (tensors[name].load(MASTER_WEIGHTS) for name in TIED_PAIR)
+    head, embedding = (tensors[name].load_tensor(MASTER_WEIGHTS) for name in TIED_PAIR)
     if not torch.equal(head, embedding):
         raise CheckpointError(f"{source}: the config ties {TIED_PAIR[0]} to {TIED_PAIR[1]}, but they differ; "
                               "fix tie_word_embeddings in the config")
 
 
 # --------------------------------------------------------------------------- source
-def open_source(path: Path, options: OpenOptions) -> HFCheckpoint:
+def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
     return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config)
 
@@ -449,7 +452,8 @@ class HFCheckpoint:
         file = self._file_of[name]
         try:
             with self._open(file) as handle:
-                return handle.get_tensor(name)
+                tensor: torch.Tensor = handle.get_tensor(name)
+                return tensor
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types
@@ -509,8 +513,11 @@ class HFCheckpoint:
                                       f"{TIED_PAIR[1]}, but the files hold different values")
         for name, layout in self.layouts.items():
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=(MASTER_WEIGHTS, ),
-                                loader=lambda state, name=name: self.load(name),
+                                loader=self._loader(name),
                                 dtype=output_dtype(self.dtype_choice, self.file_dtype(name)))
+
+    def _loader(self, name: str) -> Callable[[str], torch.Tensor]:
+        return lambda state: self.load(name)  # weights only: the one state
 
     def summary(self) -> dict[str, Any]:
         return {"kind": "huggingface", "path": str(self.path), "model_type": self.model_config.get("model_type"),

@@ -34,7 +34,8 @@ def file_checksum(path: Path) -> str:
     with open(path, "rb") as handle:
         while chunk := handle.read(_CHUNK):
             checksum.update(chunk)
-    return checksum.hexdigest().decode()
+    digest: bytes = checksum.hexdigest()
+    return digest.decode()
 
 
 class ManifestRecorder:

@@ -78,7 +78,8 @@ def _interleave(x: np.ndarray) -> np.ndarray:
 
 def _query_scale(head_dim: int) -> np.float32:
     # Computed in fp32: np.sqrt of a Python int would promote the kernel to float64.
-    return np.float32(1.0) / np.sqrt(np.float32(head_dim))
+    scale: np.float32 = np.float32(1.0) / np.sqrt(np.float32(head_dim))
+    return scale
 
 
 def _deinterleave(x: np.ndarray) -> np.ndarray:
@@ -281,7 +282,7 @@ class Leaf:
 
     path: tuple[str, ...]  # under params/params
     shape: tuple[int, ...]
-    rule: Rule
+    rule: Rule | None  # None: a leaf reshard-orbax re-chunks (it needs only the path and shape)
     layers: tuple[int, ...] | None  # the decoder layers it holds; None for a global parameter
     stacked: bool = False  # scanned: ``layers`` stacked on axis 1
 
@@ -356,6 +357,7 @@ class LazyLeaf:
             array = self._produce()
         else:  # a stack asked for whole (the writer normally takes it layer by layer)
             array = np.empty(self.shape, dtype=self.dtype)
+            assert self.produce_layer is not None  # a leaf has `produce` or `produce_layer`
             for layer in range(self.shape[1]):
                 array[:, layer] = self.produce_layer(layer)
         if array.shape != self.shape or array.dtype != self.dtype:
@@ -404,7 +406,7 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     check_fits_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
 
     def load(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
-        return tensors[name].load(state).detach().float().numpy()
+        return tensors[name].load_tensor(state).detach().float().numpy()
 
     optimizer_step = None
     if options.with_optimizer:
@@ -486,18 +488,21 @@ def write_maxtext(load: Callable[..., np.ndarray],
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
     def lazy_leaf(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
+        rule = leaf.rule
+        assert rule is not None  # plan_leaves gives every leaf its rule
 
         def one(name: str) -> np.ndarray:
             array = np.asarray(load(name, state), dtype=np.float32)
-            return np.ascontiguousarray(to_maxtext(leaf.rule.kind, array, dims, family, state), dtype=leaf_dtype)
+            return np.ascontiguousarray(to_maxtext(rule.kind, array, dims, family, state), dtype=leaf_dtype)
 
         def layer_of_stack(layer: int) -> np.ndarray:
+            assert leaf.layers is not None  # a stack holds layers
             if layer == leaf.layers[-1]:
                 bar.update(1)
-            return one(leaf.rule.hf.replace(LAYER, str(layer)))
+            return one(rule.hf.replace(LAYER, str(layer)))
 
         def produce() -> np.ndarray:
-            array = one(leaf.rule.hf if leaf.layers is None else leaf.rule.hf.replace(LAYER, str(leaf.layers[0])))
+            array = one(rule.hf if leaf.layers is None else rule.hf.replace(LAYER, str(leaf.layers[0])))
             bar.update(1)
             return array
 
@@ -598,7 +603,7 @@ def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...
     return value
 
 
-def open_source(path: Path, options: OpenOptions) -> MaxTextCheckpoint:
+def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`): the checkpoint with its HF config
     and family, given, else what to-maxtext recorded."""
     from deepspeed_ext.checkpoint.families import get_family, infer_family

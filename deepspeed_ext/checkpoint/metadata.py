@@ -65,7 +65,7 @@ class UCInfo:
                    optimizer_param_names=data.get("optimizer_param_names"))
 
 
-def write_uc_info(directory: str | os.PathLike, info: UCInfo) -> Path:
+def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / METADATA_FILE
@@ -75,7 +75,7 @@ def write_uc_info(directory: str | os.PathLike, info: UCInfo) -> Path:
     return path
 
 
-def read_uc_info(directory: str | os.PathLike) -> UCInfo | None:
+def read_uc_info(directory: str | os.PathLike[str]) -> UCInfo | None:
     """The UC info stored in ``directory``, or None when there is none."""
     path = Path(directory) / METADATA_FILE
     if not path.is_file():

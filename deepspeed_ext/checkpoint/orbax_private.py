@@ -59,7 +59,9 @@ def lazy_leaf_handler() -> Any:
     parts = _internals()
     ts_utils, ocdbt_utils = parts["ts_utils"], parts["ocdbt_utils"]
 
-    class LazyLeafHandler(parts["NumpyHandler"]):
+    numpy_handler: Any = parts["NumpyHandler"]  # Orbax has no type information
+
+    class LazyLeafHandler(numpy_handler):  # type: ignore[misc]  # subclassing Any: Orbax's untyped handler
 
         def __init__(self) -> None:
             # No defensive deep copy: a lazy leaf owns no data until it is written.

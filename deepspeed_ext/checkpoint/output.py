@@ -33,7 +33,7 @@ _publishing = 0
 _interrupt_pending = False
 
 
-def resolve(path: str | os.PathLike) -> Path:
+def resolve(path: str | os.PathLike[str]) -> Path:
     """The absolute path with every symlink and ``..`` resolved (the path need not exist)."""
     return Path(os.path.realpath(os.path.abspath(os.fspath(path))))
 
@@ -42,7 +42,7 @@ def staging_path(out: Path) -> Path:
     return out.with_name(out.name + PARTIAL_SUFFIX)
 
 
-def read_paths(directory: str | os.PathLike) -> list[Path]:
+def read_paths(directory: str | os.PathLike[str]) -> list[Path]:
     """``directory`` plus the resolved targets of the symlinks inside it: every place reading it touches."""
     directory = Path(directory)
     paths = [resolve(directory)]
@@ -59,7 +59,7 @@ def _within(inner: Path, outer: Path) -> bool:
     return inner != outer and outer in inner.parents
 
 
-def prepare(out: str | os.PathLike, sources: Iterable[str | os.PathLike | None], *, overwrite: bool) -> Path:
+def prepare(out: str | os.PathLike[str], sources: Iterable[str | os.PathLike[str] | None], *, overwrite: bool) -> Path:
     """Check that ``out`` may be written by a command reading ``sources``; returns ``out`` resolved.
 
     Refused, whatever ``overwrite`` says: an output (or its staging twin) that is a source, contains one or

@@ -16,11 +16,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepspeed_ext.errors import CheckpointError, first_line
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 
 def _allowed_globals() -> list[Any]:
@@ -43,7 +46,7 @@ def allowed_globals() -> list[Any]:
     return _ALLOWED
 
 
-def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
+def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
     """Load a ``torch.save`` file safely; errors name the file and the problem."""
     path = Path(path)
     if not path.is_file():
@@ -59,7 +62,7 @@ def load(path: str | os.PathLike, *, mmap: bool = True) -> Any:
         raise CheckpointError(f"{path}: cannot read torch file: {first_line(exc)}") from exc
 
 
-def save(obj: Any, path: str | os.PathLike) -> None:
+def save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save`` that never leaves a half-written file under the final name.
 
     The zip records' CRC-32 is not computed: it halves torch.save's throughput, and ``torch.load`` never
@@ -99,7 +102,7 @@ class BackgroundWriter:
     def __init__(self, workers: int = 2, max_pending: int = 4):
         from concurrent.futures import ThreadPoolExecutor
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deepspeed-ext-writer")
-        self._pending: collections.deque = collections.deque()
+        self._pending: collections.deque[Future[Any]] = collections.deque()
         self._max_pending = max_pending
 
     def submit(self, write: Any, *args: Any) -> None:
@@ -131,7 +134,7 @@ _MADV_DONTNEED = 4
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def file_mappings(path: str | os.PathLike) -> list[tuple[int, int]]:
+def file_mappings(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
     """The address ranges where this process has ``path`` memory-mapped (Linux; elsewhere none)."""
     if not sys.platform.startswith("linux"):
         return []

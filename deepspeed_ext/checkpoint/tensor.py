@@ -9,14 +9,19 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP  # noqa: F401 (re-exported)
+# Re-exported (``X as X``: explicitly, for type checkers).
+from deepspeed_ext.checkpoint.source import ADAM_STATES as ADAM_STATES
+from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS as MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.source import STEP as STEP
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -34,12 +39,18 @@ class LogicalTensor:
     states: tuple[str, ...]
     loader: Callable[[str], torch.Tensor | int]
     dtype: torch.dtype = torch.float32
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def load(self, state: str = MASTER_WEIGHTS) -> torch.Tensor | int:
         if state not in self.states:
             raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
         return self.loader(state)
+
+    def load_tensor(self, state: str = MASTER_WEIGHTS) -> torch.Tensor:
+        """A state that is a tensor (every state but ``step``, which may be an int)."""
+        value = self.load(state)
+        assert isinstance(value, torch.Tensor), f"{self.name}: state {state!r} is not a tensor"
+        return value
 
 
 class FiniteCheck:
@@ -54,7 +65,7 @@ class FiniteCheck:
         self.offenders: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # Orbax materializes leaves on its own threads
 
-    def check(self, name: str, state: str, value: Any) -> Any:
+    def check(self, name: str, state: str, value: _T) -> _T:
         if torch.is_tensor(value):
             finite = not value.is_floating_point() or bool(torch.isfinite(value).all())
         elif isinstance(value, np.ndarray) and value.dtype.kind == "f":
@@ -70,7 +81,10 @@ class FiniteCheck:
 
     def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
         for tensor in tensors:
-            yield replace(tensor, loader=lambda state, t=tensor: self.check(t.name, state, t.loader(state)))
+            yield replace(tensor, loader=self._checked_loader(tensor))
+
+    def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
+        return lambda state: self.check(tensor.name, state, tensor.loader(state))
 
     def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
         """``load(name, state)`` with every result checked."""

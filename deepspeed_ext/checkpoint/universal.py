@@ -229,13 +229,14 @@ def write_fresh_model_states(directory: Path, global_steps: int) -> None:
     TP=1, DP=1, the training step it records, no module copy, no scheduler."""
     from importlib.metadata import version
     # DeepSpeed's loader refuses a checkpoint without ds_version; the files follow the installed release's layout.
-    states = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
-              "global_steps": int(global_steps), "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
-              "ds_version": version("deepspeed")}
+    states: dict[str, Any] = {
+        "module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
+        "global_steps": int(global_steps), "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
+        "ds_version": version("deepspeed")}
     serialization.save(states, directory / "mp_rank_00_model_states.pt")
 
 
-def open_source(path: Path, options: OpenOptions) -> UniversalCheckpoint:
+def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
     config = dict(options.model_config) if options.model_config is not None else None
     return UniversalCheckpoint(path, options.tag, model_config=config)
@@ -295,18 +296,22 @@ class UniversalCheckpoint:
 
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)
+        step: torch.Tensor | int | None
         if path.is_file():
-            return serialization.load(path)
+            step = serialization.load(path)
+            return step
         state = self.optimizer_state
         try:  # ZeRO-3 universal output keeps the step only in optimizer_state.pt
-            return state["optimizer_state_dict"]["state"][0][STEP]
+            step = state["optimizer_state_dict"]["state"][0][STEP]
         except (KeyError, TypeError, IndexError):
             return None
+        return step
 
     @cached_property
     def optimizer_state(self) -> dict[str, Any]:
         path = self.zero / OPTIMIZER_STATE_FILE
-        return serialization.load(path) if path.is_file() else {}
+        state: dict[str, Any] = serialization.load(path) if path.is_file() else {}
+        return state
 
     def optimizer_state_for_universal(self) -> dict[str, Any]:
         return self.optimizer_state
@@ -320,7 +325,8 @@ class UniversalCheckpoint:
     def model_states(self) -> dict[str, Any]:
         if not self.model_state_files:
             raise CheckpointError(f"{self.path}: no mp_rank_*_model_states.pt files")
-        return serialization.load(self.model_state_files[0])
+        states: dict[str, Any] = serialization.load(self.model_state_files[0])
+        return states
 
     @cached_property
     def has_optimizer_states(self) -> bool:
@@ -364,7 +370,12 @@ class UniversalCheckpoint:
             states = tuple(s for s in (*TENSOR_STATES, STEP) if self.has(name, s))
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
-                return self.step(name) if state == STEP else self.load(name, state)
+                if state != STEP:
+                    return self.load(name, state)
+                step = self.step(name)
+                if step is None:  # not reached: ``step`` is among the states only where its file is
+                    raise CheckpointError(f"{self.file(name, STEP)}: no optimizer step")
+                return step
 
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
                                 dtype=self.model_dtype(name))

@@ -92,7 +92,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
             break
         for state in (s for s in tensor.states if s != STEP):
             try:
-                value = finite.check(tensor.name, state, tensor.load(state))
+                value = finite.check(tensor.name, state, tensor.load_tensor(state))
             except CheckpointError as exc:  # an unreadable file: report it with the others
                 report.problems.append(str(exc))
                 continue
