@@ -1,4 +1,5 @@
-"""Long-mode fuzzing: tests/test_fuzz.py with many examples per reader (the suite runs 25, derandomized).
+"""Long-mode fuzzing: tests/unit/test_fuzz.py and tests/e2e/test_fuzz_e2e.py with many examples per reader
+(the suite runs 25, derandomized).
 
     python bench/fuzz.py                  # 2000 examples per reader, random seeds
     python bench/fuzz.py --examples 500 --no-e2e
@@ -23,9 +24,8 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=2000)
     p.add_argument("--no-e2e", action="store_true", help="skip the DeepSpeed reader (it trains a tiny model first)")
     args = p.parse_args()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fuzz.py"]
-    if args.no_e2e:
-        cmd += ["-m", "not e2e"]
+    files = ["tests/unit/test_fuzz.py"] + ([] if args.no_e2e else ["tests/e2e/test_fuzz_e2e.py"])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
     env = {**os.environ, "DEEPSPEED_EXT_FUZZ_EXAMPLES": str(args.examples), "DS_ACCELERATOR": "cpu"}
     sys.exit(subprocess.run(cmd, cwd=ROOT, env=env).returncode)
 

@@ -22,7 +22,7 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # A second environment with DeepSpeed 0.18.8: AutoTP training without AutoTP universal-checkpoint tags,
-# where deepspeed-ext's tags are the only metadata (tests/test_older_deepspeed.py).
+# where deepspeed-ext's tags are the only metadata (tests/e2e/test_older_deepspeed.py).
 OLD_DS=0.18.8
 OLD_VENV=.venv-deepspeed-$OLD_DS
 old_stamp="$OLD_VENV/.deepspeed_ext-deps-$(cat requirements-dev.txt setup.py | sha1sum | cut -c1-16)"

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 # JAX reads these once, at import: a simulated 4-device CPU mesh for the MaxText/Orbax tests.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -6,19 +7,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
-from e2e import Scenario
+#: tests/unit: library calls in this process. tests/e2e: torchrun runs of the real DeepSpeed engine, the CLI in a
+#: subprocess, anything that needs a trained checkpoint; every test there is marked e2e.
+E2E_DIR = Path(__file__).parent / "e2e"
 
 
-
-@pytest.fixture(scope="session")
-def scenarios(tmp_path_factory):
-    """``scenarios(name, **kw)``: a trained and converted Scenario, built once per test session."""
-    cache: dict[str, Scenario] = {}
-
-    def get(name: str, convert: bool = True, **kwargs) -> Scenario:
-        if name not in cache:
-            scenario = Scenario(root=tmp_path_factory.mktemp(name), **kwargs).train()
-            cache[name] = scenario.convert() if convert else scenario
-        return cache[name]
-
-    return get
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.is_relative_to(E2E_DIR):
+            item.add_marker(pytest.mark.e2e)

@@ -1,8 +1,5 @@
-"""The config section, error paths of the CLI, and the weights-only loader (no engine needed)."""
-
-import os
-import subprocess
-import sys
+"""The config section and the weights-only loader (no engine needed). The CLI's error paths, run as a
+subprocess, are in tests/e2e/test_config_and_errors_e2e.py."""
 
 import pytest
 import torch
@@ -29,22 +26,6 @@ def test_plain_deepspeed_accepts_the_section():
     from deepspeed.runtime.config import DeepSpeedConfig
     config = DeepSpeedConfig({"train_batch_size": 1, "deepspeed_ext": {"universal_checkpoint": {"enabled": True}}})
     assert config.train_batch_size == 1
-
-
-def _cli(*args):
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.run([sys.executable, "-m", "deepspeed_ext", *args], capture_output=True, text=True, env=env)
-
-
-def test_cli_error_is_one_line_and_non_zero(tmp_path):
-    proc = _cli("to-universal", str(tmp_path / "nope"))
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"deepspeed-ext: error: {tmp_path / 'nope'}: no such checkpoint directory"
-    (tmp_path / "empty").mkdir()
-    proc = _cli("inspect", str(tmp_path / "empty"))
-    assert proc.returncode == 2 and "neither a tag directory" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _cli("--debug", "inspect", str(tmp_path / "empty"))
-    assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
 class _Payload:

@@ -132,7 +132,7 @@ def test_the_registry_names_every_format_once(hf, tmp_path):
 
 def test_the_documented_example_runs():
     """docs/python-api.md's runnable example, as written there."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "python-api.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "python-api.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(example, "docs/python-api.md", "exec"), {})
 

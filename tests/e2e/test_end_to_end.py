@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
-from deepspeed_ext.demo.runner import cli, run_logged
-from e2e import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
-                 universal_in, upstream_ds_to_universal)
-
-pytestmark = pytest.mark.e2e
+from harness.cli import universal_in
+from harness.runner import cli, run_logged
+from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
+                              upstream_ds_to_universal)
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +326,7 @@ def test_a_full_disk_fails_cleanly_and_a_rerun_finishes(tp2, tmp_path):
 
 def _kill_when(cmd: list[str], ready, log) -> bool:
     """Start ``cmd``; SIGKILL it as soon as ``ready()`` holds. True if it was killed mid-run."""
-    from deepspeed_ext.demo.runner import child_env
+    from harness.runner import child_env
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=child_env(), stdout=out, stderr=out)
         while proc.poll() is None:

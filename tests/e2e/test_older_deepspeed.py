@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from deepspeed_ext.checkpoint import serialization
-from e2e import assert_losses_continue, assert_universal_matches_live
+from harness.scenario import assert_losses_continue, assert_universal_matches_live
 
-pytestmark = pytest.mark.e2e
-OLD_PYTHON = Path(__file__).resolve().parents[1] / ".venv-deepspeed-0.18.8" / "bin" / "python"
+OLD_PYTHON = Path(__file__).resolve().parents[2] / ".venv-deepspeed-0.18.8" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")

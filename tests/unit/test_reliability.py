@@ -1,45 +1,29 @@
 """Bad inputs to the bridges: every fault is one line naming the file and the problem, exit 2, no output.
 
 The DeepSpeed-side faults (truncated, missing or mixed files, disagreeing degrees, a full disk, a planted
-pickle) are in test_end_to_end.py, which has a real engine's checkpoint to damage.
+pickle) are in tests/e2e/test_end_to_end.py, which has a real engine's checkpoint to damage; a full disk while
+the bridges write (a subprocess under RLIMIT_FSIZE) is in tests/e2e/test_reliability_e2e.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from deepspeed_ext.cli import main
-from deepspeed_ext.demo.models import build_model
-from e2e import universal_in
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    """``deepspeed-ext ARGS`` in this process (as a subprocess would see it: exit code, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+from harness.cli import cli_result, make_sources, universal_in
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return _cli(*args, "-q")
+    return cli_result(*args, "-q")
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> Path:
     """A sharded HF checkpoint of the tiny Llama and its MaxText conversion."""
-    root = tmp_path_factory.mktemp("sources")
-    build_model("llama", seed=3).save_pretrained(root / "hf", max_shard_size="30KB")
-    assert _run("to-maxtext", str(root / "hf"), "-o", str(root / "maxtext")).returncode == 0
-    return root
+    return make_sources(tmp_path_factory.mktemp("sources"))
 
 
 def _damage_safetensors_truncate(directory: Path) -> Path:
@@ -109,7 +93,7 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     assert _run("from-hf", str(sources / "hf"), "-o", str(saved)).returncode == 0
     universal = universal_in(saved)
     for out in (hf, saved, universal, sources / "maxtext", sources / "maxtext" / "0" / "items"):
-        proc = _cli("verify", str(out))
+        proc = cli_result("verify", str(out))
         assert proc.returncode == 0 and ": OK: " in proc.stdout and " 0 problem(s)" in proc.stdout, proc.stdout
 
     shard = sorted(hf.glob("*.safetensors"))[0]
@@ -117,11 +101,11 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     broken = universal / "zero" / "model.norm.weight" / "fp32.pt"
     broken.write_bytes(broken.read_bytes()[:100])
     (universal / "notes.txt").write_text("not ours")
-    proc = _cli("verify", str(hf))
+    proc = cli_result("verify", str(hf))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{shard}: contents differ from the manifest (crc32c mismatch)" in proc.stdout
     assert "has NaN/Inf" in proc.stdout and ": FAILED: " in proc.stdout
-    proc = _cli("verify", str(universal))
+    proc = cli_result("verify", str(universal))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{broken}: 100 bytes, the manifest says" in proc.stdout
     assert f"{broken}: cannot read torch file" in proc.stdout
@@ -152,19 +136,3 @@ def test_a_family_that_does_not_fit_is_refused(sources, tmp_path):
     assert "family 'qwen3' expects 'model.layers.0.self_attn.q_norm.weight'" in lines[0]
     assert "wrong --family?" in lines[0]
     assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("command", ["to-hf", "to-maxtext", "from-hf"])
-def test_a_full_disk_is_one_line_and_leaves_no_output(sources, tmp_path, command):
-    """RLIMIT_FSIZE (a full disk) while the bridges write: one line naming what could not be written, exit 2,
-    no output and no .partial."""
-    out = tmp_path / "out"
-    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (6 * 1024, 6 * 1024)); "
-              "from deepspeed_ext.cli import main; "
-              f"sys.exit(main([{command!r}, {str(sources / 'hf')!r}, '-o', {str(out)!r}, '-q']))")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert str(out) in lines[0] and ("cannot write" in lines[0] or "File too large" in lines[0]), lines
-    assert not out.exists() and not out.with_name("out.partial").exists()

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_ext.demo.runner import run_logged
+from harness.runner import run_logged
 
-pytestmark = pytest.mark.e2e
-WORKER = Path(__file__).parent / "workers" / "compare_tags.py"
+WORKER = Path(__file__).parents[1] / "harness" / "workers" / "compare_tags.py"
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3", "qwen3"])

@@ -16,10 +16,10 @@ import sys
 import pytest
 import torch
 
-from deepspeed_ext.demo.runner import child_env, cli
-from e2e import KV2_SCENARIOS, assert_losses_continue, assert_universal_matches_live, without_recorded_order
+from harness.runner import child_env, cli
+from harness.scenario import (KV2_SCENARIOS, assert_losses_continue, assert_universal_matches_live,
+                              without_recorded_order)
 
-pytestmark = pytest.mark.e2e
 
 #: The uninterrupted run's losses, continued within this relative difference.
 REL = 2e-3

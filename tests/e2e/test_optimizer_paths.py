@@ -17,10 +17,8 @@ import torch
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-from deepspeed_ext.demo.runner import cli, run_logged
-from e2e import assert_losses_continue, assert_universal_matches_live, without_recorded_order
-
-pytestmark = pytest.mark.e2e
+from harness.runner import cli, run_logged
+from harness.scenario import assert_losses_continue, assert_universal_matches_live, without_recorded_order
 
 
 def _inspect(scenario, tmp_path) -> dict:

@@ -1,9 +1,10 @@
 """to-maxtext: tree paths, shapes and dtypes as MaxText expects, restored through Orbax with target shardings
 onto a simulated 4-device CPU mesh, and logits of a JAX forward written from MaxText's conventions
-(tests/maxtext_reference.py) against the PyTorch model (fp32: per-token KL <= 1e-5, argmax equal).
+(tests/harness/maxtext_reference.py) against the PyTorch model (fp32: per-token KL <= 1e-5, argmax equal).
 
 Tiny models per family are built from configs in code with sharpened q/k and random norms, so that a
-wrong RoPE order or a missing query scale moves the KL far above the bar (negative controls below).
+wrong RoPE order or a missing query scale moves the KL far above the bar (negative controls below). From a
+real DeepSpeed checkpoint, and reshard-orbax run as a subprocess: tests/e2e/test_maxtext_e2e.py.
 """
 
 from __future__ import annotations
@@ -20,97 +21,11 @@ from deepspeed_ext.checkpoint.maxtext import ModelDims, partition_spec, plan_lea
 
 jax = pytest.importorskip("jax")
 ocp = pytest.importorskip("orbax.checkpoint")
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from jax.sharding import PartitionSpec  # noqa: E402
 
-from maxtext_reference import ReferenceConfig, forward  # noqa: E402
-
-MESH_SHAPE = {"fsdp": 2, "tensor": 2}
-TOKENS = [3, 17, 250, 42, 42, 7, 99, 128, 5, 61, 200, 13]
-
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-
-
-def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
-    import transformers
-    COMMON = {**globals()["COMMON"], "head_dim": head_dim, "num_attention_heads": 64 // head_dim,
-              "num_key_value_heads": 32 // head_dim}
-    if family in ("llama", "llama3.1"):
-        rope = {"rope_type": "default", "rope_theta": 10000.0}
-        if family == "llama3.1":  # the constants MaxText's llama3.1 RoPE uses
-            rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 16384}, rope_parameters=rope,
-                                          rms_norm_eps=1e-5)
-    elif family == "mistral":
-        config = transformers.MistralConfig(**COMMON, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None)
-    elif family == "qwen3":
-        config = transformers.Qwen3Config(**COMMON, tie_word_embeddings=True, rms_norm_eps=1e-6)
-    elif family == "qwen3-moe":
-        config = transformers.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                             decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6)
-    else:
-        raise ValueError(family)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(6.0)  # peaky attention: RoPE / scaling mistakes become visible
-            elif "norm" in name:
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
-    return model
-
-
-def reference_config(model: torch.nn.Module, family: str, scan_layers: bool) -> ReferenceConfig:
-    c = model.config
-    rope_theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or c.rope_theta
-    return ReferenceConfig(num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
-                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rope_theta=float(rope_theta),
-                           eps=c.rms_norm_eps, scan_layers=scan_layers,
-                           rope="llama3.1" if family == "llama3.1" else "rotate_half",
-                           qk_norm=family.startswith("qwen3"), tied=bool(c.tie_word_embeddings),
-                           num_experts_per_tok=getattr(c, "num_experts_per_tok", 0) if family == "qwen3-moe" else 0)
-
-
-def convert(model, family, out, scan_layers=True, dtype="float32"):
-    """HF parameters (deduplicated, as a universal checkpoint holds them) -> MaxText, as to-maxtext does."""
-    params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
-    config = json.loads(model.config.to_json_string(use_diff=False))
-    family = get_family(family) if isinstance(family, str) else family
-    dims = ModelDims.from_config(config)
-    shapes = {name: array.shape for name, array in params.items()}
-    items = write_maxtext(lambda name, state="fp32": params[name], shapes, family, dims, out,
-                          scan_layers=scan_layers, dtype=dtype, progress=False, model_config=config)
-    return items, plan_leaves(family, dims, shapes, scan_layers)
-
-
-def restore_on_mesh(items, leaves):
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
-    abstract: dict = {}
-    for leaf in leaves:
-        node = abstract
-        for key in leaf.path[:-1]:
-            node = node.setdefault(key, {})
-        sharding = NamedSharding(mesh, PartitionSpec(*partition_spec(leaf, MESH_SHAPE)))
-        node[leaf.path[-1]] = jax.ShapeDtypeStruct(leaf.shape, np.float32, sharding=sharding)
-    abstract = {"params": {"params": abstract}}
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
-    return checkpointer.restore(items, args=ocp.args.PyTreeRestore(
-        item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract), partial_restore=True))
-
-
-def max_kl(reference_logits: torch.Tensor, logits) -> float:
-    p = torch.log_softmax(reference_logits.double(), -1)
-    q = torch.log_softmax(torch.from_numpy(np.asarray(logits, dtype=np.float64)), -1)
-    return float((p.exp() * (p - q)).sum(-1).max())
-
-
-def torch_logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([TOKENS])).logits[0]
-
+from harness.maxtext import (MESH_SHAPE, TOKENS, convert, hf_model, max_kl, reference_config,  # noqa: E402
+                             restore_on_mesh, torch_adam_state, torch_logits)
+from harness.maxtext_reference import forward  # noqa: E402
 
 LLAMA_SCANNED = {
     "token_embedder/embedding": (256, 64),
@@ -192,40 +107,6 @@ def test_negative_controls_fail_the_kl_bar(tmp_path, mistake):
     assert max_kl(torch_logits(model), logits) > 1e-3
 
 
-@pytest.mark.e2e
-def test_deepspeed_checkpoint_to_maxtext_directly_and_via_universal(scenarios, tmp_path):
-    """A TP=2 ZeRO-1 DeepSpeed checkpoint converts on the fly (no universal copy) to the same arrays as its
-    universal form, and the JAX forward on them matches the PyTorch model holding the trained fp32 weights."""
-    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-    from deepspeed_ext.demo.models import build_model
-    from deepspeed_ext.demo.runner import cli
-
-    tp2 = scenarios("tp2_zero1_bf16", tp=2)
-    outputs = {}
-    for kind, source in (("deepspeed", tp2.save_dir), ("universal", tp2.universal_dir)):
-        out = tmp_path / kind
-        cli(["to-maxtext", str(source), "-o", str(out), "--dtype", "float32", "--quiet"], tmp_path / f"{kind}.log")
-        outputs[kind] = out / "0" / "items"
-
-    model = build_model("llama")
-    universal = UniversalCheckpoint(tp2.universal_dir)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(universal.load(name))
-    config = json.loads(model.config.to_json_string(use_diff=False))
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    leaves = plan_leaves(get_family("llama"), ModelDims.from_config(config), shapes, True)
-    restored = {kind: restore_on_mesh(items, leaves) for kind, items in outputs.items()}
-    flat = {kind: ocp.tree.to_flat_dict(tree, sep="/") for kind, tree in restored.items()}
-    assert flat["deepspeed"].keys() == flat["universal"].keys()
-    for name, array in flat["deepspeed"].items():
-        assert np.array_equal(np.asarray(array), np.asarray(flat["universal"][name])), name
-    logits = forward(restored["deepspeed"], np.array(TOKENS) % 101, reference_config(model, "llama", True))
-    with torch.no_grad():
-        reference = model(input_ids=torch.tensor([TOKENS]) % 101).logits[0]
-    assert max_kl(reference, logits) <= 1e-5
-
-
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64)).max())
 
@@ -253,28 +134,6 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers)
             assert _ulps(got, expected) <= 1, name
     if get_family(family).query_scaled:
         assert inexact, "the query kernel should have met a rounding (else this test proves less than it says)"
-
-
-@pytest.mark.e2e
-def test_deepspeed_to_maxtext_and_back_resumes_at_tp1(scenarios, tmp_path):
-    """DeepSpeed TP=2 training -> to-maxtext --with-optimizer -> from-maxtext -> DeepSpeed resume at TP=1:
-    weights, Adam moments and step counts make the trip (fp32 storage), so the loss continues."""
-    from deepspeed_ext.demo.runner import cli
-    from e2e import assert_losses_continue
-    tp2 = scenarios("tp2_zero1_bf16", tp=2)
-    cli(["to-maxtext", str(tp2.save_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32", "--with-optimizer",
-         "--quiet"], tmp_path / "to.log")
-    back = tmp_path / "universal"
-    cli(["from-maxtext", str(tmp_path / "maxtext" / "0" / "items"), "-o", str(back), "--quiet"], tmp_path / "from.log")
-    # universal -> MaxText -> universal, file by file: exact (head_dim 4: the query scale 1/2 is exact too).
-    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-    original, returned = UniversalCheckpoint(tp2.universal_dir), UniversalCheckpoint(back)
-    assert sorted(original.names) == sorted(returned.names)
-    for name in original.names:
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(original.load(name, state), returned.load(name, state)), (name, state)
-        assert int(original.step(name)) == int(returned.step(name))
-    assert_losses_continue(tp2, tp2.resume(1, load_dir=back))
 
 
 def test_orbax_internals_we_rely_on_are_still_there():
@@ -315,18 +174,6 @@ def test_mesh_aligned_chunks_are_one_device_shard(tmp_path, family):
         assert np.array_equal(np.asarray(a[name]), np.asarray(b[name])), name
 
 
-def _torch_adam_state(model, steps: int = 2, lr: float = 1e-2):
-    """Train a couple of steps with torch Adam (as DeepSpeed's Adam runs, no weight decay); return the
-    optimizer so its exp_avg / exp_avg_sq / step can be converted."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8)
-    for step in range(steps):
-        tokens = torch.tensor([[(t * (step + 2)) % 256 for t in TOKENS]])
-        optimizer.zero_grad()
-        model(input_ids=tokens, labels=tokens).loss.backward()
-        optimizer.step()
-    return optimizer
-
-
 @pytest.mark.parametrize("family", ["llama3.1", "qwen3-moe"])
 def test_with_optimizer_momentum_continues_on_the_jax_side(tmp_path, family):
     """--with-optimizer: Adam moments go into optax adamw's state (MaxText's default optimizer), so one
@@ -338,7 +185,7 @@ def test_with_optimizer_momentum_continues_on_the_jax_side(tmp_path, family):
     from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, to_maxtext
     optax_state = optax.ScaleByAdamState
     model = hf_model(family, head_dim=8)
-    optimizer = _torch_adam_state(model)
+    optimizer = torch_adam_state(model)
     params = dict(model.named_parameters())
     config = json.loads(model.config.to_json_string(use_diff=False))
     fam, dims = get_family(family), ModelDims.from_config(config)
@@ -398,43 +245,3 @@ def test_with_optimizer_momentum_continues_on_the_jax_side(tmp_path, family):
         expected = np.stack(expected, 1) if leaf.stacked else expected[0]
         np.testing.assert_allclose(np.asarray(jax_new[leaf.name]), expected, rtol=1e-5, atol=1e-6,
                                    err_msg=leaf.name)
-
-
-def test_reshard_orbax_rechunks_array_by_array_and_keeps_everything_else(tmp_path):
-    """reshard-orbax: a checkpoint written whole (no --mesh, with Adam state) re-chunked for fsdp=2 x
-    tensor=2: same arrays, scalars and custom metadata; every param and moment chunk is one device's shard."""
-    import tensorstore as ts
-    from deepspeed_ext.checkpoint.maxtext import shard_shape
-    from deepspeed_ext.demo.runner import cli
-    model = hf_model("llama3.1", head_dim=8)
-    optimizer = _torch_adam_state(model, steps=1)
-    params = dict(model.named_parameters())
-    config = json.loads(model.config.to_json_string(use_diff=False))
-    fam, dims = get_family("llama3.1"), ModelDims.from_config(config)
-    shapes = {name: tuple(p.shape) for name, p in params.items()}
-
-    def load(name, state="fp32"):
-        tensor = params[name] if state == "fp32" else optimizer.state[params[name]][state]
-        return tensor.detach().numpy().copy()
-
-    source = write_maxtext(load, shapes, fam, dims, tmp_path / "whole", dtype="bfloat16", progress=False,
-                           model_config=config, step=7, with_optimizer=True, optimizer_step=1)
-    out = tmp_path / "resharded"
-    proc = cli(["reshard-orbax", str(source), "-o", str(out), "--mesh", "fsdp=2,tensor=2", "--quiet"],
-               tmp_path / "reshard.log")
-    assert proc.stderr.count("kept whole") == 0
-    resharded = out / "0" / "items"
-    before, after = (ocp.PyTreeCheckpointer().restore(items) for items in (source, resharded))
-    flat_before, flat_after = (ocp.tree.to_flat_dict(t, sep="/") for t in (before, after))
-    assert flat_before.keys() == flat_after.keys()
-    for name, value in flat_before.items():
-        assert np.asarray(value).dtype == np.asarray(flat_after[name]).dtype, name
-        assert np.array_equal(np.asarray(value), np.asarray(flat_after[name])), name
-    assert int(after["step"]) == 7 and int(after["opt_state"][0]["count"]) == 1
-    custom = (ocp.StandardCheckpointer().metadata(p.parent).custom_metadata for p in (source, resharded))
-    assert next(custom) == next(custom)
-    for leaf in plan_leaves(fam, dims, shapes, True):
-        for root in ("params.params.", "opt_state.0.mu.params.", "opt_state.0.nu.params."):
-            array = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{resharded}"},
-                             "path": root + ".".join(leaf.path)}).result()
-            assert tuple(array.chunk_layout.write_chunk.shape) == shard_shape(leaf, MESH_SHAPE), (root, leaf.name)

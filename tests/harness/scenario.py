@@ -1,4 +1,5 @@
-"""End-to-end scenarios: the real DeepSpeed engine under torchrun (gloo, CPU), built once per session."""
+"""End-to-end scenarios: the real DeepSpeed engine under torchrun (gloo, CPU), built once per session
+(``scenarios`` in tests/e2e/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from deepspeed_ext.demo.runner import cli, read_loss_scales, read_losses, run_logged, torchrun_train
+from harness.runner import cli, read_loss_scales, read_losses, run_logged, torchrun_train
 
 
 @dataclass
@@ -142,11 +143,6 @@ def without_recorded_order(tag_dir: Path, copy: Path) -> Path:
     assert info.pop("optimizer_param_names")
     (copy / METADATA_FILE).write_text(json.dumps(info))
     return copy
-
-
-def universal_in(save_dir: Path) -> Path:
-    """The universal checkpoint directory of a save directory that ``-o`` wrote (its ``latest_universal``)."""
-    return save_dir / (save_dir / "latest_universal").read_text().strip()
 
 
 def assert_losses_continue(scenario: Scenario, resumed: dict[int, float], rel: float = 1e-2) -> None:

@@ -4,10 +4,8 @@ import sys
 
 import pytest
 
-from deepspeed_ext.demo.runner import run_logged
-from e2e import assert_losses_continue
-
-pytestmark = pytest.mark.e2e
+from harness.runner import run_logged
+from harness.scenario import assert_losses_continue
 
 
 @pytest.fixture(scope="module")

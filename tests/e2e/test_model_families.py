@@ -7,11 +7,9 @@ import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
-from deepspeed_ext.demo.runner import cli
-from e2e import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
-                 upstream_ds_to_universal)
-
-pytestmark = pytest.mark.e2e
+from harness.runner import cli
+from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
+                              upstream_ds_to_universal)
 
 
 @pytest.mark.parametrize("target_tp", [1, 3])

@@ -4,59 +4,28 @@
   ``--overwrite``: refused in one line (exit 2), the whole tree around the source byte-identical.
 * With ``-o`` nothing is written outside the output; ``-o`` of the universal writers is a save directory.
 * Each command on each format's output: it works, or says in one line which command reads that format.
-* Ctrl-C: one line, exit 130, nothing left; a closed stdout is not an error; misleading inputs get the line
-  that names what is wrong.
+* Misleading inputs get the line that names what is wrong.
 
-The DeepSpeed-checkpoint cases need a real engine's checkpoint and are marked e2e.
+Ctrl-C, a closed stdout (the CLI in a subprocess) and the DeepSpeed-checkpoint cases (a real engine's
+checkpoint) are in tests/e2e/test_source_safety_e2e.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from deepspeed_ext.cli import main
 from deepspeed_ext.demo.models import build_model
-from e2e import universal_in
-
-REFUSED = "deepspeed-ext never writes into its input"
-
-
-def digest(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` with its bytes (symlinks by their target)."""
-    return {str(p.relative_to(root)): (os.readlink(p).encode() if p.is_symlink() else p.read_bytes())
-            for p in sorted(root.rglob("*")) if p.is_file() or p.is_symlink()}
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    """``deepspeed-ext ARGS`` in this process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    code = main(list(args))
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def spawn(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-m", "deepspeed_ext", *args], env=env, **kwargs)
+from harness.cli import REFUSED, assert_refused_everywhere, digest, make_formats, run, universal_in
 
 
 @pytest.fixture(scope="module")
 def formats(tmp_path_factory) -> dict[str, Path]:
     """One checkpoint per format: HF (sharded safetensors), universal (from-hf's save directory), MaxText."""
-    root = tmp_path_factory.mktemp("formats")
-    build_model("llama", seed=5).save_pretrained(root / "hf", max_shard_size="30KB")
-    assert main(["from-hf", str(root / "hf"), "-o", str(root / "universal"), "-q"]) == 0
-    assert main(["to-maxtext", str(root / "hf"), "-o", str(root / "maxtext"), "-q"]) == 0
-    return {"huggingface": root / "hf", "universal": root / "universal", "maxtext": root / "maxtext"}
+    return make_formats(tmp_path_factory.mktemp("formats"))
 
 
 # --------------------------------------------------------------------------- -o at, inside or around the source
@@ -65,25 +34,6 @@ WRITERS = [("to-hf", "huggingface", []), ("to-hf", "universal", []), ("to-hf", "
            ("to-maxtext", "huggingface", []), ("to-maxtext", "universal", []),
            ("from-hf", "huggingface", []), ("from-maxtext", "maxtext", []),
            ("reshard-orbax", "maxtext", ["--mesh", "fsdp=2"])]
-
-
-def placements(source: Path) -> dict[str, Path]:
-    return {"equal": source, "inside": source / "sub", "parent": source.parent}
-
-
-def assert_refused_everywhere(capsys, tmp_path: Path, command: str, source: Path, extra: list[str],
-                              named: Path | None = None) -> None:
-    """``command named -o X [--overwrite]`` for X at, inside and around ``source``: refused in one line, and
-    nothing under ``tmp_path`` (the source and everything around it) changes."""
-    named = named or source
-    before = digest(tmp_path)
-    for where, out in placements(source).items():
-        for overwrite in ([], ["--overwrite"]):
-            code, _, err = run(capsys, command, str(named), "-o", str(out), *extra, *overwrite, "-q")
-            lines = err.strip().splitlines()
-            assert code == 2 and len(lines) == 1 and REFUSED in lines[0], (command, where, overwrite, err)
-            assert lines[0].startswith(f"deepspeed-ext: error: {out}: the output"), lines
-    assert digest(tmp_path) == before, command
 
 
 @pytest.mark.parametrize("command, kind, extra", WRITERS, ids=[f"{c}-{k}" for c, k, _ in WRITERS])
@@ -226,89 +176,6 @@ def test_from_maxtext_accepts_the_root_the_step_and_the_items(formats, tmp_path,
         assert run(capsys, "from-maxtext", str(argument), "-o", str(outputs[-1]), "-q")[0] == 0
     files = [digest(universal_in(out)) for out in outputs]
     assert files[0] == files[1] == files[2]
-
-
-# --------------------------------------------------------------------------- Ctrl-C and a closed stdout
-@pytest.fixture(scope="module")
-def larger_hf(tmp_path_factory) -> Path:
-    """A 25M-parameter model: big enough that a conversion is still writing 0.3 s after it starts."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    root = tmp_path_factory.mktemp("larger")
-    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=2)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf", max_shard_size="20MB")
-    return root / "hf"
-
-
-@pytest.mark.parametrize("command", ["to-maxtext", "from-hf"])
-def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(larger_hf, tmp_path, command):
-    out = tmp_path / "out"
-    before = digest(larger_hf)
-    proc = spawn(command, str(larger_hf), "-o", str(out), "-q", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                 text=True)
-    staging = tmp_path / "out.partial"
-    deadline = time.time() + 120
-    while not staging.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("the conversion finished before the interrupt")
-    assert proc.returncode == 130 and err.strip() == "deepspeed-ext: interrupted; nothing was written", err
-    time.sleep(1)  # a library thread that outlived the interrupt would write by now
-    assert sorted(p.name for p in tmp_path.iterdir()) == [] and digest(larger_hf) == before
-
-
-def test_a_closed_stdout_is_not_an_error(formats):
-    """`deepspeed-ext inspect ... | head -1`: the reader goes away early; exit 0 and no error."""
-    read_end, write_end = os.pipe()
-    os.close(read_end)  # closed before the command writes: every write to stdout fails with EPIPE
-    proc = spawn("inspect", str(formats["universal"]), stdout=write_end, stderr=subprocess.PIPE, text=True)
-    os.close(write_end)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "error" not in err.lower() and "Traceback" not in err, err
-
-
-# --------------------------------------------------------------------------- DeepSpeed checkpoints (real engine)
-@pytest.mark.e2e
-def test_deepspeed_sources_are_never_written(scenarios, tmp_path, capsys):
-    """to-universal, to-hf and to-maxtext on a real TP=2 engine checkpoint, named by its save directory and by its
-    tag directory; then the one exception: to-universal without -o adds <tag>_universal and latest_universal
-    beside the tag and changes no file of the checkpoint."""
-    tp2 = scenarios("tp2_zero1_bf16", tp=2)
-    work = tmp_path / "work"
-    save_dir = work / "ckpt"
-    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
-    tag_dir = save_dir / tp2.tag_dir.name
-    for command in ("to-universal", "to-hf", "to-maxtext"):
-        assert_refused_everywhere(capsys, work, command, save_dir, [])
-        assert_refused_everywhere(capsys, work, command, tag_dir, [])
-
-    before = digest(save_dir)
-    assert run(capsys, "to-universal", str(save_dir), "-q")[0] == 0
-    after = digest(save_dir)
-    assert {name: after[name] for name in before} == before
-    added = {name.split("/")[0] for name in set(after) - set(before)}
-    assert added == {f"{tag_dir.name}_universal", "latest_universal"}
-    code, _, err = run(capsys, "to-universal", str(save_dir / f"{tag_dir.name}_universal"), "-q")
-    assert code == 2 and "already a universal checkpoint" in err
-
-
-@pytest.mark.e2e
-def test_verify_checks_what_a_deepspeed_checkpoint_allows(scenarios, tmp_path, capsys):
-    """No manifest there: every file loads safely, shards and replicas agree, every tensor finite; a damaged
-    file is named."""
-    tp2 = scenarios("tp2_zero1_bf16", tp=2)
-    code, out, _ = run(capsys, "verify", str(tp2.tag_dir))
-    assert code == 0 and "OK: DeepSpeed checkpoint (no manifest): 4 files load safely, 63 tensors" in out, out
-    assert run(capsys, "verify", str(tp2.save_dir))[0] == 0
-    damaged = tmp_path / "ckpt"
-    shutil.copytree(tp2.tag_dir, damaged)
-    optimizer = next(damaged.glob("*mp_rank_01_optim_states.pt"))
-    optimizer.write_bytes(optimizer.read_bytes()[:5000])
-    code, out, _ = run(capsys, "verify", str(damaged))
-    assert code == 1 and f"{optimizer}: cannot read torch file" in out and ": FAILED: " in out, out
 
 
 def test_a_directory_with_two_formats_is_read_as_each_command_expects(formats, tmp_path, capsys):

@@ -1,0 +1,114 @@
+"""to-maxtext from a real DeepSpeed TP=2 checkpoint (directly and via universal, and back to a resume at TP=1),
+and reshard-orbax run as a subprocess. The rest is in tests/unit/test_maxtext.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from deepspeed_ext.checkpoint.families import get_family
+from deepspeed_ext.checkpoint.maxtext import ModelDims, plan_leaves, write_maxtext
+
+jax = pytest.importorskip("jax")
+ocp = pytest.importorskip("orbax.checkpoint")
+
+from harness.maxtext import (MESH_SHAPE, TOKENS, hf_model, max_kl, reference_config, restore_on_mesh,  # noqa: E402
+                             torch_adam_state)
+from harness.maxtext_reference import forward  # noqa: E402
+
+
+def test_deepspeed_checkpoint_to_maxtext_directly_and_via_universal(scenarios, tmp_path):
+    """A TP=2 ZeRO-1 DeepSpeed checkpoint converts on the fly (no universal copy) to the same arrays as its
+    universal form, and the JAX forward on them matches the PyTorch model holding the trained fp32 weights."""
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    from deepspeed_ext.demo.models import build_model
+    from harness.runner import cli
+
+    tp2 = scenarios("tp2_zero1_bf16", tp=2)
+    outputs = {}
+    for kind, source in (("deepspeed", tp2.save_dir), ("universal", tp2.universal_dir)):
+        out = tmp_path / kind
+        cli(["to-maxtext", str(source), "-o", str(out), "--dtype", "float32", "--quiet"], tmp_path / f"{kind}.log")
+        outputs[kind] = out / "0" / "items"
+
+    model = build_model("llama")
+    universal = UniversalCheckpoint(tp2.universal_dir)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(universal.load(name))
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    leaves = plan_leaves(get_family("llama"), ModelDims.from_config(config), shapes, True)
+    restored = {kind: restore_on_mesh(items, leaves) for kind, items in outputs.items()}
+    flat = {kind: ocp.tree.to_flat_dict(tree, sep="/") for kind, tree in restored.items()}
+    assert flat["deepspeed"].keys() == flat["universal"].keys()
+    for name, array in flat["deepspeed"].items():
+        assert np.array_equal(np.asarray(array), np.asarray(flat["universal"][name])), name
+    logits = forward(restored["deepspeed"], np.array(TOKENS) % 101, reference_config(model, "llama", True))
+    with torch.no_grad():
+        reference = model(input_ids=torch.tensor([TOKENS]) % 101).logits[0]
+    assert max_kl(reference, logits) <= 1e-5
+
+
+def test_deepspeed_to_maxtext_and_back_resumes_at_tp1(scenarios, tmp_path):
+    """DeepSpeed TP=2 training -> to-maxtext --with-optimizer -> from-maxtext -> DeepSpeed resume at TP=1:
+    weights, Adam moments and step counts make the trip (fp32 storage), so the loss continues."""
+    from harness.runner import cli
+    from harness.scenario import assert_losses_continue
+    tp2 = scenarios("tp2_zero1_bf16", tp=2)
+    cli(["to-maxtext", str(tp2.save_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32", "--with-optimizer",
+         "--quiet"], tmp_path / "to.log")
+    back = tmp_path / "universal"
+    cli(["from-maxtext", str(tmp_path / "maxtext" / "0" / "items"), "-o", str(back), "--quiet"], tmp_path / "from.log")
+    # universal -> MaxText -> universal, file by file: exact (head_dim 4: the query scale 1/2 is exact too).
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    original, returned = UniversalCheckpoint(tp2.universal_dir), UniversalCheckpoint(back)
+    assert sorted(original.names) == sorted(returned.names)
+    for name in original.names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(original.load(name, state), returned.load(name, state)), (name, state)
+        assert int(original.step(name)) == int(returned.step(name))
+    assert_losses_continue(tp2, tp2.resume(1, load_dir=back))
+
+
+def test_reshard_orbax_rechunks_array_by_array_and_keeps_everything_else(tmp_path):
+    """reshard-orbax: a checkpoint written whole (no --mesh, with Adam state) re-chunked for fsdp=2 x
+    tensor=2: same arrays, scalars and custom metadata; every param and moment chunk is one device's shard."""
+    import tensorstore as ts
+    from deepspeed_ext.checkpoint.maxtext import shard_shape
+    from harness.runner import cli
+    model = hf_model("llama3.1", head_dim=8)
+    optimizer = torch_adam_state(model, steps=1)
+    params = dict(model.named_parameters())
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    fam, dims = get_family("llama3.1"), ModelDims.from_config(config)
+    shapes = {name: tuple(p.shape) for name, p in params.items()}
+
+    def load(name, state="fp32"):
+        tensor = params[name] if state == "fp32" else optimizer.state[params[name]][state]
+        return tensor.detach().numpy().copy()
+
+    source = write_maxtext(load, shapes, fam, dims, tmp_path / "whole", dtype="bfloat16", progress=False,
+                           model_config=config, step=7, with_optimizer=True, optimizer_step=1)
+    out = tmp_path / "resharded"
+    proc = cli(["reshard-orbax", str(source), "-o", str(out), "--mesh", "fsdp=2,tensor=2", "--quiet"],
+               tmp_path / "reshard.log")
+    assert proc.stderr.count("kept whole") == 0
+    resharded = out / "0" / "items"
+    before, after = (ocp.PyTreeCheckpointer().restore(items) for items in (source, resharded))
+    flat_before, flat_after = (ocp.tree.to_flat_dict(t, sep="/") for t in (before, after))
+    assert flat_before.keys() == flat_after.keys()
+    for name, value in flat_before.items():
+        assert np.asarray(value).dtype == np.asarray(flat_after[name]).dtype, name
+        assert np.array_equal(np.asarray(value), np.asarray(flat_after[name])), name
+    assert int(after["step"]) == 7 and int(after["opt_state"][0]["count"]) == 1
+    custom = (ocp.StandardCheckpointer().metadata(p.parent).custom_metadata for p in (source, resharded))
+    assert next(custom) == next(custom)
+    for leaf in plan_leaves(fam, dims, shapes, True):
+        for root in ("params.params.", "opt_state.0.mu.params.", "opt_state.0.nu.params."):
+            array = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{resharded}"},
+                             "path": root + ".".join(leaf.path)}).result()
+            assert tuple(array.chunk_layout.write_chunk.shape) == shard_shape(leaf, MESH_SHAPE), (root, leaf.name)

@@ -1,0 +1,108 @@
+"""Never touch the source: the cases that need a subprocess (Ctrl-C, a closed stdout) or a real engine's
+checkpoint (DeepSpeed sources). The rest is in tests/unit/test_source_safety.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.cli import assert_refused_everywhere, digest, make_formats, run
+
+
+def spawn(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-m", "deepspeed_ext", *args], env=env, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory) -> dict[str, Path]:
+    """One checkpoint per format: HF (sharded safetensors), universal (from-hf's save directory), MaxText."""
+    return make_formats(tmp_path_factory.mktemp("formats"))
+
+
+# --------------------------------------------------------------------------- Ctrl-C and a closed stdout
+@pytest.fixture(scope="module")
+def larger_hf(tmp_path_factory) -> Path:
+    """A 25M-parameter model: big enough that a conversion is still writing 0.3 s after it starts."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    root = tmp_path_factory.mktemp("larger")
+    config = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "hf", max_shard_size="20MB")
+    return root / "hf"
+
+
+@pytest.mark.parametrize("command", ["to-maxtext", "from-hf"])
+def test_ctrl_c_is_one_line_exit_130_and_leaves_nothing(larger_hf, tmp_path, command):
+    out = tmp_path / "out"
+    before = digest(larger_hf)
+    proc = spawn(command, str(larger_hf), "-o", str(out), "-q", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True)
+    staging = tmp_path / "out.partial"
+    deadline = time.time() + 120
+    while not staging.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode == 0:
+        pytest.skip("the conversion finished before the interrupt")
+    assert proc.returncode == 130 and err.strip() == "deepspeed-ext: interrupted; nothing was written", err
+    time.sleep(1)  # a library thread that outlived the interrupt would write by now
+    assert sorted(p.name for p in tmp_path.iterdir()) == [] and digest(larger_hf) == before
+
+
+def test_a_closed_stdout_is_not_an_error(formats):
+    """`deepspeed-ext inspect ... | head -1`: the reader goes away early; exit 0 and no error."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before the command writes: every write to stdout fails with EPIPE
+    proc = spawn("inspect", str(formats["universal"]), stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "error" not in err.lower() and "Traceback" not in err, err
+
+
+# --------------------------------------------------------------------------- DeepSpeed checkpoints (real engine)
+def test_deepspeed_sources_are_never_written(scenarios, tmp_path, capsys):
+    """to-universal, to-hf and to-maxtext on a real TP=2 engine checkpoint, named by its save directory and by its
+    tag directory; then the one exception: to-universal without -o adds <tag>_universal and latest_universal
+    beside the tag and changes no file of the checkpoint."""
+    tp2 = scenarios("tp2_zero1_bf16", tp=2)
+    work = tmp_path / "work"
+    save_dir = work / "ckpt"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    tag_dir = save_dir / tp2.tag_dir.name
+    for command in ("to-universal", "to-hf", "to-maxtext"):
+        assert_refused_everywhere(capsys, work, command, save_dir, [])
+        assert_refused_everywhere(capsys, work, command, tag_dir, [])
+
+    before = digest(save_dir)
+    assert run(capsys, "to-universal", str(save_dir), "-q")[0] == 0
+    after = digest(save_dir)
+    assert {name: after[name] for name in before} == before
+    added = {name.split("/")[0] for name in set(after) - set(before)}
+    assert added == {f"{tag_dir.name}_universal", "latest_universal"}
+    code, _, err = run(capsys, "to-universal", str(save_dir / f"{tag_dir.name}_universal"), "-q")
+    assert code == 2 and "already a universal checkpoint" in err
+
+
+def test_verify_checks_what_a_deepspeed_checkpoint_allows(scenarios, tmp_path, capsys):
+    """No manifest there: every file loads safely, shards and replicas agree, every tensor finite; a damaged
+    file is named."""
+    tp2 = scenarios("tp2_zero1_bf16", tp=2)
+    code, out, _ = run(capsys, "verify", str(tp2.tag_dir))
+    assert code == 0 and "OK: DeepSpeed checkpoint (no manifest): 4 files load safely, 63 tensors" in out, out
+    assert run(capsys, "verify", str(tp2.save_dir))[0] == 0
+    damaged = tmp_path / "ckpt"
+    shutil.copytree(tp2.tag_dir, damaged)
+    optimizer = next(damaged.glob("*mp_rank_01_optim_states.pt"))
+    optimizer.write_bytes(optimizer.read_bytes()[:5000])
+    code, out, _ = run(capsys, "verify", str(damaged))
+    assert code == 1 and f"{optimizer}: cannot read torch file" in out and ": FAILED: " in out, out

@@ -1,0 +1,56 @@
+"""Launch the demo training script under torchrun and the CLI in a subprocess, as the tests need it.
+
+The demo's own runner (``deepspeed_ext.demo.runner``) does what the demo needs; this one adds what only tests
+use: another Python environment (another DeepSpeed release) per run, failures returned instead of raised, and
+the fp16 loss scales a run recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from deepspeed_ext.demo import runner as demo_runner
+from deepspeed_ext.demo.runner import read_losses
+
+__all__ = ["child_env", "cli", "read_loss_scales", "read_losses", "run_logged", "torchrun_train"]
+
+
+def child_env(python: str = sys.executable) -> dict[str, str]:
+    env = demo_runner.child_env()
+    if python != sys.executable:
+        # Another environment (another DeepSpeed): keep its JIT-built ops apart from ours.
+        env["TORCH_EXTENSIONS_DIR"] = str(Path(python).resolve().parents[1] / "torch_extensions")
+    return env
+
+
+def run_logged(cmd: list[str], log: Path, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (``cmd[0]`` is the Python to use) with its output in ``log``; on failure raise with the tail,
+    or with ``check=False`` return the failed process."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(cmd, env=child_env(cmd[0]), capture_output=True, text=True,
+                          timeout=demo_runner.TIMEOUT_S)
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    if check and proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n{tail}")
+    return proc
+
+
+def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.executable) -> None:
+    """``torchrun --standalone --nproc_per_node N -m deepspeed_ext.demo.train ARGS`` (gloo on CPU) in ``python``'s
+    environment."""
+    run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+                "deepspeed_ext.demo.train", *args], log)
+
+
+def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
+    """``deepspeed-ext ARGS`` in a subprocess of ``python``'s environment."""
+    return run_logged([python, "-m", "deepspeed_ext", *args], log, check=check)
+
+
+def read_loss_scales(path: Path) -> dict[int, float | None]:
+    """Per step, the fp16 loss scale the run ended the step with (None without loss scaling)."""
+    return {int(step): scale for step, scale in json.loads(path.read_text()).get("loss_scales", {}).items()}
