@@ -131,14 +131,12 @@ def _stage0_optimizer_param_names(engine: Any) -> list[list[str]] | None:
 
     DeepSpeed's stage-0 optimizer state is keyed by position only; ZeRO states name their parameters.
     """
+    from deepspeed_ext.checkpoint.deepspeed import zero0
     optimizer = getattr(engine, "optimizer", None)
     if optimizer is None or engine.zero_optimization():
         return None
     names = {id(param): name for name, param in engine.module.named_parameters()}
-    # FP16_Optimizer / FP16_UnfusedOptimizer keep the model's params per group in fp16_groups (their
-    # param_groups hold the fp32 masters instead); a bare torch optimizer holds the params themselves.
-    groups = getattr(optimizer, "fp16_groups", None) or [group["params"] for group in optimizer.param_groups]
-    return [[names[id(param)] for param in group] for group in groups]
+    return [[names[id(param)] for param in group] for group in zero0.live_param_groups(optimizer)]
 
 
 def _hook_load(engine: Any) -> None:
@@ -176,7 +174,8 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
     * a regular checkpoint at the engine's own degrees: DeepSpeed's native loader (it is already exact).
     """
     from deepspeed_ext.checkpoint import restore, serialization
-    from deepspeed_ext.checkpoint.deepspeed import resolve_tag_dir
+    from deepspeed_ext.checkpoint.deepspeed import keys
+    from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
     from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR, holds_universal
     from deepspeed_ext.errors import CheckpointError
     only_universal = not (Path(load_dir) / LATEST).is_file() or engine.load_universal_checkpoint()
@@ -192,12 +191,12 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
         return restore.load_universal_checkpoint
     if engine.load_universal_checkpoint():
         return restore.load_deepspeed_checkpoint
-    model_files = sorted(tag_dir.glob("*mp_rank_*_model_states.pt"))
+    model_files = sorted(tag_dir.glob(keys.MODEL_STATES_GLOB))
     if not model_files:
         return None
     saved = serialization.load(model_files[0])
     tp_size, _ = tp_group_info()
     dp_size = engine.dp_world_size if hasattr(engine, "dp_world_size") else None
-    same = (int(saved.get("mp_world_size") or 1) == tp_size
-            and (dp_size is None or int(saved.get("dp_world_size") or 1) == dp_size))
+    same = (int(saved.get(keys.MP_WORLD_SIZE) or 1) == tp_size
+            and (dp_size is None or int(saved.get(keys.DP_WORLD_SIZE) or 1) == dp_size))
     return None if same else restore.load_deepspeed_checkpoint

@@ -23,14 +23,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions
 from deepspeed_ext.errors import CheckpointError
 
 DEEPSPEED, UNIVERSAL, HUGGINGFACE, MAXTEXT = "deepspeed", "universal", "huggingface", "maxtext"
 
-LATEST = "latest"
-LATEST_UNIVERSAL = "latest_universal"
-ZERO_DIR = "zero"
+# DeepSpeed's file names (its on-disk names all live in deepspeed/keys.py, which imports nothing heavy).
+LATEST, LATEST_UNIVERSAL, ZERO_DIR = keys.LATEST, keys.LATEST_UNIVERSAL, keys.ZERO_DIR
 ORBAX_METADATA = "_METADATA"
 ORBAX_ITEM = "items"
 
@@ -50,7 +50,7 @@ def maxtext_items(path: Path) -> Path | None:
 
 
 def _has_deepspeed_files(path: Path) -> bool:
-    return any(path.glob("*mp_rank_*_model_states.pt")) or (path / LATEST).is_file()
+    return any(path.glob(keys.MODEL_STATES_GLOB)) or (path / LATEST).is_file()
 
 
 def holds_universal(path: Path) -> bool:

@@ -10,71 +10,32 @@ So a rank reads the pages of its own TP slice, not whole tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.deepspeed import keys, zero0
+from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tag_autotp_model, tp_group_info
 from deepspeed_ext.module_inject.layout import TPLayout
 
-#: Model-states keys that belong to DeepSpeed; everything else is the user's client state.
-_DEEPSPEED_STATE_KEYS = {
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-    "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info"
-}
-
 
 def _base_optimizer(engine: Any) -> Any:
-    optimizer = engine.optimizer
-    return getattr(optimizer, "optimizer", optimizer)
+    return zero0.wrapped_optimizer(engine.optimizer)
 
 
-@dataclass
-class _Stage0Slot:
-    """Where a parameter's fp32 master and moments live when the engine runs without ZeRO."""
-
-    master: torch.Tensor  # 1-D fp32 tensor holding the master at [start, start + numel)
-    key: torch.Tensor  # the optimizer's state key (the flat group, the fp32 master or the param)
-    start: int
-
-
-def _stage0_slots(engine: Any) -> dict[torch.nn.Parameter, _Stage0Slot]:
-    """Each parameter's slot in DeepSpeed's stage-0 optimizer (empty under ZeRO).
-
-    FP16_Optimizer flattens each group into one fp32 master (parameters concatenated, no padding);
-    FP16_UnfusedOptimizer keeps one fp32 master per parameter; a bare torch optimizer (fp32) steps the
-    parameters themselves.
-    """
-    optimizer = engine.optimizer
-    if optimizer is None or engine.zero_optimization():
+def _stage0_slots(engine: Any) -> dict[torch.nn.Parameter, zero0.LiveSlot]:
+    """Each parameter's slot in DeepSpeed's stage-0 optimizer (empty under ZeRO)."""
+    if engine.optimizer is None or engine.zero_optimization():
         return {}
-    slots = {}
-    if hasattr(optimizer, "fp32_groups_flat"):
-        for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
-            offset = 0
-            for param in params:
-                slots[param] = _Stage0Slot(flat.data, flat, offset)
-                offset += param.numel()
-    elif hasattr(optimizer, "fp32_groups"):
-        for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
-            for param, master in zip(params, masters, strict=True):
-                slots[param] = _Stage0Slot(master.data.view(-1), master, 0)
-    else:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                slots[param] = _Stage0Slot(param.data.view(-1), param, 0)
-    return slots
+    return zero0.live_slots(engine.optimizer)
 
 
 def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None, engine: Any,
-               stage0: dict[torch.nn.Parameter, _Stage0Slot]) -> bool:
+               stage0: dict[torch.nn.Parameter, zero0.LiveSlot]) -> bool:
     """Write this rank's fragment of ``value`` (the TP-local tensor) into the optimizer; False if unmanaged.
 
     ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly
@@ -83,8 +44,8 @@ def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     slot = stage0.get(param)
     if slot is not None:
-        target = slot.master if state is None else _base_optimizer(engine).state[slot.key][state].view(-1)
-        target.narrow(0, slot.start, value.numel()).copy_(value.reshape(-1))
+        target = slot.master_of() if state is None else slot.moment_of(_base_optimizer(engine), state)
+        target.copy_(value.reshape(-1))
         return True
     if not hasattr(param, "ds_id"):
         if not hasattr(param, "_hp_mapping"):
@@ -101,10 +62,17 @@ def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None
 class ReshardingSource(Protocol):
     """What the restore needs from a checkpoint: each parameter's shard at the live TP layout."""
 
-    path: Path
-    names: list[str]
-    has_optimizer_states: bool
-    model_states: dict[str, Any]
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def names(self) -> list[str]: ...
+
+    @property
+    def has_optimizer_states(self) -> bool: ...
+
+    @property
+    def model_states(self) -> dict[str, Any]: ...
 
     def has(self, name: str, state: str) -> bool: ...
 
@@ -201,7 +169,7 @@ def _refresh_zero3_partitions(optimizer: Any) -> None:
 
 
 def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
-                       stage0: dict[torch.nn.Parameter, _Stage0Slot]) -> None:
+                       stage0: dict[torch.nn.Parameter, zero0.LiveSlot]) -> None:
     """Create the Adam buffers a fresh engine does not have yet and link each parameter's fragment to them.
 
     Adam creates its state at the first step, so before that there is nowhere to put restored
@@ -213,7 +181,7 @@ def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]]
     fresh_step = (lambda: torch.tensor(0.0)) if isinstance(base, torch.optim.Adam | torch.optim.AdamW) else int
 
     def ensure(key: torch.Tensor) -> dict[str, Any]:
-        state = base.state[key]
+        state: dict[str, Any] = base.state[key]
         if any(name not in state for name in ADAM_STATES):
             state.setdefault("step", fresh_step())
             for name in ADAM_STATES:
@@ -232,7 +200,7 @@ def _ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]]
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:
             continue
-        flat = base.param_groups[mapping.param_group_index]["params"][0]
+        flat = base.param_groups[mapping.param_group_index][keys.PARAMS][0]
         state = ensure(flat)
         if not mapping.optim_fragment or any(key not in mapping.optim_fragment for key in ADAM_STATES):
             mapping.set_optim_state_fragment(flat, state)
@@ -249,12 +217,12 @@ def _restore_step_and_groups(engine: Any, ckpt: ReshardingSource, names: list[st
             state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
                              if torch.is_tensor(old) else type(old)(step) if old is not None else step)
     _restore_loss_scale(engine.optimizer, saved)
-    if "clip_grad" in saved and hasattr(engine.optimizer, "clip_grad"):
-        engine.optimizer.clip_grad = saved["clip_grad"]
-    saved_groups = saved.get("param_groups") or []
+    if keys.CLIP_GRAD in saved and hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = saved[keys.CLIP_GRAD]
+    saved_groups = saved.get(keys.PARAM_GROUPS) or []
     for live, saved in zip(base.param_groups, saved_groups, strict=False):
         for key, value in saved.items():
-            if key != "params":
+            if key != keys.PARAMS:
                 live[key] = value
 
 
@@ -270,7 +238,7 @@ def _restore_loss_scale(optimizer: Any, saved: dict[str, Any]) -> None:
     (``cur_scale``, ``cur_iter``, ...) and keep them in ``loss_scale_config``. Either source goes into
     either target.
     """
-    scaler = saved.get("loss_scaler")
+    scaler = saved.get(keys.LOSS_SCALER)
     fields = dict(vars(scaler)) if scaler is not None and hasattr(scaler, "__dict__") else {}
     fields.update({key: saved[key] for key in _LOSS_SCALE_STATE if key in saved})
     target = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
@@ -283,11 +251,11 @@ def _restore_loss_scale(optimizer: Any, saved: dict[str, Any]) -> None:
 
 def _restore_engine_state(engine: Any, ckpt: ReshardingSource, load_lr_scheduler: bool) -> dict[str, Any]:
     states = ckpt.model_states
-    if load_lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and states.get("lr_scheduler"):
-        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
-    engine.global_steps = int(states.get("global_steps", 0))
-    engine.global_samples = int(states.get("global_samples", engine.global_steps * engine.train_batch_size()))
-    engine.skipped_steps = int(states.get("skipped_steps", 0))
-    engine.loaded_checkpoint_mp_world_size = states.get("mp_world_size")
-    engine.loaded_checkpoint_dp_world_size = states.get("dp_world_size")
-    return {key: value for key, value in states.items() if key not in _DEEPSPEED_STATE_KEYS}
+    if load_lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and states.get(keys.LR_SCHEDULER):
+        engine.lr_scheduler.load_state_dict(states[keys.LR_SCHEDULER])
+    engine.global_steps = int(states.get(keys.GLOBAL_STEPS, 0))
+    engine.global_samples = int(states.get(keys.GLOBAL_SAMPLES, engine.global_steps * engine.train_batch_size()))
+    engine.skipped_steps = int(states.get(keys.SKIPPED_STEPS, 0))
+    engine.loaded_checkpoint_mp_world_size = states.get(keys.MP_WORLD_SIZE)
+    engine.loaded_checkpoint_dp_world_size = states.get(keys.DP_WORLD_SIZE)
+    return {key: value for key, value in states.items() if key not in keys.DEEPSPEED_STATE_KEYS}

@@ -30,8 +30,7 @@ import torch
 from tqdm import tqdm
 
 from deepspeed_ext.checkpoint import output, serialization
-from deepspeed_ext.checkpoint.deepspeed import (MODEL_STATES_RE, ZERO3_MODEL_STATES_RE, DeepSpeedCheckpoint,
-                                                resolve_tag_dir)
+from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint, keys, resolve_tag_dir
 from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
@@ -41,7 +40,7 @@ from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, F
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
-OPTIMIZER_STATE_FILE = "optimizer_state.pt"
+OPTIMIZER_STATE_FILE = keys.UNIVERSAL_OPTIMIZER_STATE_FILE
 TENSOR_STATES = (MASTER_WEIGHTS, *ADAM_STATES)
 
 
@@ -74,7 +73,7 @@ class UniversalOptions(WriteOptions):
 def universal_name(info: SourceInfo) -> str:
     """``<tag>_universal``, the directory name upstream's converter uses; sources without a DeepSpeed tag
     (HF, MaxText) are named after the training step they hold."""
-    return f"{info.tag or f'global_step{info.global_step}'}_universal"
+    return f"{info.tag or f'global_step{info.global_step}'}{keys.UNIVERSAL_TAG_SUFFIX}"
 
 
 def write(source: CheckpointSource, out: str | Path | None = None,
@@ -212,7 +211,7 @@ def _write_summary(source: CheckpointSource, partial: Path) -> None:
         serialization.save(source.optimizer_state_for_universal(), partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
         source.copy_model_states(partial)
     else:
-        serialization.save({"param_groups": []}, partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
+        serialization.save({keys.PARAM_GROUPS: []}, partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
         write_fresh_model_states(partial, info.global_step)
     write_uc_info(
         partial,
@@ -230,9 +229,9 @@ def write_fresh_model_states(directory: Path, global_steps: int) -> None:
     from importlib.metadata import version
     # DeepSpeed's loader refuses a checkpoint without ds_version; the files follow the installed release's layout.
     states: dict[str, Any] = {
-        "module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
-        "global_steps": int(global_steps), "skipped_steps": 0, "mp_world_size": 1, "dp_world_size": 1,
-        "ds_version": version("deepspeed")}
+        keys.MODULE: None, keys.BUFFER_NAMES: [], keys.OPTIMIZER: None, keys.PARAM_SHAPES: None,
+        keys.LR_SCHEDULER: None, keys.GLOBAL_STEPS: int(global_steps), keys.SKIPPED_STEPS: 0,
+        keys.MP_WORLD_SIZE: 1, keys.DP_WORLD_SIZE: 1, keys.DS_VERSION: version("deepspeed")}
     serialization.save(states, directory / "mp_rank_00_model_states.pt")
 
 
@@ -302,7 +301,7 @@ class UniversalCheckpoint:
             return step
         state = self.optimizer_state
         try:  # ZeRO-3 universal output keeps the step only in optimizer_state.pt
-            step = state["optimizer_state_dict"]["state"][0][STEP]
+            step = state[keys.OPTIMIZER_STATE_DICT][keys.STATE][0][STEP]
         except (KeyError, TypeError, IndexError):
             return None
         return step
@@ -319,7 +318,7 @@ class UniversalCheckpoint:
     @cached_property
     def model_state_files(self) -> list[Path]:
         return sorted(p for p in self.path.iterdir()
-                      if MODEL_STATES_RE.match(p.name) or ZERO3_MODEL_STATES_RE.match(p.name))
+                      if keys.MODEL_STATES_RE.match(p.name) or keys.ZERO3_MODEL_STATES_RE.match(p.name))
 
     @cached_property
     def model_states(self) -> dict[str, Any]:
@@ -335,7 +334,7 @@ class UniversalCheckpoint:
 
     def model_dtype(self, name: str) -> torch.dtype:
         """The dtype the source model held ``name`` in: its copied module weights', else the stored tensor's."""
-        module = self.model_states.get("module") if self.model_state_files else None
+        module = self.model_states.get(keys.MODULE) if self.model_state_files else None
         value = module.get(name) if isinstance(module, dict) else None
         return value.dtype if torch.is_tensor(value) else self.load(name).dtype
 
@@ -356,9 +355,9 @@ class UniversalCheckpoint:
                           path=self.path,
                           layouts=self.layouts,
                           states=tuple(s for s in (*TENSOR_STATES, STEP) if first is not None and self.has(first, s)),
-                          global_step=int(states.get("global_steps") or 0),
-                          tp_degree=int(states.get("mp_world_size") or 1),
-                          dp_degree=int(states.get("dp_world_size") or 1),
+                          global_step=int(states.get(keys.GLOBAL_STEPS) or 0),
+                          tp_degree=int(states.get(keys.MP_WORLD_SIZE) or 1),
+                          dp_degree=int(states.get(keys.DP_WORLD_SIZE) or 1),
                           tag=self.path.name,
                           model_config=self._model_config or (recorded.model_config if recorded else None),
                           model_class=recorded.model_class if recorded else None,
@@ -389,13 +388,13 @@ class UniversalCheckpoint:
             "kind": "universal",
             "path": str(self.path),
             "tag": self.path.name,
-            "source_tp_degree": states.get("mp_world_size"),
-            "source_dp_degree": states.get("dp_world_size"),
-            "zero_stage": int(opt.get("zero_stage", 1)) if opt else None,
+            "source_tp_degree": states.get(keys.MP_WORLD_SIZE),
+            "source_dp_degree": states.get(keys.DP_WORLD_SIZE),
+            "zero_stage": int(opt.get(keys.ZERO_STAGE, 1)) if opt else None,
             "tensor_dtypes": sorted({str(t.dtype).replace("torch.", "") for t in master}),
-            "global_steps": states.get("global_steps"),
+            "global_steps": states.get(keys.GLOBAL_STEPS),
             "optimizer_step": None if first is None else _as_int(self.step(first)),
-            "deepspeed_version": str(states.get("ds_version")),
+            "deepspeed_version": str(states.get(keys.DS_VERSION)),
             "metadata": "deepspeed_ext" if self.uc_info else "none",
             "num_parameters": sum(t.numel() for t in master),
         }

@@ -15,6 +15,9 @@ from pathlib import Path
 from deepspeed_ext.demo import runner as demo_runner
 from deepspeed_ext.demo.runner import read_losses
 
+#: The demo training script plus the probes (state dumps, loss scales) tests read.
+TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
+
 __all__ = ["child_env", "cli", "read_loss_scales", "read_losses", "run_logged", "torchrun_train"]
 
 
@@ -40,10 +43,10 @@ def run_logged(cmd: list[str], log: Path, check: bool = True) -> subprocess.Comp
 
 
 def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.executable) -> None:
-    """``torchrun --standalone --nproc_per_node N -m deepspeed_ext.demo.train ARGS`` (gloo on CPU) in ``python``'s
-    environment."""
-    run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-                "deepspeed_ext.demo.train", *args], log)
+    """``torchrun --standalone --nproc_per_node N workers/train.py ARGS`` (the demo's training script with the
+    tests' probes; gloo on CPU) in ``python``'s environment."""
+    run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                str(TRAIN_WORKER), *args], log)
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:

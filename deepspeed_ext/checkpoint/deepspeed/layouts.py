@@ -1,0 +1,329 @@
+"""DeepSpeed's optimizer layouts: where a checkpoint keeps each parameter's fp32 master and Adam moments.
+
+One class per layout DeepSpeed writes, chosen once per checkpoint by :func:`choose_layout`:
+
+* :class:`Stage0Layout` — no ZeRO: the whole optimizer sits in each TP rank's model states, in one of
+  three wrappers (decoded by :mod:`.zero0`); DP ranks hold replicas.
+* :class:`Zero12Layout` — ZeRO-1/2: a flat fp32 partition per (param group, DP rank) in
+  ``zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt``, with ``param_slice_mappings`` giving each
+  parameter's ``(start, numel)`` inside it.
+* :class:`BF16OptimizerLayout` — ``BF16_Optimizer`` (bf16 with fp32 gradient accumulation): the ZeRO-1
+  files without ``zero_stage``.
+* :class:`Zero3Layout` — ZeRO-3: flat fp32 partitions in which every parameter takes ``ceil(numel/dp)``
+  slots per rank, in ``param_shapes`` order, the last rank padded; nothing records the offsets.
+
+The reader (:mod:`.reader`) asks a layout for a parameter's *fragments* (which flat tensor, which range, in
+DP order) and for the flat tensors; TP merging and resharding are the same for every layout.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.files import TagFiles
+from deepspeed_ext.checkpoint.deepspeed.zero0 import SavedStage0
+from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP
+from deepspeed_ext.errors import CheckpointError
+
+#: Without ZeRO, the parameter names the optimizer of TP rank ``tp`` holds, per param group, where
+#: deepspeed-ext recorded them (None: recover them from the module state dict).
+RecordedNames = Callable[[int], "list[list[str]] | None"]
+
+
+@dataclass
+class Fragment:
+    """A run of one parameter's flattened TP shard inside one flat tensor."""
+
+    dp_rank: int
+    group: int  # the flat param group (without ZeRO: the key in the optimizer's ``state``)
+    start: int
+    numel: int
+
+
+class OptimizerLayout:
+    """How one checkpoint stores its optimizer; subclasses are DeepSpeed's layouts."""
+
+    kind: str  # the DeepSpeed optimizer class that wrote it (``inspect`` shows it)
+    zero_stage: int
+
+    def __init__(self, files: TagFiles, tp_degree: int, dp_degree: int):
+        self.files = files
+        self.tp_degree = tp_degree
+        self.dp_degree = dp_degree
+
+    def check(self) -> None:
+        """Refuse files that are missing, of another layout, or from two different saves."""
+
+    def state_file(self, tp: int, dp: int) -> Path:
+        """The file holding the (tp, dp) optimizer state (for messages)."""
+        raise NotImplementedError
+
+    def mapped_file(self, tp: int, dp: int) -> Path | None:
+        """The file whose pages a read of (tp, dp) flat tensors maps, to release them afterwards (None: keep)."""
+        return None
+
+    def saved_shapes(self, tp: int) -> OrderedDict[str, tuple[int, ...]]:
+        """``{name: TP-local shape}`` of the parameters the optimizer of TP rank ``tp`` holds, in its order."""
+        raise NotImplementedError
+
+    def fragments(self, tp: int) -> dict[str, list[Fragment]]:
+        """Each parameter's fragments on TP rank ``tp``, in DP order."""
+        raise NotImplementedError
+
+    def flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
+        """The 1-D tensor holding ``state`` (master weights or a moment) for flat group ``group``."""
+        raise NotImplementedError
+
+    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
+        """The wrapped torch optimizer's state dict (``state`` keyed by flat group, ``param_groups``)."""
+        raise NotImplementedError
+
+    def wrapper_state(self, tp: int, dp: int) -> dict[str, Any]:
+        """The DeepSpeed optimizer's own state dict (loss scaler, clip_grad, ... and its tensors)."""
+        raise NotImplementedError
+
+    #: Without ZeRO the model states hold the optimizer, which a universal checkpoint keeps per parameter.
+    optimizer_in_model_states = False
+
+    def step(self, group: int, dp: int) -> Any:
+        """The optimizer step of flat group ``group`` (TP rank 0), or None."""
+        return (self.base_state(0, dp)[keys.STATE].get(group) or {}).get(STEP)
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        """What upstream stores as ``zero/optimizer_state.pt``: the TP0/DP0 state minus its tensors."""
+        state = self.wrapper_state(0, 0)
+        out = {k: v for k, v in state.items() if k not in keys.TENSOR_HOLDING_KEYS}
+        out[keys.PARAM_GROUPS] = self.base_state(0, 0)[keys.PARAM_GROUPS]
+        return out
+
+    def _missing_moment(self, path: Path, state: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: no optimizer state {state!r} for {what} (only Adam-family optimizers are "
+                               "supported)")
+
+
+class Stage0Layout(OptimizerLayout):
+    zero_stage = 0
+    optimizer_in_model_states = True
+
+    def __init__(self, files: TagFiles, tp_degree: int, dp_degree: int, recorded_names: RecordedNames):
+        super().__init__(files, tp_degree, dp_degree)
+        self._recorded_names = recorded_names
+        self._decoded: dict[int, SavedStage0] = {}
+
+    def check(self) -> None:
+        for tp in range(self.tp_degree):
+            if not isinstance(self.files.model_states(tp).get(keys.OPTIMIZER), dict):
+                raise CheckpointError(f"{self.files.model_files[tp]}: no optimizer state (no *_optim_states.pt "
+                                      "files and no 'optimizer' entry; was it saved without an optimizer?)")
+
+    def decoded(self, tp: int) -> SavedStage0:
+        if tp not in self._decoded:
+            self._decoded[tp] = SavedStage0.read(self.files.model_states(tp), self._recorded_names(tp),
+                                                 self.files.model_files[tp])
+        return self._decoded[tp]
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]  # which wrapper is known once rank 0 is decoded
+        return self.decoded(0).kind
+
+    def state_file(self, tp: int, dp: int) -> Path:
+        return self.files.model_files[tp]
+
+    def saved_shapes(self, tp: int) -> OrderedDict[str, tuple[int, ...]]:
+        return OrderedDict((name, slot.shape) for name, slot in self.decoded(tp).slots.items())
+
+    def fragments(self, tp: int) -> dict[str, list[Fragment]]:
+        return {name: [Fragment(0, slot.key, slot.start, slot.numel)] for name, slot in self.decoded(tp).slots.items()}
+
+    def flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
+        decoded = self.decoded(tp)
+        if state == MASTER_WEIGHTS:
+            return decoded.masters[group]
+        moments = decoded.base[keys.STATE].get(group) or {}
+        if state not in moments:
+            raise self._missing_moment(self.files.model_files[tp], state, f"optimizer entry {group}")
+        tensor: torch.Tensor = moments[state]
+        return tensor.reshape(-1)
+
+    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
+        return self.decoded(tp).base
+
+    def wrapper_state(self, tp: int, dp: int) -> dict[str, Any]:
+        state: dict[str, Any] = self.files.model_states(tp)[keys.OPTIMIZER]
+        return state
+
+
+class _PartitionedLayout(OptimizerLayout):
+    """The ZeRO layouts: one optimizer file per (TP, DP) rank, each holding flat fp32 partitions."""
+
+    #: Keys every optimizer file of this layout has.
+    required_keys: tuple[str, ...] = ()
+    #: Where the flat fp32 masters are.
+    masters_key: str = ""
+
+    def check(self) -> None:
+        """Every optimizer file must be of this layout and hold this checkpoint's DP partitioning and step."""
+        reference, reference_step = None, None
+        for key, path in sorted(self.files.optim_files.items()):
+            state = self.wrapper_state(*key)
+            for required in self.required_keys:
+                if required not in state:
+                    raise CheckpointError(f"{path}: optimizer_state_dict has no {required!r} (elastic or "
+                                          "non-ZeRO optimizer checkpoints are not supported)")
+            counts = state.get(keys.PARTITION_COUNT)
+            counts = counts if isinstance(counts, list | tuple) else [counts] if counts is not None else []
+            if any(int(count) != self.dp_degree for count in counts):
+                raise CheckpointError(f"{path}: partitioned over {int(counts[0])} DP ranks, but the model states say "
+                                      f"DP={self.dp_degree}")
+            groups = self.base_state(*key).get(keys.STATE) or {}
+            step = next((group[STEP] for group in groups.values() if isinstance(group, dict) and STEP in group),
+                        None)
+            step_text = f"{float(step):g}" if step is not None else "none"
+            if reference is None:
+                reference, reference_step = path, step_text
+            elif step_text != reference_step:
+                raise CheckpointError(f"{path}: optimizer step {step_text}, but {reference.name} has step "
+                                      f"{reference_step}: files of two checkpoints are mixed")
+
+    def state_file(self, tp: int, dp: int) -> Path:
+        return self.files.optim_files[(tp, dp)]
+
+    def mapped_file(self, tp: int, dp: int) -> Path | None:
+        return self.files.optim_files[(tp, dp)]
+
+    def wrapper_state(self, tp: int, dp: int) -> dict[str, Any]:
+        return self.files.optimizer_file_state(tp, dp)
+
+    def saved_shapes(self, tp: int) -> OrderedDict[str, tuple[int, ...]]:
+        merged: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        for group in self._param_shapes(tp):
+            for name, shape in group.items():
+                merged[name] = tuple(shape)
+        return merged
+
+    def _param_shapes(self, tp: int) -> list[dict[str, Any]]:
+        groups = self.files.model_states(tp).get(keys.PARAM_SHAPES)
+        if groups is None:
+            raise CheckpointError(f"{self.files.model_files[tp]}: no param_shapes")
+        return groups if isinstance(groups, list) else [groups]
+
+    def flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
+        if state == MASTER_WEIGHTS:
+            master: torch.Tensor = self.wrapper_state(tp, dp)[self.masters_key][group]
+            return master
+        group_state = self.base_state(tp, dp)[keys.STATE].get(group)
+        if group_state is None or state not in group_state:
+            raise self._missing_moment(self.files.optim_files[(tp, dp)], state, f"param group {group}")
+        moment: torch.Tensor = group_state[state]
+        return moment
+
+
+class Zero12Layout(_PartitionedLayout):
+    kind = "DeepSpeedZeroOptimizer"
+    required_keys = (keys.PARAM_SLICE_MAPPINGS, keys.SINGLE_PARTITION_OF_FP32_GROUPS, keys.BASE_OPTIMIZER_STATE)
+    masters_key = keys.SINGLE_PARTITION_OF_FP32_GROUPS
+
+    @property
+    def zero_stage(self) -> int:  # type: ignore[override]  # 1 or 2, as the files say
+        return int(self.wrapper_state(0, 0).get(keys.ZERO_STAGE, 1))
+
+    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
+        base: dict[str, Any] = self.wrapper_state(tp, dp)[keys.BASE_OPTIMIZER_STATE]
+        return base
+
+    def fragments(self, tp: int) -> dict[str, list[Fragment]]:
+        out: dict[str, list[Fragment]] = {}
+        for dp in range(self.dp_degree):
+            for group, mapping in enumerate(self.wrapper_state(tp, dp)[keys.PARAM_SLICE_MAPPINGS]):
+                for name, address in mapping.items():
+                    out.setdefault(name, []).append(Fragment(dp, group, int(address.start), int(address.numel)))
+        return out
+
+
+class BF16OptimizerLayout(Zero12Layout):
+    """BF16_Optimizer writes ZeRO-1's files minus ``zero_stage`` (reported as stage 1, which it partitions like)."""
+
+    kind = "BF16_Optimizer"
+
+
+class Zero3Layout(_PartitionedLayout):
+    kind = "DeepSpeedZeroOptimizer_Stage3"
+    required_keys = (keys.FP32_FLAT_GROUPS, keys.OPTIMIZER_STATE_DICT)
+    masters_key = keys.FP32_FLAT_GROUPS
+
+    @property
+    def zero_stage(self) -> int:  # type: ignore[override]
+        return int(self.wrapper_state(0, 0).get(keys.ZERO_STAGE, 1))
+
+    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
+        base: dict[str, Any] = self.wrapper_state(tp, dp)[keys.OPTIMIZER_STATE_DICT]
+        return base
+
+    def fragments(self, tp: int) -> dict[str, list[Fragment]]:
+        out: dict[str, list[Fragment]] = {}
+        dp = self.dp_degree
+        for group, shapes in enumerate(self._param_shapes(tp)):
+            offset = 0
+            for name, shape in shapes.items():
+                numel = int(torch.Size(shape).numel())
+                part = -(-numel // dp)
+                for dp_rank in range(dp):
+                    length = max(0, min(part, numel - dp_rank * part))
+                    if length:
+                        out.setdefault(name, []).append(Fragment(dp_rank, group, offset, length))
+                offset += part
+            flat = self.flat(tp, 0, group, MASTER_WEIGHTS)
+            if offset != flat.numel():
+                raise CheckpointError(f"{self.files.optim_files[(tp, 0)]}: flat partition of group {group} has "
+                                      f"{flat.numel()} elements, param_shapes imply {offset} (ZeRO-3 "
+                                      "sub_group_size smaller than a param group is not supported)")
+        return out
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        out = super().optimizer_state_for_universal()
+        base = self.base_state(0, 0)
+        # DeepSpeed's ZeRO-3 universal loader reads the step and hyper-parameters from here; the flat
+        # moments stay out (they are in zero/<param>/ already).
+        out[keys.OPTIMIZER_STATE_DICT] = {
+            keys.STATE: {group: {STEP: st[STEP]} for group, st in base[keys.STATE].items() if STEP in st},
+            keys.PARAM_GROUPS: base[keys.PARAM_GROUPS],
+        }
+        return out
+
+
+def choose_layout(files: TagFiles, tp_degree: int, dp_degree: int, recorded_names: RecordedNames) -> OptimizerLayout:
+    """The layout this checkpoint's files were written in, checked."""
+    layout: OptimizerLayout
+    if not files.optim_files:
+        layout = Stage0Layout(files, tp_degree, dp_degree, recorded_names)
+    else:
+        missing = [(tp, dp) for tp in range(tp_degree) for dp in range(dp_degree) if (tp, dp) not in files.optim_files]
+        if missing:
+            tp, dp = missing[0]
+            raise CheckpointError(f"{files.tag_dir}: missing optimizer file for dp_rank {dp}, mp_rank {tp:02d} "
+                                  f"({len(missing)} missing)")
+        if files.partitioned_weights:
+            layout = Zero3Layout(files, tp_degree, dp_degree)
+        elif keys.ZERO_STAGE in files.optimizer_file_state(0, 0):
+            layout = Zero12Layout(files, tp_degree, dp_degree)
+        else:
+            layout = BF16OptimizerLayout(files, tp_degree, dp_degree)
+    layout.check()
+    return layout
+
+
+def release_pages(pieces: list[tuple[Path, torch.Tensor]], mappings: dict[Path, list[tuple[int, int]]]) -> None:
+    """Drop the pages of memory-mapped file pieces from RSS (they are read back from the file if used again)."""
+    for path, piece in pieces:
+        if path not in mappings:
+            mappings[path] = serialization.file_mappings(path)
+        serialization.release_pages(piece, mappings[path])
+

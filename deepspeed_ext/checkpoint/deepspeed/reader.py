@@ -1,0 +1,371 @@
+"""The DeepSpeed checkpoint reader: TP slices × an optimizer layout → full tensors, or shards at another TP degree.
+
+What differs between DeepSpeed's optimizer layouts (where the fp32 master and moments of a parameter's TP
+shard lie) is in :mod:`.layouts`; this module merges over TP ranks and reshards, the same for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import OrderedDict
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint import output, serialization
+from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
+from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout, release_pages
+from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
+from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP, OpenOptions, SourceInfo
+from deepspeed_ext.checkpoint.tensor import LogicalTensor
+from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
+from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info, name_patterns, unsharded_weights
+from deepspeed_ext.module_inject.layout import TPLayout
+
+HOW_TO_GET_METADATA = ("save it through deepspeed_ext.initialize with "
+                       "\"deepspeed_ext\": {\"universal_checkpoint\": {\"enabled\": true}} in the DeepSpeed config, "
+                       "or with DeepSpeed >= 0.18.9, whose AutoTP stores universal_checkpoint_info")
+
+
+def open_source(path: Path, options: OpenOptions) -> DeepSpeedCheckpoint:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
+    config = dict(options.model_config) if options.model_config is not None else None
+    return DeepSpeedCheckpoint(path, options.tag, model_config=config)
+
+
+class DeepSpeedCheckpoint:
+    """A regular DeepSpeed checkpoint tag directory, read lazily and memory-mapped."""
+
+    def __init__(self, path: str | Path, tag: str | None = None, model_config: dict[str, Any] | None = None):
+        """``model_config``: the HF config to report instead of the one recorded at save time (``--config``)."""
+        self.given = Path(path)
+        self._model_config = model_config
+        self.tag_dir = resolve_tag_dir(path, tag)
+        self.tag = self.tag_dir.name
+        self.files = TagFiles.scan(self.tag_dir)
+        model_files = self.files.model_files
+        first = self.rank_model_states(min(model_files))
+        self.tp_degree = int(first.get(keys.MP_WORLD_SIZE) or 1)
+        dims = first.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
+        if int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1) != 1:
+            raise CheckpointError(f"{model_files[min(model_files)]}: pipeline parallelism is not supported")
+        missing = [r for r in range(self.tp_degree) if r not in model_files]
+        if missing:
+            raise CheckpointError(f"{self.tag_dir}: TP degree is {self.tp_degree} but mp_rank files for TP ranks "
+                                  f"{missing} are missing")
+        self.dp_degree = int(first.get(keys.DP_WORLD_SIZE) or 1)
+        self._check_model_states_agree(first)
+        self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
+                                                        self._recorded_optimizer_names)
+        # Memory-mapped optimizer-file pieces the last tensor read, released before the next one.
+        self._in_flight: list[tuple[Path, torch.Tensor]] = []
+        self._mappings: dict[Path, list[tuple[int, int]]] = {}
+
+    def _check_model_states_agree(self, first: dict[str, Any]) -> None:
+        """Every TP rank's model states must come from the same save: same step, same TP and DP degrees."""
+        model_files = self.files.model_files
+        reference = model_files[min(model_files)]
+        expected = {key: first.get(key) for key in (keys.GLOBAL_STEPS, keys.MP_WORLD_SIZE, keys.DP_WORLD_SIZE)}
+        for tp, path in sorted(model_files.items()):
+            if path == reference:
+                continue
+            states = self.rank_model_states(tp)
+            if states.get(keys.GLOBAL_STEPS) != expected[keys.GLOBAL_STEPS]:
+                raise CheckpointError(f"{path}: saved at global step {states.get(keys.GLOBAL_STEPS)}, but "
+                                      f"{reference.name} at step {expected[keys.GLOBAL_STEPS]}: files of two "
+                                      "checkpoints are mixed")
+            for key, what in ((keys.MP_WORLD_SIZE, "TP"), (keys.DP_WORLD_SIZE, "DP")):
+                if states.get(key) != expected[key]:
+                    raise CheckpointError(f"{path}: says {what}={states.get(key)}, but {reference.name} says "
+                                          f"{what}={expected[key]}")
+
+    def _recorded_optimizer_names(self, tp: int) -> list[list[str]] | None:
+        """Without ZeRO: the parameter names TP rank ``tp``'s optimizer holds, if deepspeed-ext recorded them."""
+        if self.uc_info is None or self.uc_info.optimizer_param_names is None:
+            return None
+        # Recorded on TP rank 0; a rank that holds an empty shard of a parameter (beyond the KV-head count)
+        # has no optimizer entry for it, as DeepSpeed leaves empty parameters out.
+        layouts = self.uc_info.layouts
+        return [[name for name in group if name not in layouts or math.prod(layouts[name].local_shape(tp)) != 0]
+                for group in self.uc_info.optimizer_param_names]
+
+    # ------------------------------------------------------------------ the source interface
+    @property
+    def path(self) -> Path:
+        return self.tag_dir
+
+    @cached_property
+    def info(self) -> SourceInfo:
+        recorded = self.uc_info
+        return SourceInfo(format="deepspeed",
+                          given=self.given,
+                          path=self.tag_dir,
+                          layouts=self.layouts,
+                          states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
+                          global_step=int(self.model_states.get(keys.GLOBAL_STEPS) or 0),
+                          tp_degree=self.tp_degree,
+                          dp_degree=self.dp_degree,
+                          zero_stage=self.zero_stage,
+                          tag=self.tag,
+                          model_config=self._model_config or (recorded.model_config if recorded else None),
+                          model_class=recorded.model_class if recorded else None,
+                          versions=dict(recorded.versions) if recorded else {},
+                          metadata=self.metadata_source)
+
+    @property
+    def read_paths(self) -> list[Path]:
+        """What converting this checkpoint reads, which no output may touch."""
+        return output.read_paths(self.tag_dir)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.layouts)
+
+    #: Every parameter has master weights and Adam moments (a checkpoint without them is refused).
+    has_optimizer_states = True
+
+    def has(self, name: str, state: str = MASTER_WEIGHTS) -> bool:
+        return name in self.layouts
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet."""
+        module = self.model_states.get(keys.MODULE) or {}
+        for name, layout in self.layouts.items():
+
+            def loader(state: str, name: str = name) -> torch.Tensor | int:
+                return self.step(name) if state == STEP else self.full_tensor(name, state)
+
+            weights = module.get(name)
+            yield LogicalTensor(name=name,
+                                shape=layout.shape,
+                                layout=layout,
+                                states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
+                                loader=loader,
+                                dtype=weights.dtype if torch.is_tensor(weights) else torch.float32)
+
+    # ------------------------------------------------------------------ files
+    def rank_model_states(self, tp_rank: int) -> dict[str, Any]:
+        """TP rank ``tp_rank``'s model states (memory-mapped, loaded once)."""
+        return self.files.model_states(tp_rank)
+
+    @property
+    def model_states(self) -> dict[str, Any]:
+        return self.rank_model_states(0)
+
+    @property
+    def model_state_files(self) -> list[Path]:
+        """Every model-states file (under ZeRO-3 one per rank)."""
+        return list(self.files.all_model_files)
+
+    def copy_model_states(self, directory: Path) -> None:
+        """Copy every model-states file into ``directory`` (a universal checkpoint being built).
+
+        Without ZeRO they also hold the whole optimizer, which the universal form already has per
+        parameter, so those copies leave it out instead of doubling the checkpoint.
+        """
+        for path in self.model_state_files:
+            if self.optimizer.optimizer_in_model_states:
+                states = dict(serialization.load(path))
+                states[keys.OPTIMIZER] = None
+                serialization.save(states, directory / path.name)
+            else:
+                shutil.copy2(path, directory / path.name)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.optimizer.zero_stage
+
+    @property
+    def optimizer_kind(self) -> str:
+        """Which DeepSpeed optimizer wrapper wrote the state (decides where its tensors live)."""
+        return self.optimizer.kind
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        """What upstream stores as ``zero/optimizer_state.pt``: DP0/TP0 state minus the flat tensors."""
+        return self.optimizer.optimizer_state_for_universal()
+
+    # ------------------------------------------------------------------ TP metadata
+    @cached_property
+    def _saved_shapes(self) -> OrderedDict[str, list[tuple[int, ...] | None]]:
+        """``{name: [shape TP rank 0 saved, rank 1, ...]}`` in flat-buffer order.
+
+        None where a rank saved no such parameter: DeepSpeed leaves empty parameters out of the optimizer
+        (and so out of ``param_shapes``), which is what a rank beyond the model's KV-head count holds of
+        each attention projection. :attr:`layouts` checks that such a rank's shard is indeed empty.
+        """
+        per_rank = [self.optimizer.saved_shapes(tp) for tp in range(self.tp_degree)]
+        names = list(dict.fromkeys(name for shapes in per_rank for name in shapes))
+        return OrderedDict((name, [shapes.get(name) for shapes in per_rank]) for name in names)
+
+    @cached_property
+    def uc_info(self) -> UCInfo | None:
+        return read_uc_info(self.tag_dir)
+
+    @cached_property
+    def metadata_source(self) -> str:
+        if self.uc_info is not None:
+            return "deepspeed_ext"
+        if self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO):
+            return "deepspeed"
+        return "none (TP=1)" if self.tp_degree == 1 else "none"
+
+    @cached_property
+    def layouts(self) -> dict[str, TPLayout]:
+        """Every parameter's TP layout: ours if saved, else rebuilt from upstream's UC info."""
+        model_files = self.files.model_files
+        if self.uc_info is not None:
+            layouts = self.uc_info.layouts
+            if self.uc_info.tp_size != self.tp_degree:
+                raise CheckpointError(f"{self.tag_dir}: deepspeed_ext.json describes TP={self.uc_info.tp_size}, "
+                                      f"model states say TP={self.tp_degree}")
+        elif self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO):
+            layouts = layouts_from_universal_checkpoint_info(self.model_states[keys.UNIVERSAL_CHECKPOINT_INFO],
+                                                             self._saved_shapes,
+                                                             source=str(model_files[0]))
+        elif self.tp_degree == 1:
+            layouts = {name: TPLayout.replicated(shapes[0], 1) for name, shapes in self._saved_shapes.items()
+                       if shapes[0] is not None}
+        else:
+            raise MissingMetadataError(
+                f"{model_files[0]}: TP={self.tp_degree} checkpoint has no tensor-parallel metadata (neither "
+                f"deepspeed_ext.json nor universal_checkpoint_info), so its slices cannot be merged; "
+                f"{HOW_TO_GET_METADATA}")
+        for name, shapes in self._saved_shapes.items():
+            layout = layouts.get(name)
+            if layout is None:
+                raise MissingMetadataError(f"{self.tag_dir}: no TP layout for parameter {name!r}")
+            for tp, shape in enumerate(shapes):
+                expected = layout.local_shape(tp)
+                if shape is None and math.prod(expected) != 0:
+                    raise CheckpointError(f"{model_files[tp]}: parameter {name!r} is missing, but its layout "
+                                          f"({layout.describe()}) gives TP rank {tp} a shard of {expected}")
+                if shape is not None and expected != shape:
+                    raise CheckpointError(f"{model_files[tp]}: parameter {name!r} has shape {shape} but its "
+                                          f"layout ({layout.describe()}) expects {expected}")
+        return {name: layouts[name] for name in self._saved_shapes}
+
+    # ------------------------------------------------------------------ reading tensors
+    @cached_property
+    def _fragments(self) -> dict[tuple[str, int], list[Fragment]]:
+        """``(name, tp) -> fragments`` in DP order."""
+        return {(name, tp): fragments for tp in range(self.tp_degree)
+                for name, fragments in self.optimizer.fragments(tp).items()}
+
+    def _flat_range(self, name: str, tp: int, state: str, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name``, read from the DP
+        fragments that hold them (a view into the memory-mapped file when one fragment does)."""
+        pieces, offset = [], 0
+        for f in self._fragments.get((name, tp), []):
+            first, last = max(low, offset), min(high, offset + f.numel)
+            if first < last:
+                piece = self.optimizer.flat(tp, f.dp_rank, f.group, state).narrow(0, f.start + first - offset,
+                                                                                  last - first)
+                pieces.append(piece)
+                mapped = self.optimizer.mapped_file(tp, f.dp_rank)
+                if mapped is not None:
+                    self._in_flight.append((mapped, piece))
+            offset += f.numel
+        if sum(p.numel() for p in pieces) != high - low:
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r} on TP rank {tp}: DP fragments cover "
+                                  f"{sum(p.numel() for p in pieces)} of elements [{low}, {high})")
+        if not pieces:
+            return torch.empty(0, dtype=torch.float32)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def local_tensor(self, name: str, tp: int, state: str) -> torch.Tensor:
+        """TP rank ``tp``'s shard of ``name`` for ``state``, reassembled from its DP fragments."""
+        shape = self.layouts[name].local_shape(tp)
+        return self._flat_range(name, tp, state, 0, int(torch.Size(shape).numel())).view(shape)
+
+    def region(self, name: str, tp: int, state: str, offset: int | None, length: int | None) -> torch.Tensor:
+        """``narrow(partition_dim, offset, length)`` of TP rank ``tp``'s shard in its split view (``offset``
+        None: the whole shard), reading only the flat range that the narrowed rows span."""
+        layout = self.layouts[name]
+        view = layout.local_view_shape(tp)
+        dim = layout.partition_dim
+        if offset is None or length is None or dim is None:
+            return self.local_tensor(name, tp, state).reshape(view)
+        size = list(view)
+        size[dim] = length
+        if not length or 0 in view:
+            return torch.empty(size, dtype=torch.float32)
+        strides = torch.empty(view, device="meta").stride()
+        outer = math.prod(view[:dim])
+        low = offset * strides[dim]
+        high = ((outer - 1) * view[dim] + offset + length) * strides[dim]
+        flat = self._flat_range(name, tp, state, low, high)
+        # Element (o, offset + i, k) of the shard sits at o*view[dim]*stride + i*stride + k of ``flat``.
+        return flat.as_strided(size, strides, flat.storage_offset())
+
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``name`` under the *target* layout (another TP degree), read directly
+        from this checkpoint's TP slices and ZeRO partitions: only the overlapping byte ranges.
+
+        May be a view into a memory-mapped file; the caller copies what it keeps.
+        """
+        self._release_in_flight()
+        try:
+            return self.layouts[name].reshard(target, rank,
+                                              lambda src, offset, length: self.region(name, src, state, offset,
+                                                                                      length))
+        except LayoutError as exc:
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r}: {exc}") from exc
+
+    def full_tensor(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
+        """The full fp32 tensor of ``name`` (master weights or an Adam moment), merged over TP ranks.
+
+        May be a view into the memory-mapped optimizer file; sinks copy what they keep.
+        """
+        self._release_in_flight()
+        layout = self.layouts[name]
+        # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
+        shards = [self.local_tensor(name, tp, state) for tp in range(self.tp_degree)]
+        try:
+            full = layout.merge(shards)
+        except Exception as exc:
+            raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: {exc}") from exc
+        return full
+
+    def _release_in_flight(self) -> None:
+        """Drop the optimizer-file pages the previous tensor read from RSS (it has been consumed by now).
+
+        Releasing is safe even if a caller still holds a view: the pages are read back from the file."""
+        release_pages(self._in_flight, self._mappings)
+        self._in_flight.clear()
+
+    def step(self, name: str) -> torch.Tensor | int:
+        fragments = self._fragments.get((name, 0))
+        group, dp = (fragments[0].group, fragments[0].dp_rank) if fragments else (0, 0)
+        value = self.optimizer.step(group, dp)
+        if value is None:
+            raise CheckpointError(f"{self.optimizer.state_file(0, dp)}: no optimizer step for param group {group}")
+        step: torch.Tensor | int = value
+        return step
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict[str, Any]:
+        first = self.model_states
+        module = first.get(keys.MODULE) or {}
+        lp_dtypes = sorted({str(t.dtype).replace("torch.", "") for t in module.values() if torch.is_tensor(t)})
+        return {
+            "kind": "deepspeed",
+            "path": str(self.tag_dir),
+            "tag": self.tag,
+            "tp_degree": self.tp_degree,
+            "dp_degree": self.dp_degree,
+            "zero_stage": self.zero_stage,
+            "optimizer": self.optimizer_kind,
+            "model_dtypes": lp_dtypes,
+            "optimizer_dtype": str(self.optimizer.flat(0, 0, 0, MASTER_WEIGHTS).dtype).replace("torch.", ""),
+            "global_steps": first.get(keys.GLOBAL_STEPS),
+            "deepspeed_version": str(first.get(keys.DS_VERSION)),
+            "metadata": self.metadata_source,
+            "num_parameters": sum(layout.numel for layout in self.layouts.values()),
+            # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
+            "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
+        }

@@ -1,0 +1,105 @@
+"""The demo's training script (``deepspeed_ext.demo.train``) with the probes the tests need; run under torchrun.
+
+    --dump DIR          at save time, each TP rank's live fp32 master and Adam moments (TP-local, full over DP)
+                        and the logits of a fixed batch, into DIR/tp_rank_<r>.pt and DIR/logits_tp_rank_<r>.pt
+    --dump-loaded DIR   the same, right after load_checkpoint
+    --allow-cpu-fp16    let DeepSpeed's CPU accelerator run fp16 (see allow_cpu_fp16)
+
+With ``--result``, the fp16 loss scale each step ended with is recorded under ``loss_scales``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _stage0_live_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Without ZeRO DeepSpeed has no fragment API: read its optimizer's own objects, where deepspeed-ext's
+    stage-0 decoder (the one the restore uses) says each parameter's state lies."""
+    from deepspeed_ext.checkpoint.deepspeed import zero0
+    slots = zero0.live_slots(engine.optimizer)
+    torch_optimizer = zero0.wrapped_optimizer(engine.optimizer)
+    state = {}
+    for name, param in engine.module.named_parameters():
+        slot = slots.get(param)
+        if slot is None or param.numel() == 0:
+            continue  # not optimized, or an empty shard (filled in by dump_live_state)
+        state[name] = {"fp32": slot.master_of().view(param.shape).clone(),
+                       **{key: slot.moment_of(torch_optimizer, key).view(param.shape).clone() for key in STATES[1:]}}
+    return state
+
+
+def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
+    """The TP-local full fp32 master weights and Adam moments, gathered over DP by DeepSpeed itself."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from deepspeed_ext.demo.models import eval_batch
+    if not engine.zero_optimization():
+        state = _stage0_live_state(engine)
+    else:
+        state = {}
+        for name, param in engine.module.named_parameters():
+            if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
+                continue
+            state[name] = {"fp32": safe_get_full_fp32_param(param).clone(),
+                           **{key: safe_get_full_optimizer_state(param, key).clone() for key in STATES[1:]}}
+    for name, param in engine.module.named_parameters():
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if torch.Size(shape).numel() == 0:
+            # A rank beyond the KV-head count holds no attention shard; DeepSpeed leaves such empty
+            # parameters out of the optimizer, so they have no fp32 master or moments to ask for.
+            state[name] = {key: torch.zeros(shape) for key in STATES}
+    with torch.no_grad():  # every rank runs the forward: TP (and ZeRO-3) layers communicate
+        logits = engine.module(input_ids=eval_batch()).logits.float()
+    if engine.global_rank == tp_rank:  # DP rank 0 of each TP rank writes
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path / f"tp_rank_{tp_rank:02d}.pt")
+        # Full logits, or this rank's vocab shard where the output projection is vocab-parallel.
+        torch.save(logits, path / f"logits_tp_rank_{tp_rank:02d}.pt")
+
+
+def allow_cpu_fp16() -> None:
+    """DeepSpeed's CPU accelerator reports fp16 unsupported unless oneDNN has native fp16 kernels
+    (AVX512-FP16/AMX-FP16). That is a speed gate: torch computes fp16 correctly on any CPU, only slower.
+    Lifting it lets the real fp16 path (FP16 optimizers, dynamic loss scaler) run on such machines."""
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    if not accelerator.is_fp16_supported():
+        type(accelerator).is_fp16_supported = lambda self: True
+
+
+def loss_scale(engine: Any, step: int) -> float | None:
+    """The optimizer's current loss scale (fp16), or None without loss scaling."""
+    optimizer = engine.optimizer
+    scaler = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+    return float(scaler.cur_scale) if scaler is not None and hasattr(scaler, "cur_scale") else None
+
+
+def main() -> None:
+    from deepspeed_ext.demo import train
+    probes = argparse.ArgumentParser(add_help=False)
+    probes.add_argument("--dump")
+    probes.add_argument("--dump-loaded")
+    probes.add_argument("--allow-cpu-fp16", action="store_true")
+    args, rest = probes.parse_known_args()
+    if args.allow_cpu_fp16:
+        allow_cpu_fp16()
+    hooks = train.Hooks(
+        after_load=(lambda engine, tp_rank: dump_live_state(engine, Path(args.dump_loaded), tp_rank))
+        if args.dump_loaded else None,
+        before_save=(lambda engine, tp_rank: dump_live_state(engine, Path(args.dump), tp_rank)) if args.dump else None,
+        after_step=loss_scale,
+        result_key="loss_scales")
+    train.main(rest, hooks)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main()
