@@ -168,6 +168,16 @@ class _PartitionedLayout(OptimizerLayout):
     required_keys: tuple[str, ...] = ()
     #: Where the flat fp32 masters are.
     masters_key: str = ""
+    #: Where the wrapped torch optimizer's state dict is.
+    base_state_key: str = ""
+
+    @property
+    def zero_stage(self) -> int:  # type: ignore[override]  # as the files say (BF16_Optimizer's say none: 1)
+        return int(self.wrapper_state(0, 0).get(keys.ZERO_STAGE, 1))
+
+    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
+        base: dict[str, Any] = self.wrapper_state(tp, dp)[self.base_state_key]
+        return base
 
     def check(self) -> None:
         """Every optimizer file must be of this layout and hold this checkpoint's DP partitioning and step."""
@@ -231,13 +241,7 @@ class Zero12Layout(_PartitionedLayout):
     required_keys = (keys.PARAM_SLICE_MAPPINGS, keys.SINGLE_PARTITION_OF_FP32_GROUPS, keys.BASE_OPTIMIZER_STATE)
     masters_key = keys.SINGLE_PARTITION_OF_FP32_GROUPS
 
-    @property
-    def zero_stage(self) -> int:  # type: ignore[override]  # 1 or 2, as the files say
-        return int(self.wrapper_state(0, 0).get(keys.ZERO_STAGE, 1))
-
-    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
-        base: dict[str, Any] = self.wrapper_state(tp, dp)[keys.BASE_OPTIMIZER_STATE]
-        return base
+    base_state_key = keys.BASE_OPTIMIZER_STATE
 
     def fragments(self, tp: int) -> dict[str, list[Fragment]]:
         out: dict[str, list[Fragment]] = {}
@@ -259,13 +263,7 @@ class Zero3Layout(_PartitionedLayout):
     required_keys = (keys.FP32_FLAT_GROUPS, keys.OPTIMIZER_STATE_DICT)
     masters_key = keys.FP32_FLAT_GROUPS
 
-    @property
-    def zero_stage(self) -> int:  # type: ignore[override]
-        return int(self.wrapper_state(0, 0).get(keys.ZERO_STAGE, 1))
-
-    def base_state(self, tp: int, dp: int) -> dict[str, Any]:
-        base: dict[str, Any] = self.wrapper_state(tp, dp)[keys.OPTIMIZER_STATE_DICT]
-        return base
+    base_state_key = keys.OPTIMIZER_STATE_DICT
 
     def fragments(self, tp: int) -> dict[str, list[Fragment]]:
         out: dict[str, list[Fragment]] = {}
