@@ -1,7 +1,9 @@
 """deepspeed-ext: universal checkpoints for DeepSpeed AutoTP + ZeRO training.
 
-Replace ``deepspeed.initialize`` with :func:`deepspeed_ext.initialize` and add
-``"deepspeed_ext": {"universal_checkpoint": {"enabled": true}}`` to the DeepSpeed config.
+Add ``"deepspeed_ext": {"universal_checkpoint": {"enabled": true}}`` to the DeepSpeed config, and either
+call :func:`deepspeed_ext.enable` once (every ``deepspeed.initialize`` then honours the section: the Hugging
+Face Trainer's, Accelerate's, your own) or replace ``deepspeed.initialize`` with
+:func:`deepspeed_ext.initialize` (docs/trainers.md).
 Checkpoints in any supported format: :func:`open_checkpoint`, :func:`convert`, :func:`verify`
 (docs/python-api.md).
 """
@@ -22,6 +24,19 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     return _initialize(*args, **kwargs)
 
 
+def enable() -> None:
+    """Every ``deepspeed.initialize`` (the Trainer's, Accelerate's, your own) applies the config's
+    ``deepspeed_ext`` section from now on; a config without it is left to DeepSpeed alone."""
+    from deepspeed_ext.runtime import enable as _enable
+    _enable()
+
+
+def disable() -> None:
+    """Undo :func:`enable`."""
+    from deepspeed_ext.runtime import disable as _disable
+    _disable()
+
+
 def __getattr__(name: str) -> Any:
     # The checkpoint API imports only when used: `import deepspeed_ext` stays instant.
     if name in ("open_checkpoint", "convert", "verify"):
@@ -30,4 +45,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'deepspeed_ext' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "open_checkpoint", "convert", "verify", "__version__"]
+__all__ = ["initialize", "enable", "disable", "open_checkpoint", "convert", "verify", "__version__"]

@@ -39,7 +39,17 @@ def _open(path: str, tag: str | None = None, config: str | None = None, family: 
           **options: Any) -> Any:
     # The registry's opener (the API's, plus ``accept``: which command reads the formats this one does not).
     from deepspeed_ext.checkpoint.formats import open_checkpoint
+    _say_which_trainer_checkpoint(path, tag)
     return open_checkpoint(path, tag=tag, config=config, family=family, **options)
+
+
+def _say_which_trainer_checkpoint(path: str, tag: str | None = None) -> None:
+    """Name the checkpoint-N a Trainer output_dir stands for (on stderr: stdout may be JSON)."""
+    from deepspeed_ext.checkpoint.formats import checkpoint_path
+    chosen = checkpoint_path(path) if tag is None and Path(path).is_dir() else Path(path)
+    if chosen != Path(path):
+        print(f"deepspeed-ext: {path}: a Hugging Face Trainer output directory; reading its newest checkpoint, "
+              f"{chosen}", file=sys.stderr)
 
 
 def _write(source: Any, output: str | None, to: str, args: argparse.Namespace, **options: Any) -> Any:
@@ -153,6 +163,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from deepspeed_ext.api import verify
+    _say_which_trainer_checkpoint(args.path)
     report = verify(args.path, config=args.config, family=args.family)
     for line in report.lines():
         print(line)

@@ -38,15 +38,61 @@ def _ds_config_of_call(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return load_ds_config(path) if path is not None else {}
 
 
-def initialize(*args: Any, **kwargs: Any) -> tuple:
-    """Drop-in replacement for ``deepspeed.initialize``: same arguments, same return tuple."""
+#: Marks the ``deepspeed.initialize`` that :func:`enable` installs; holds the function it wraps.
+_WRAPPED_ATTR = "__deepspeed_ext_wraps__"
+
+
+def _deepspeed_initialize() -> Any:
+    """DeepSpeed's own ``initialize`` (unwrapped, if :func:`enable` wrapped it)."""
     import deepspeed
+    return getattr(deepspeed.initialize, _WRAPPED_ATTR, deepspeed.initialize)
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    """Drop-in replacement for ``deepspeed.initialize``: same arguments, same return tuple.
+
+    The engine gets deepspeed-ext's tagging and checkpoint hooks when the config's ``deepspeed_ext`` section
+    enables them; without the section this is ``deepspeed.initialize`` exactly.
+    """
     ds_config = _ds_config_of_call(args, kwargs)
     ext = ExtConfig.from_ds_config(ds_config)
-    result = deepspeed.initialize(*args, **kwargs)
+    result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
     if ext.universal_checkpoint.enabled:
         attach(result[0], ext, ds_config)
     return result
+
+
+def enable() -> None:
+    """Make every ``deepspeed.initialize`` call act as :func:`initialize`: the Hugging Face Trainer's and
+    Accelerate's (which look ``deepspeed.initialize`` up when they call it), and the script's own.
+
+    Explicit and reversible (:func:`disable`); calling it twice is harmless. It changes nothing for a config
+    without the ``deepspeed_ext`` section, so one script serves runs with and without it.
+    """
+    import deepspeed
+    if hasattr(deepspeed.initialize, _WRAPPED_ATTR):
+        return
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def deepspeed_initialize_with_ext(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        return initialize(*args, **kwargs)
+
+    setattr(deepspeed_initialize_with_ext, _WRAPPED_ATTR, original)
+    deepspeed.initialize = deepspeed_initialize_with_ext
+
+
+def disable() -> None:
+    """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again (engines built meanwhile keep
+    their hooks)."""
+    import deepspeed
+    deepspeed.initialize = _deepspeed_initialize()
+
+
+def enabled() -> bool:
+    """Whether :func:`enable` is in effect."""
+    import deepspeed
+    return hasattr(deepspeed.initialize, _WRAPPED_ATTR)
 
 
 def _model_config_dict(module: torch.nn.Module) -> dict[str, Any] | None:

@@ -31,7 +31,7 @@ if [ ! -f "$old_stamp" ]; then
   [ -x "$OLD_VENV/bin/python" ] || "$PYTHON" -m venv "$OLD_VENV"
   "$OLD_VENV/bin/python" -m pip install -q --upgrade pip
   # Only the DeepSpeed side is tested there: no JAX/Orbax.
-  grep -vE '^(deepspeed|jax|jaxlib|orbax-checkpoint|tensorstore|ml_dtypes)==' requirements-dev.txt \
+  grep -vE '^(deepspeed|jax|jaxlib|orbax-checkpoint|tensorstore|ml_dtypes|accelerate)==' requirements-dev.txt \
     > "$OLD_VENV/requirements.txt"
   "$OLD_VENV/bin/python" -m pip install -q -r "$OLD_VENV/requirements.txt" "deepspeed==$OLD_DS"
   "$OLD_VENV/bin/python" -m pip install -q --no-deps -e .

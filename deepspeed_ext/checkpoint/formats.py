@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,40 @@ def maxtext_items(path: Path) -> Path | None:
         return path / ORBAX_ITEM
     steps = [p for p in path.iterdir() if p.name.isdigit() and (p / ORBAX_ITEM / ORBAX_METADATA).is_file()]
     return max(steps, key=lambda p: int(p.name)) / ORBAX_ITEM if steps else None
+
+
+#: A Hugging Face Trainer saves each checkpoint as ``<output_dir>/checkpoint-<global step>``.
+TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def newest_trainer_checkpoint(path: Path) -> Path | None:
+    """The newest ``checkpoint-N`` in a Hugging Face Trainer ``output_dir`` (the one the Trainer resumes from
+    with ``resume_from_checkpoint=True``: the highest N), or None."""
+    found = [(int(m.group(1)), child) for child in path.iterdir()
+             if child.is_dir() and (m := TRAINER_CHECKPOINT_RE.match(child.name))]
+    return max(found)[1] if found else None
+
+
+#: What marks a Trainer checkpoint-N folder (beside the DeepSpeed save, config.json and tokenizer files).
+TRAINER_STATE = "trainer_state.json"
+
+
+def trainer_checkpoint_of(path: Path) -> Path | None:
+    """The Trainer ``checkpoint-N`` folder that holds ``path`` (the folder itself, or a DeepSpeed or universal tag
+    directory in it), or None."""
+    for folder in (path, path.parent, path.parent.parent):
+        if (folder / TRAINER_STATE).is_file():
+            return folder
+    return None
+
+
+def checkpoint_path(path: str | Path) -> Path:
+    """``path`` itself, or, for a Trainer ``output_dir`` that is no checkpoint of its own, its newest
+    ``checkpoint-N``."""
+    path = Path(path)
+    if path.is_dir() and not any(fmt.detect(path) for fmt in FORMATS.values()):
+        return newest_trainer_checkpoint(path) or path
+    return path
 
 
 def _has_deepspeed_files(path: Path) -> bool:
@@ -135,8 +170,8 @@ TARGETS = {"universal": UNIVERSAL, "hf": HUGGINGFACE, "huggingface": HUGGINGFACE
 
 
 def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
-    """Every format at ``path``, the most specific first; one line naming the path and what is wrong with it
-    when there is none."""
+    """Every format at ``path`` (a Trainer ``output_dir``: at its newest ``checkpoint-N``), the most specific
+    first; one line naming the path and what is wrong with it when there is none."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint directory")
@@ -147,6 +182,7 @@ def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
         raise CheckpointError(f"{path}: is a file, not a checkpoint directory; give {hint}")
     if tag is not None:
         return [UNIVERSAL if (path / tag / ZERO_DIR).is_dir() else DEEPSPEED]
+    path = checkpoint_path(path)
     found = [name for name, fmt in FORMATS.items() if fmt.detect(path)]
     if found:
         return found
@@ -193,6 +229,8 @@ def open_checkpoint(path: str | Path,
     one of them is found instead.
     """
     found = detect_all(path, tag)
+    if tag is None:
+        path = checkpoint_path(path)
     if format is not None:
         if format not in FORMATS:
             raise CheckpointError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -43,6 +44,11 @@ from deepspeed_ext.errors import CheckpointError, MissingConfigError
 from deepspeed_ext.module_inject.layout import TPLayout
 
 CONFIG_FILE = "config.json"
+#: What ``save_pretrained`` (model, generation config, tokenizer) writes beside the weights and config, copied
+#: into a to-hf output from the folder the source sits in (an HF directory, a Trainer checkpoint-N).
+COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -278,6 +284,8 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
         if finite is not None:
             finite.raise_if_any()
         config.save_pretrained(partial)
+        for companion in companion_files(source.info):
+            shutil.copyfile(companion, partial / companion.name)
         if split.is_sharded:  # the index comes after every shard: without it a multi-shard output does not load
             index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
                                   "total_size": split.metadata["total_size"]},
@@ -287,6 +295,16 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
             os.replace(tmp, partial / INDEX_FILE)
         ManifestRecorder(partial).write()
     return Path(given)
+
+
+def companion_files(info: SourceInfo) -> list[Path]:
+    """The generation config and tokenizer files of the model folder ``info`` was read from: the HF directory
+    itself, or the Trainer ``checkpoint-N`` folder holding a DeepSpeed or universal tag."""
+    from deepspeed_ext.checkpoint.formats import HUGGINGFACE, trainer_checkpoint_of
+    folder = info.path if info.format == HUGGINGFACE else trainer_checkpoint_of(info.path)
+    if folder is None:
+        return []
+    return [folder / name for name in COMPANION_FILES if (folder / name).is_file()]
 
 
 def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],

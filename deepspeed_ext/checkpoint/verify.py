@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepspeed_ext.checkpoint.formats import DEEPSPEED, HUGGINGFACE, MAXTEXT, detect, maxtext_items, open_checkpoint
+from deepspeed_ext.checkpoint.formats import (DEEPSPEED, HUGGINGFACE, MAXTEXT, checkpoint_path, detect, maxtext_items,
+                                              open_checkpoint)
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
 
 
@@ -51,6 +52,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
     from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
     from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
     kind = detect(path)  # not a checkpoint at all: an error, not a failed verification
+    path = checkpoint_path(path)  # a Trainer output_dir: its newest checkpoint-N
     try:
         source = open_checkpoint(path, config=config, family=family)
     except MissingConfigError:

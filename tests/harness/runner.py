@@ -29,12 +29,12 @@ def child_env(python: str = sys.executable) -> dict[str, str]:
     return env
 
 
-def run_logged(cmd: list[str], log: Path, check: bool = True) -> subprocess.CompletedProcess:
+def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` (``cmd[0]`` is the Python to use) with its output in ``log``; on failure raise with the tail,
     or with ``check=False`` return the failed process."""
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, env=child_env(cmd[0]), capture_output=True, text=True,
-                          timeout=demo_runner.TIMEOUT_S)
+                          timeout=demo_runner.TIMEOUT_S, cwd=cwd)
     log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     if check and proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])

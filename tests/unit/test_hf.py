@@ -78,10 +78,11 @@ def test_to_hf_dtype_choice_and_refusals(tmp_path, capsys):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
     assert main(["to-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "fp32"), "-q"]) == 2  # exists, no --overwrite
 
-    # Below --max-shard-size: one model.safetensors and no index, as save_pretrained writes; from-hf reads it.
+    # Below --max-shard-size: one model.safetensors and no index, as save_pretrained writes; from-hf reads it. The
+    # source's generation config comes along (as save_pretrained writes it).
     cli("to-hf", str(tmp_path / "fp32"), "-o", str(tmp_path / "single"))
     assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["config.json", "deepspeed_ext.manifest.json",
-                                                                        "model.safetensors"]
+                                                                        "generation_config.json", "model.safetensors"]
     cli("from-hf", str(tmp_path / "single"), "-o", str(tmp_path / "universal"))
     stored = serialization.load(universal_in(tmp_path / "universal") / "zero" / "lm_head.weight" / "fp32.pt")
     stored = stored["param"]

@@ -46,6 +46,8 @@ class Fragment:
     group: int  # the flat param group (without ZeRO: the key in the optimizer's ``state``)
     start: int
     numel: int
+    #: The TP rank whose files hold it; None: the TP rank whose shard this is (see Zero3Layout.partition_owners).
+    tp_rank: int | None = None
 
 
 class OptimizerLayout:
@@ -267,23 +269,37 @@ class Zero3Layout(_PartitionedLayout):
 
     def fragments(self, tp: int) -> dict[str, list[Fragment]]:
         out: dict[str, list[Fragment]] = {}
-        dp = self.dp_degree
         for group, shapes in enumerate(self._param_shapes(tp)):
+            numels = [(name, int(torch.Size(shape).numel())) for name, shape in shapes.items()]
+            owners = self.partition_owners(tp, group, [numel for _, numel in numels])
             offset = 0
-            for name, shape in shapes.items():
-                numel = int(torch.Size(shape).numel())
-                part = -(-numel // dp)
-                for dp_rank in range(dp):
-                    length = max(0, min(part, numel - dp_rank * part))
+            for name, numel in numels:
+                part = -(-numel // len(owners))
+                for index, (owner_tp, owner_dp) in enumerate(owners):
+                    length = max(0, min(part, numel - index * part))
                     if length:
-                        out.setdefault(name, []).append(Fragment(dp_rank, group, offset, length))
+                        out.setdefault(name, []).append(Fragment(owner_dp, group, offset, length, owner_tp))
                 offset += part
-            flat = self.flat(tp, 0, group, MASTER_WEIGHTS)
-            if offset != flat.numel():
-                raise CheckpointError(f"{self.files.optim_files[(tp, 0)]}: flat partition of group {group} has "
-                                      f"{flat.numel()} elements, param_shapes imply {offset} (ZeRO-3 "
-                                      "sub_group_size smaller than a param group is not supported)")
         return out
+
+    def partition_owners(self, tp: int, group: int, numels: list[int]) -> list[tuple[int, int]]:
+        """The (TP, DP) ranks that param group ``group`` of TP rank ``tp`` is partitioned over, in partition order.
+
+        Normally the DP ranks of that TP rank. A model built under ``deepspeed.zero.Init`` before AutoTP sharded
+        it (the Hugging Face Trainer with a ZeRO-3 config builds it so) keeps the parameters AutoTP leaves whole
+        partitioned over every rank, TP ranks included, in global-rank order (a TP group is consecutive ranks).
+        The flat partition's size tells the two apart.
+        """
+        flat = self.flat(tp, 0, group, MASTER_WEIGHTS).numel()
+        over_dp = [(tp, dp) for dp in range(self.dp_degree)]
+        over_world = [(t, dp) for dp in range(self.dp_degree) for t in range(self.tp_degree)]
+        for owners in (over_dp, over_world):
+            if sum(-(-numel // len(owners)) for numel in numels) == flat:
+                return owners
+        implied = sum(-(-numel // self.dp_degree) for numel in numels)
+        raise CheckpointError(f"{self.files.optim_files[(tp, 0)]}: flat partition of group {group} has {flat} "
+                              f"elements, param_shapes imply {implied} (ZeRO-3 sub_group_size smaller than a param "
+                              "group is not supported)")
 
     def optimizer_state_for_universal(self) -> dict[str, Any]:
         out = super().optimizer_state_for_universal()

@@ -112,10 +112,20 @@ class DeepSpeedCheckpoint:
                           dp_degree=self.dp_degree,
                           zero_stage=self.zero_stage,
                           tag=self.tag,
-                          model_config=self._model_config or (recorded.model_config if recorded else None),
+                          model_config=(self._model_config or (recorded.model_config if recorded else None)
+                                        or self._trainer_model_config()),
                           model_class=recorded.model_class if recorded else None,
                           versions=dict(recorded.versions) if recorded else {},
                           metadata=self.metadata_source)
+
+    def _trainer_model_config(self) -> dict[str, Any] | None:
+        """The model's ``config.json`` in the Hugging Face Trainer ``checkpoint-N`` folder that holds this tag
+        (the Trainer writes it there; a checkpoint saved without deepspeed-ext records no config of its own)."""
+        from deepspeed_ext.checkpoint.formats import read_config, trainer_checkpoint_of
+        folder = trainer_checkpoint_of(self.tag_dir)
+        if folder is None or not (folder / "config.json").is_file():
+            return None
+        return read_config(folder / "config.json")
 
     @property
     def read_paths(self) -> list[Path]:
@@ -263,10 +273,11 @@ class DeepSpeedCheckpoint:
         for f in self._fragments.get((name, tp), []):
             first, last = max(low, offset), min(high, offset + f.numel)
             if first < last:
-                piece = self.optimizer.flat(tp, f.dp_rank, f.group, state).narrow(0, f.start + first - offset,
-                                                                                  last - first)
+                held_by = tp if f.tp_rank is None else f.tp_rank
+                piece = self.optimizer.flat(held_by, f.dp_rank, f.group, state).narrow(0, f.start + first - offset,
+                                                                                       last - first)
                 pieces.append(piece)
-                mapped = self.optimizer.mapped_file(tp, f.dp_rank)
+                mapped = self.optimizer.mapped_file(held_by, f.dp_rank)
                 if mapped is not None:
                     self._in_flight.append((mapped, piece))
             offset += f.numel
@@ -368,4 +379,10 @@ class DeepSpeedCheckpoint:
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
             # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
             "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
+            # What a user resuming elsewhere needs (DeepSpeed's own loader fails at other degrees with an
+            # assertion about a missing key).
+            "resume": (f"DeepSpeed alone resumes it only at TP={self.tp_degree} x DP={self.dp_degree}; at other "
+                       "degrees, call deepspeed_ext.enable() (or use deepspeed_ext.initialize) with the "
+                       "\"deepspeed_ext\" config section in the resuming run (load-time resharding), or convert it "
+                       "with to-universal (docs/trainers.md)"),
         }
