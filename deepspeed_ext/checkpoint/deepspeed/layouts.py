@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles
 from deepspeed_ext.checkpoint.deepspeed.zero0 import SavedStage0
@@ -332,12 +331,4 @@ def choose_layout(files: TagFiles, tp_degree: int, dp_degree: int, recorded_name
             layout = BF16OptimizerLayout(files, tp_degree, dp_degree)
     layout.check()
     return layout
-
-
-def release_pages(pieces: list[tuple[Path, torch.Tensor]], mappings: dict[Path, list[tuple[int, int]]]) -> None:
-    """Drop the pages of memory-mapped file pieces from RSS (they are read back from the file if used again)."""
-    for path, piece in pieces:
-        if path not in mappings:
-            mappings[path] = serialization.file_mappings(path)
-        serialization.release_pages(piece, mappings[path])
 

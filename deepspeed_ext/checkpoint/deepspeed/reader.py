@@ -19,7 +19,7 @@ import torch
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
-from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout, release_pages
+from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP, OpenOptions, SourceInfo
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
@@ -346,7 +346,10 @@ class DeepSpeedCheckpoint:
         """Drop the optimizer-file pages the previous tensor read from RSS (it has been consumed by now).
 
         Releasing is safe even if a caller still holds a view: the pages are read back from the file."""
-        release_pages(self._in_flight, self._mappings)
+        for path, piece in self._in_flight:
+            if path not in self._mappings:
+                self._mappings[path] = serialization.file_mappings(path)
+            serialization.release_pages(piece, self._mappings[path])
         self._in_flight.clear()
 
     def step(self, name: str) -> torch.Tensor | int:
