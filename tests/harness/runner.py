@@ -37,9 +37,21 @@ def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None =
                           timeout=demo_runner.TIMEOUT_S, cwd=cwd)
     log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     if check and proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n{tail}")
+        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n"
+                           + _failure_tail(proc.stdout + proc.stderr))
     return proc
+
+
+def _failure_tail(output: str, lines: int = 40) -> str:
+    """The last ``lines`` lines the command's own code printed. torchrun's agent ends a failed run with its own
+    traceback and report (which name the exit signal, not the cause); those are cut so the workers' last words
+    show."""
+    kept = output.splitlines()
+    for i, line in enumerate(kept):
+        if "torch/distributed/elastic/multiprocessing/api.py" in line and "failed (exitcode" in line:
+            kept = kept[:i + 1]
+            break
+    return "\n".join(kept[-lines:])
 
 
 def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.executable) -> None:
