@@ -1,15 +1,25 @@
 from setuptools import find_packages, setup
 
+# The base install is what tagging, to-universal and resuming need. The bridges are extras
+# (deepspeed_ext/extras.py lists the modules each provides; docs/install.md).
+HF = ["transformers>=4.50.1"]
+MAXTEXT = ["jax", "orbax-checkpoint>=0.12.8,<0.13", "ml_dtypes", *HF]  # an Orbax internal is used: orbax_private.py
+TRAINER = [*HF, "accelerate>=1.6.0"]
+
 setup(
     name="deepspeed-ext",
     version="0.1.0",
     description="Universal checkpoints for DeepSpeed AutoTP + ZeRO: tag, convert, resume at any TP/DP degree",
     packages=find_packages(include=["deepspeed_ext", "deepspeed_ext.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "deepspeed>=0.17", "safetensors", "numpy", "tqdm", "jax", "orbax-checkpoint",
-                      "ml_dtypes", "transformers", "google-crc32c"],
-    extras_require={"test": ["pytest", "hypothesis", "transformers"],
-                    # AutoTP through the Hugging Face Trainer / Accelerate (docs/trainers.md)
-                    "trainer": ["transformers>=4.50.1", "accelerate>=1.6.0"]},
+    # DeepSpeed: the releases the test suite runs on, both ends (0.18.8 and 0.19.8; docs/support-matrix.md).
+    install_requires=["torch>=2.4", "deepspeed>=0.18.8,<=0.19.8", "safetensors", "numpy", "tqdm", "google-crc32c"],
+    extras_require={
+        "hf": HF,
+        "maxtext": MAXTEXT,
+        "trainer": TRAINER,
+        "all": sorted(set(MAXTEXT + TRAINER)),
+        "test": ["pytest", "pytest-xdist", "hypothesis", *HF],
+    },
     entry_points={"console_scripts": ["deepspeed-ext=deepspeed_ext.cli:main"]},
 )

@@ -78,8 +78,10 @@ def convert(source: CheckpointSource | str | Path,
     return target.write(source, output, target.write_options(**options))
 
 
-def verify(path: str | Path, *, config: str | Path | None = None, family: str | None = None) -> VerifyReport:
+def verify(path: str | Path, *, config: str | Path | None = None, family: str | None = None,
+           strict: bool = False) -> VerifyReport:
     """Check the checkpoint at ``path``: an output of deepspeed-ext against its manifest, a DeepSpeed checkpoint
     file by file, and every tensor's shape, dtype and finiteness. ``report.ok``; ``report.lines()`` says what
-    was found (each problem, then a summary)."""
-    return _verify(path, config=config, family=family)
+    was found (each problem, then a summary). Files beside a manifest that it does not list (a README added
+    later) are reported in ``report.unlisted``; ``strict`` makes them problems."""
+    return _verify(path, config=config, family=family, strict=strict)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL
+from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, HUGGINGFACE, MAXTEXT
 from deepspeed_ext.errors import DeepSpeedExtError
 
 
@@ -60,7 +60,18 @@ def _write(source: Any, output: str | None, to: str, args: argparse.Namespace, *
 
 
 def cmd_to_universal(args: argparse.Namespace) -> int:
-    source = _open(args.checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
+    if args.input_folder and args.checkpoint and args.input_folder != args.checkpoint:
+        raise ValueError("give the checkpoint once: as CHECKPOINT or as --input_folder")
+    if args.output and args.output_folder:
+        raise ValueError("give the output once: -o/--output (a save directory) or --output_folder (the universal "
+                         "directory itself)")
+    checkpoint = args.checkpoint or args.input_folder
+    if not checkpoint:
+        raise ValueError("to-universal needs a checkpoint (CHECKPOINT or --input_folder)")
+    source = _open(checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
+    output, options = args.output, {}
+    if args.output_folder:
+        output, options = args.output_folder, {"tag_directory": True}
     if args.distributed:
         import torch.distributed as dist
         if "RANK" not in os.environ:
@@ -68,13 +79,13 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
                              "to-universal --distributed ...)")
         dist.init_process_group("gloo")
         try:
-            out = _write(source, args.output, "universal", args, distributed=True)
+            out = _write(source, output, "universal", args, distributed=True, **options)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        out = _write(source, args.output, "universal", args)
+        out = _write(source, output, "universal", args, **options)
     if not args.quiet:
         info = source.info
         print(f"wrote universal checkpoint {out} ({len(info.layouts)} parameters, "
@@ -86,13 +97,16 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh
     source = _open(args.source, args.tag, args.config, args.family)
     items = _write(source, args.output, "maxtext", args, family=args.family, scan_layers=args.scan_layers,
-                   dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh else None,
+                   dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
                    with_optimizer=args.with_optimizer)
     if not args.quiet:
         from deepspeed_ext.checkpoint.families import get_family, infer_family
         family = get_family(args.family) if args.family else infer_family(source.info.model_config)
+        loading = (f"resume MaxText training from the full state (parameters, Adam moments, step) with "
+                   f"load_full_state_path={items}, or load the parameters alone with load_parameters_path={items}"
+                   if args.with_optimizer else f"load it with load_parameters_path={items}")
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
-              f"{args.dtype}); load it with load_parameters_path={items}")
+              f"{args.dtype}); {loading}")
     return 0
 
 
@@ -102,7 +116,7 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
     info = source.info
     check_fits_config(info.model_config, {name: layout.shape for name, layout in info.layouts.items()},
                       str(args.source))
-    out = _write(source, args.output, "universal", args)
+    out = _write(source, args.output, "universal", args, progress_label="from-maxtext")
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if info.has_optimizer else
                      "fresh optimizer state")
@@ -113,7 +127,8 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
     source = _open(args.source, args.tag, args.config, args.family)
-    out = _write(source, args.output, "hf", args, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    out = _write(source, args.output, "hf", args, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                 tokenizer=args.tokenizer)
     if not args.quiet:
         print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
@@ -121,7 +136,7 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
 
 def cmd_from_hf(args: argparse.Namespace) -> int:
     source = _open(args.source, None, args.config, dtype=args.dtype, accept=_FROM_HF_READS)
-    out = _write(source, args.output, "universal", args)
+    out = _write(source, args.output, "universal", args, progress_label="from-hf")
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.info.layouts)} parameters, fresh optimizer state); "
               "train from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
@@ -154,117 +169,225 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     for key, value in summary.items():
         print(f"{key:>18}: {value}")
+    # HF and MaxText checkpoints hold full tensors: there is no TP layout to describe (not "replicated").
+    full_tensors = source.info.format in (HUGGINGFACE, MAXTEXT)
     width = max((len(n) for n in layouts), default=0)
-    print(f"{'parameters':>18}:")
+    print(f"{'parameters':>18}:" + (" full tensors (the format has no tensor-parallel layout)" if full_tensors else ""))
     for name, layout in layouts.items():
-        print(f"  {name:<{width}}  {str(list(layout.shape)):<14} {layout.describe()}")
+        print(f"  {name:<{width}}  {str(list(layout.shape)):<14}" + ("" if full_tensors else f" {layout.describe()}"))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from deepspeed_ext.api import verify
     _say_which_trainer_checkpoint(args.path)
-    report = verify(args.path, config=args.config, family=args.family)
+    report = verify(args.path, config=args.config, family=args.family, strict=args.strict)
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1
 
 
+def _global_options(p: argparse.ArgumentParser, subcommand: bool) -> None:
+    """--debug and --quiet, accepted before the subcommand and after it (a subcommand's copy leaves the value
+    alone unless given there)."""
+    default: Any = argparse.SUPPRESS if subcommand else False
+    p.add_argument("--debug", action="store_true", default=default,
+                   help="on an error, show the full traceback instead of one line")
+    p.add_argument("-q", "--quiet", action="store_true", default=default,
+                   help="no progress bar, no summary; errors are still reported")
+
+
 def _writer_options(p: argparse.ArgumentParser, convert: bool = True) -> None:
     """Options every command that writes a checkpoint shares (``convert``: it reads tensors from a source)."""
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (once the new one is complete; never the source)")
     if convert:
         p.add_argument("--check-finite", action="store_true",
                        help="check every tensor for NaN/Inf; if any has them, name the parameters and write nothing")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepspeed-ext", description="Universal checkpoints for DeepSpeed AutoTP.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = parser.add_subparsers(dest="command", required=True)
+_FAMILY_HELP = "model family, one of: {families} (default: recorded with the checkpoint, else inferred from the model config)"
+_TAG_HELP = "the DeepSpeed tag to read, e.g. global_step1000 (default: the one the 'latest' file names)"
+_CONFIG_HELP = "an HF config.json to use (default: the model config saved with the checkpoint)"
 
-    p = sub.add_parser("to-universal", help="merge TP slices and ZeRO partitions into DeepSpeed's universal layout")
-    p.add_argument("checkpoint", help="save dir (uses its 'latest' file) or a tag directory")
-    p.add_argument("--tag", help="tag to convert (default: the 'latest' file)")
+
+def _command(sub: Any, name: str, summary: str, description: str, examples: str, extra: str | None = None
+             ) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}",
+        epilog="examples:\n" + "\n".join(f"  {line}" for line in examples.strip().splitlines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _global_options(p, subcommand=True)
+    p.set_defaults(extra=extra)
+    return p
+
+
+def _paragraph(text: str) -> str:
+    import textwrap
+    return textwrap.fill(" ".join(text.split()), width=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deepspeed_ext.checkpoint.families import family_names
+    family_help = _FAMILY_HELP.format(families=", ".join(family_names()))
+    parser = argparse.ArgumentParser(
+        prog="deepspeed-ext", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Universal checkpoints for DeepSpeed AutoTP + ZeRO: convert, inspect and verify checkpoints "
+        "between DeepSpeed,\nDeepSpeed's universal layout, Hugging Face safetensors and MaxText (Orbax).",
+        epilog="Run 'deepspeed-ext COMMAND --help' for a command's options and examples.")
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of deepspeed-ext, DeepSpeed and torch, and which extras are installed")
+    _global_options(parser, subcommand=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = _command(sub, "to-universal", "merge TP slices and ZeRO partitions into DeepSpeed's universal layout", _paragraph("""
+        Reads a DeepSpeed checkpoint saved at any TP x DP degree and ZeRO stage and writes one full tensor per
+        parameter, with its fp32 master weights and Adam moments, in the layout upstream's ds_to_universal
+        writes. Resume from it at any TP/DP degree with "checkpoint": {"load_universal": true}. The source is
+        never modified. Takes ds_to_universal's own options too (--input_folder, --output_folder), so scripts
+        switch by changing the program name."""), """
+        deepspeed-ext to-universal checkpoints/              # writes checkpoints/global_stepN_universal + latest_universal
+        deepspeed-ext to-universal checkpoints/ -o universal/
+        deepspeed-ext to-universal --input_folder ckpt/global_step3 --output_folder ckpt/global_step3_universal""")
+    p.add_argument("checkpoint", nargs="?", help="a DeepSpeed save directory (its 'latest' file names the tag), a "
+                   "tag directory, or a Hugging Face Trainer output_dir / checkpoint-N folder")
+    p.add_argument("--tag", help=_TAG_HELP)
     p.add_argument("-o", "--output", help="output save directory: OUT/<tag>_universal and OUT/latest_universal, "
                    "loadable with engine.load_checkpoint(OUT) (default: beside the tag, <save dir>/<tag>_universal "
                    "and <save dir>/latest_universal)")
     p.add_argument("--distributed", action="store_true",
                    help="run under torchrun: the ranks split the parameters (torch.distributed, gloo) and write "
                    "the same output a single process would")
+    compat = p.add_argument_group("upstream ds_to_universal's options")
+    compat.add_argument("--input_folder", help="the DeepSpeed tag directory (same as CHECKPOINT)")
+    compat.add_argument("--output_folder", help="the universal directory itself; latest_universal naming it is "
+                        "written beside it, as ds_to_universal does (instead of -o)")
+    for option in ("--num_extract_workers", "--num_merge_workers"):
+        compat.add_argument(option, type=int, help="accepted and ignored: deepspeed-ext streams tensor by tensor")
+    for option in ("--keep_temp_folder", "--no_strict", "--inject_missing_state"):
+        compat.add_argument(option, action="store_true", help="accepted and ignored: there is no temporary "
+                            "folder, every output is checked, and missing state is an error")
     _writer_options(p)
     p.set_defaults(func=cmd_to_universal)
 
-    p = sub.add_parser("to-maxtext", help="write an Orbax checkpoint in MaxText's layout")
+    p = _command(sub, "to-maxtext", "write an Orbax checkpoint in MaxText's layout", _paragraph("""
+        Converts a DeepSpeed, universal or Hugging Face checkpoint into the parameter tree MaxText's own model
+        code builds for the family (optionally with the Adam moments as MaxText's optax state), stored with
+        Orbax at OUT/0/items. --mesh pre-shards the storage for a target device mesh."""), """
+        deepspeed-ext to-maxtext checkpoints/ -o maxtext/
+        deepspeed-ext to-maxtext checkpoints/ -o maxtext/ --with-optimizer --mesh fsdp=8,tensor=2""", extra="maxtext")
     p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir), a universal checkpoint or an HF "
                    "model directory")
     p.add_argument("-o", "--output", required=True, help="output root; MaxText loads <output>/0/items")
-    p.add_argument("--tag")
-    p.add_argument("--family", help="model family (default: inferred from the model config)")
+    p.add_argument("--tag", help=_TAG_HELP)
+    p.add_argument("--family", help=family_help)
     p.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="stack decoder layers on axis 1 as MaxText's scan_layers=true expects (default)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--mesh", help="target mesh, e.g. fsdp=16,tensor=2: storage chunks become one device's shard "
-                   "under MaxText's sharding rules (axes: fsdp, tensor, expert, stage)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the parameters written (default bfloat16, MaxText's weight_dtype for "
+                   "inference; float32 for training); Adam moments are always float32")
+    p.add_argument("--mesh", help="target mesh as AXIS=SIZE pairs, e.g. fsdp=16,tensor=2: storage chunks become "
+                   "one device's shard under MaxText's sharding rules (any MaxText mesh axis; parameters are "
+                   "split over fsdp, tensor, expert and stage)")
     p.add_argument("--with-optimizer", action="store_true",
                    help="also write the Adam moments as MaxText's optax adamw state (opt_state)")
-    p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
+    p.add_argument("--config", help=_CONFIG_HELP)
     _writer_options(p)
     p.set_defaults(func=cmd_to_maxtext)
 
-    p = sub.add_parser("from-maxtext", help="a MaxText Orbax checkpoint back into the universal form")
+    p = _command(sub, "from-maxtext", "a MaxText Orbax checkpoint back into the universal form", _paragraph("""
+        Reads a MaxText checkpoint (parameters, and the Adam state when it has one) and writes DeepSpeed's
+        universal layout, which DeepSpeed resumes from at any TP degree with "checkpoint":
+        {"load_universal": true}."""), """
+        deepspeed-ext from-maxtext maxtext/ -o universal/
+        deepspeed-ext from-maxtext run/checkpoints/1000/items -o universal/ --config config.json""",
+                 extra="maxtext")
     p.add_argument("source", help="the MaxText checkpoint: its root, a step directory or <root>/<step>/items")
     p.add_argument("-o", "--output", required=True, help="output save directory: OUT/<tag>_universal and "
                    "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
-    p.add_argument("--config", help="HF config.json (default: the one to-maxtext recorded)")
-    p.add_argument("--family", help="model family (default: recorded, else inferred from the config)")
+    p.add_argument("--config", help="an HF config.json describing the model (default: the one to-maxtext recorded)")
+    p.add_argument("--family", help=family_help)
     _writer_options(p)
     p.set_defaults(func=cmd_from_maxtext)
 
-    p = sub.add_parser("to-hf", help="write a Hugging Face checkpoint (config.json + sharded safetensors)")
-    p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir), a universal checkpoint or a MaxText "
-                   "checkpoint (<root> or <root>/0/items)")
+    p = _command(sub, "to-hf", "write a Hugging Face checkpoint (config.json + sharded safetensors)", _paragraph("""
+        Writes what save_pretrained would: config.json, the weights as safetensors (sharded, with an index,
+        above --max-shard-size), generation_config.json, and the tokenizer files of the checkpoint's folder
+        (or of --tokenizer). Unlike DeepSpeed's zero_to_fp32.py, which gathers ZeRO partitions into one fp32
+        state dict of a single TP degree, to-hf also merges TP slices, keeps the model's dtype (bf16 stays
+        bf16) and writes a folder AutoModelForCausalLM.from_pretrained loads."""), """
+        deepspeed-ext to-hf checkpoints/ -o hf/
+        deepspeed-ext to-hf trainer_out/ -o hf/ --dtype bfloat16 --max-shard-size 2GB
+        deepspeed-ext to-hf checkpoints/ -o hf/ --tokenizer path/to/tokenizer""", extra="hf")
+    p.add_argument("source", help="a DeepSpeed checkpoint (save or tag dir), a Trainer output_dir, a universal "
+                   "checkpoint, an HF model directory (to re-shard it) or a MaxText checkpoint (<root> or "
+                   "<root>/0/items)")
     p.add_argument("-o", "--output", required=True, help="output directory")
-    p.add_argument("--tag")
+    p.add_argument("--tag", help=_TAG_HELP)
     p.add_argument("--dtype", choices=["source", "bfloat16", "float32"], default="source",
                    help="weights dtype (default: the dtype the source model had)")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--config", help="HF config.json (default: the model config saved with the checkpoint)")
-    p.add_argument("--family", help="MaxText sources: model family (default: recorded or inferred)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB or 500MB (default 5GB)")
+    p.add_argument("--tokenizer", help="a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, "
+                   "...) to add to the output")
+    p.add_argument("--config", help=_CONFIG_HELP)
+    p.add_argument("--family", help="MaxText sources: " + family_help)
     _writer_options(p)
     p.set_defaults(func=cmd_to_hf)
 
-    p = sub.add_parser("from-hf", help="a Hugging Face checkpoint (safetensors) into the universal form")
+    p = _command(sub, "from-hf", "a Hugging Face checkpoint (safetensors) into the universal form", _paragraph("""
+        Reads an HF model directory (config.json and *.safetensors, with or without an index) and writes
+        DeepSpeed's universal layout with fresh optimizer state: start DeepSpeed AutoTP training from
+        pretrained weights at any TP degree with "checkpoint": {"load_universal": true}."""), """
+        deepspeed-ext from-hf Llama-3.1-8B/ -o universal/
+        deepspeed-ext from-hf model/ -o universal/ --dtype float32""", extra="hf")
     p.add_argument("source", help="HF model directory: config.json and *.safetensors (with or without an index)")
     p.add_argument("-o", "--output", required=True, help="output save directory: OUT/global_step0_universal and "
                    "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
-    p.add_argument("--config", help="HF config.json (default: the directory's config.json)")
+    p.add_argument("--config", help="an HF config.json to use (default: the directory's config.json)")
     p.add_argument("--dtype", choices=["source", "bfloat16", "float32"], default="source",
                    help="dtype of the stored weights (default: the files' dtype)")
     _writer_options(p)
     p.set_defaults(func=cmd_from_hf)
 
-    p = sub.add_parser("reshard-orbax", help="re-chunk a MaxText Orbax checkpoint for a target mesh, array by array")
+    p = _command(sub, "reshard-orbax", "re-chunk a MaxText Orbax checkpoint for a target mesh, array by array",
+                 _paragraph("""
+        Rewrites each array of a MaxText checkpoint with storage chunks of one device's shard under the
+        target mesh, so that each host reads only its own bytes when MaxText restores it. Values are
+        unchanged."""), """
+        deepspeed-ext reshard-orbax maxtext/ -o maxtext-fsdp16/ --mesh fsdp=16,tensor=2""", extra="maxtext")
     p.add_argument("source", help="the MaxText checkpoint: its root, a step directory or <root>/<step>/items")
     p.add_argument("-o", "--output", required=True, help="output root; the result is <output>/0/items")
-    p.add_argument("--mesh", required=True, help="target mesh, e.g. fsdp=16,tensor=2,expert=4")
+    p.add_argument("--mesh", required=True, help="target mesh as AXIS=SIZE pairs, e.g. fsdp=16,tensor=2,expert=4 "
+                   "(any MaxText mesh axis)")
     _writer_options(p, convert=False)
     p.set_defaults(func=cmd_reshard_orbax)
 
-    p = sub.add_parser("verify", help="check a checkpoint: a converted one (universal, HF or MaxText) against its "
-                       "manifest, a DeepSpeed one file by file; every tensor's shape, dtype and finiteness")
+    p = _command(sub, "verify", "check a checkpoint's files and tensors", _paragraph("""
+        A converted checkpoint (universal, HF or MaxText) is checked against the manifest deepspeed-ext wrote
+        with it (every file's size and CRC32C), a DeepSpeed one file by file; then every tensor's shape,
+        dtype and finiteness. Files added beside an output (a README, a tokenizer) are reported as not
+        covered by the manifest without failing, unless --strict. Exit status 0 when it is sound, 1
+        otherwise."""), """
+        deepspeed-ext verify universal/
+        deepspeed-ext verify hf/ --strict""")
     p.add_argument("path", help="a checkpoint directory (any format; for MaxText the root or <root>/0/items)")
-    p.add_argument("--config", help="HF config.json where the checkpoint has none (MaxText, HF)")
-    p.add_argument("--family", help="MaxText: model family (default: recorded or inferred)")
+    p.add_argument("--strict", action="store_true",
+                   help="files the manifest does not list are problems too (default: reported, exit 0)")
+    p.add_argument("--config", help="an HF config.json where the checkpoint has none (MaxText, HF)")
+    p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("inspect", help="describe a checkpoint (DeepSpeed, universal, HF or MaxText)")
-    p.add_argument("checkpoint")
-    p.add_argument("--tag")
+    p = _command(sub, "inspect", "describe a checkpoint (DeepSpeed, universal, HF or MaxText)", _paragraph("""
+        Prints the format, step, TP x DP degree, ZeRO stage, dtypes, model config and every parameter's shape
+        and tensor-parallel layout, plus how to resume from it. Reads metadata only."""), """
+        deepspeed-ext inspect checkpoints/
+        deepspeed-ext inspect checkpoints/global_step1000 --json | jq .parameters""")
+    p.add_argument("checkpoint", help="a checkpoint directory in any format (a DeepSpeed save or tag directory, "
+                   "a Trainer output_dir, a universal, HF or MaxText checkpoint)")
+    p.add_argument("--tag", help=_TAG_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--config", help="HF config.json where the checkpoint has none (MaxText, HF)")
-    p.add_argument("--family", help="MaxText: model family (default: recorded or inferred)")
+    p.add_argument("--config", help="an HF config.json where the checkpoint has none (MaxText, HF)")
+    p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_inspect)
     return parser
 
@@ -285,14 +408,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     parser = build_parser()
     args = parser.parse_args(argv)
-    if "--debug" in (argv if argv is not None else sys.argv):
-        args.debug = True
+    if args.version:
+        from deepspeed_ext.extras import describe
+        print("\n".join(describe()))
+        return 0
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
     if not args.debug:
         _quiet_library_warnings()
     if argv is None:  # run as the program (not called from Python code, whose own Ctrl-C handling stays)
         from deepspeed_ext.checkpoint.output import exit_on_interrupt
         exit_on_interrupt()
     try:
+        if args.extra is not None:  # before anything is read or written
+            from deepspeed_ext.extras import require
+            require(args.extra, args.command)
+        if not args.quiet and sys.stderr.isatty() and args.func is not cmd_inspect:
+            print(f"deepspeed-ext {args.command}: loading libraries...", file=sys.stderr, flush=True)
         code = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
         return code

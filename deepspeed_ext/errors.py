@@ -31,3 +31,7 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (library errors can run to many lines), else its type."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+class MissingExtraError(DeepSpeedExtError):
+    """A command needs a library the base install leaves out; the message names the pip command that adds it."""

@@ -1,52 +1,88 @@
 #!/usr/bin/env bash
-# Create .venv if missing, install the pinned dev environment and this package (editable), and build
-# DeepSpeed's CPU shared-memory comm op once so no test waits on the JIT build. Idempotent and quick
-# when nothing changed.
+# Set up what a command needs, and only that; idempotent and quick (seconds) when nothing changed.
+#   bash scripts/setup.sh demo   .venv with the demo's environment (requirements-demo.txt: the base install plus
+#                                transformers) and DeepSpeed's CPU comm op
+#   bash scripts/setup.sh test   (the default) the whole dev environment (requirements-dev.txt), DeepSpeed's
+#                                FusedAdam op too, and .venv-deepspeed-0.18.8 for the older-release tests
+# Each venv keeps DeepSpeed's JIT-built ops in its own cache (<venv>/torch_extensions), so checkouts on one
+# machine do not rebuild each other's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+MODE=${1:-test}
+case "$MODE" in demo|test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; esac
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
-if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv with $PYTHON" >&2
-  "$PYTHON" -m venv .venv
-fi
+START=$SECONDS
+say() { echo "setup: $* [$((SECONDS - START))s]" >&2; }
 
-stamp=".venv/.deepspeed_ext-deps-$(cat requirements-dev.txt setup.py | sha1sum | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
-  echo "setup: installing dependencies (requirements-dev.txt) and deepspeed-ext" >&2
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -r requirements-dev.txt
-  .venv/bin/python -m pip install -q --no-deps -e .
-  rm -f .venv/.deepspeed_ext-deps-*
+# A venv's own op cache, set for every Python it starts (a .pth line runs at interpreter start-up).
+own_extension_cache() {
+  local venv=$1 site
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "import os; os.environ.setdefault('TORCH_EXTENSIONS_DIR', '$PWD/$venv/torch_extensions')" \
+    > "$site/deepspeed_ext_dev_extensions.pth"
+}
+
+# install VENV REQUIREMENTS NAME WHAT TIME: create VENV if missing; install REQUIREMENTS and this package
+# (editable) unless the stamp NAME-<hash of the requirements and setup.py> says they are in place.
+install() {
+  local venv=$1 requirements=$2 name=$3 what=$4 time=$5 hash stamp
+  hash=$(cat requirements-*.txt setup.py | sha1sum | cut -c1-16)
+  stamp="$venv/.deepspeed_ext-$name-$hash"
+  [ -f "$stamp" ] && return 0
+  # The dev environment holds the demo's.
+  [ "$name" = demo ] && [ -f "$venv/.deepspeed_ext-test-$hash" ] && return 0
+  if [ ! -x "$venv/bin/python" ]; then
+    say "creating $venv with $PYTHON"
+    "$PYTHON" -m venv "$venv"
+  fi
+  say "installing $what into $venv (first time: $time)"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r "$requirements"
+  "$venv/bin/python" -m pip install -q --no-deps -e .
+  own_extension_cache "$venv"
+  rm -f "$venv"/.deepspeed_ext-"$name"-*
   touch "$stamp"
+  say "installed into $venv"
+}
+
+# build_ops VENV OP...: JIT-build DeepSpeed's CPU ops into VENV's cache (about a minute each the first time,
+# a second or two once built).
+build_ops() {
+  local venv=$1; shift
+  say "building DeepSpeed ops in $venv: $* (first time: about a minute each)"
+  DS_ACCELERATOR=cpu "$venv/bin/python" - "$@" <<'PY' >/dev/null 2>"$venv/ops-build.log" || {
+import sys
+from deepspeed.accelerator import get_accelerator
+for op in sys.argv[1:]:
+    get_accelerator().create_op_builder(op).load()
+PY
+    cat "$venv/ops-build.log" >&2; say "building DeepSpeed ops in $venv failed"; return 1; }
+  say "DeepSpeed ops ready in $venv"
+}
+
+install .venv "requirements-$([ "$MODE" = demo ] && echo demo || echo dev).txt" "$MODE" \
+  "$([ "$MODE" = demo ] && echo "the demo's environment (torch CPU, DeepSpeed, transformers)" || echo "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, test tools)")" \
+  "$([ "$MODE" = demo ] && echo "about 1-2 minutes" || echo "about 3 minutes")"
+
+if [ "$MODE" = demo ]; then
+  build_ops .venv ShareMemCommBuilder
+  exit 0
 fi
 
-# A second environment with DeepSpeed 0.18.8: AutoTP training without AutoTP universal-checkpoint tags,
-# where deepspeed-ext's tags are the only metadata (tests/e2e/test_older_deepspeed.py).
+# The older release (tests/e2e/test_older_deepspeed.py): AutoTP training without upstream's universal-checkpoint
+# tags, where deepspeed-ext's are the only metadata. Built meanwhile, in the background: the op builds below
+# are CPU-bound, the installs mostly not.
 OLD_DS=0.18.8
 OLD_VENV=.venv-deepspeed-$OLD_DS
-old_stamp="$OLD_VENV/.deepspeed_ext-deps-$(cat requirements-dev.txt setup.py | sha1sum | cut -c1-16)"
-if [ ! -f "$old_stamp" ]; then
-  echo "setup: creating $OLD_VENV (DeepSpeed $OLD_DS)" >&2
-  [ -x "$OLD_VENV/bin/python" ] || "$PYTHON" -m venv "$OLD_VENV"
-  "$OLD_VENV/bin/python" -m pip install -q --upgrade pip
-  # Only the DeepSpeed side is tested there: no JAX/Orbax.
-  grep -vE '^(deepspeed|jax|jaxlib|orbax-checkpoint|tensorstore|ml_dtypes|accelerate)==' requirements-dev.txt \
-    > "$OLD_VENV/requirements.txt"
-  "$OLD_VENV/bin/python" -m pip install -q -r "$OLD_VENV/requirements.txt" "deepspeed==$OLD_DS"
-  "$OLD_VENV/bin/python" -m pip install -q --no-deps -e .
-  rm -f "$OLD_VENV"/.deepspeed_ext-deps-*
-  touch "$old_stamp"
-fi
-
-# DeepSpeed JIT-compiles these ops on first CPU use (about a minute each); do it here, cached in torch's
-# extension dir: the shm comm op every run uses, and FusedAdam (the tests' FP16_Optimizer path).
-DS_ACCELERATOR=cpu .venv/bin/python - <<'PY' >&2
-from deepspeed.accelerator import get_accelerator
-get_accelerator().create_op_builder("ShareMemCommBuilder").load()
-get_accelerator().create_op_builder("FusedAdamBuilder").load()
-PY
-DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$PWD/$OLD_VENV/torch_extensions" "$OLD_VENV/bin/python" - <<'PY' >&2
-from deepspeed.accelerator import get_accelerator
-get_accelerator().create_op_builder("ShareMemCommBuilder").load()
-PY
+(
+  requirements=$(mktemp)
+  trap 'rm -f "$requirements"' EXIT
+  sed "s/^deepspeed==.*/deepspeed==$OLD_DS/" requirements-demo.txt > "$requirements"
+  install "$OLD_VENV" "$requirements" demo "DeepSpeed $OLD_DS (older-release tests)" "about 1-2 minutes"
+  build_ops "$OLD_VENV" ShareMemCommBuilder
+) &
+old=$!
+build_ops .venv ShareMemCommBuilder FusedAdamBuilder
+wait "$old"
+say "ready"

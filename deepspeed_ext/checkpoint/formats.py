@@ -123,8 +123,13 @@ class Format:
     module: str
     #: The name of the writer's options class in :attr:`module`; None: deepspeed-ext does not write the format.
     options: str | None = None
+    #: The install extra whose libraries reading and writing the format need (deepspeed_ext.extras); None: base.
+    extra: str | None = None
 
     def load(self) -> ModuleType:
+        if self.extra is not None:
+            from deepspeed_ext import extras
+            extras.require(self.extra, f"reading or writing {self.title} checkpoints")
         return importlib.import_module(self.module)
 
     def open(self, path: str | Path, options: OpenOptions) -> CheckpointSource:
@@ -152,8 +157,9 @@ class Format:
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(UNIVERSAL, "universal", _is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions"),
     Format(DEEPSPEED, "DeepSpeed", _is_deepspeed, "deepspeed_ext.checkpoint.deepspeed"),
-    Format(HUGGINGFACE, "Hugging Face", _is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions"),
-    Format(MAXTEXT, "MaxText (Orbax)", _is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions"),
+    Format(HUGGINGFACE, "Hugging Face", _is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions", extra="hf"),
+    Format(MAXTEXT, "MaxText (Orbax)", _is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions",
+           extra="maxtext"),
 )}
 
 if TYPE_CHECKING:

@@ -49,6 +49,7 @@ CONFIG_FILE = "config.json"
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
                    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
+GENERATION_CONFIG = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -240,10 +241,12 @@ def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: 
 @dataclass(frozen=True)
 class HFOptions(WriteOptions):
     """``dtype``: of the weights written (``source``: the dtype the source model had); ``max_shard_size``: the
-    largest safetensors file (bytes, or "5GB")."""
+    largest safetensors file (bytes, or "5GB"); ``tokenizer``: a directory whose tokenizer files (and generation
+    config) to add, for a source folder that has none."""
 
     dtype: str = "source"
     max_shard_size: int | str = "5GB"
+    tokenizer: str | Path | None = None
 
 
 def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOptions()) -> Path:
@@ -257,6 +260,9 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
 
     model_config = required_model_config(source.info)
     label, dtype = str(source.info.given), options.dtype
+    companions = {path.name: path for path in companion_files(source.info)}
+    if options.tokenizer is not None:  # files given explicitly win over the source folder's
+        companions.update((path.name, path) for path in tokenizer_files(Path(options.tokenizer)))
     given = out
     out = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite)
     finite = finite_check(source, options)
@@ -284,8 +290,10 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
         if finite is not None:
             finite.raise_if_any()
         config.save_pretrained(partial)
-        for companion in companion_files(source.info):
-            shutil.copyfile(companion, partial / companion.name)
+        for name, companion in companions.items():
+            shutil.copyfile(companion, partial / name)
+        if GENERATION_CONFIG not in companions:
+            _write_generation_config(config, partial)
         if split.is_sharded:  # the index comes after every shard: without it a multi-shard output does not load
             index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
                                   "total_size": split.metadata["total_size"]},
@@ -305,6 +313,28 @@ def companion_files(info: SourceInfo) -> list[Path]:
     if folder is None:
         return []
     return [folder / name for name in COMPANION_FILES if (folder / name).is_file()]
+
+
+def tokenizer_files(directory: Path) -> list[Path]:
+    """The tokenizer files (and generation config) in ``directory`` (``to-hf --tokenizer``); one line naming it
+    when it has none."""
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such directory (--tokenizer)")
+    found = [directory / name for name in COMPANION_FILES if (directory / name).is_file()]
+    if not any(path.name != GENERATION_CONFIG for path in found):
+        raise CheckpointError(f"{directory}: no tokenizer files (--tokenizer expects what save_pretrained writes: "
+                              "tokenizer.json, tokenizer_config.json, ...)")
+    return found
+
+
+def _write_generation_config(config: Any, directory: Path) -> None:
+    """``generation_config.json`` as ``save_pretrained`` writes it for a model that generates (a causal LM):
+    derived from the model config's token ids."""
+    if not config.architectures or not any(name.endswith("ForCausalLM") for name in config.architectures):
+        return
+    from transformers import GenerationConfig
+    generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(directory)
 
 
 def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],

@@ -79,12 +79,14 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def check_manifest(root: Path) -> tuple[int, list[str]]:
-    """(files checked, problems) of ``root`` against its manifest; each problem names the file."""
+def check_manifest(root: Path) -> tuple[int, list[str], list[Path]]:
+    """(files checked, problems, files the manifest does not list) of ``root`` against its manifest; each
+    problem names the file. Unlisted files are returned apart: a user may have added them (a README, a
+    tokenizer) beside an intact output."""
     root = Path(root)
     path = root / MANIFEST_FILE
     if not path.is_file():
-        return 0, [f"{path}: no manifest (outputs of earlier deepspeed-ext versions have none)"]
+        return 0, [f"{path}: no manifest (outputs of earlier deepspeed-ext versions have none)"], []
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
@@ -102,7 +104,6 @@ def check_manifest(root: Path) -> tuple[int, list[str]]:
         elif file_checksum(file) != entry[ALGORITHM]:
             problems.append(f"{file}: contents differ from the manifest ({ALGORITHM} mismatch)")
     listed = set(files) | {MANIFEST_FILE}
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        if file.relative_to(root).as_posix() not in listed:
-            problems.append(f"{file}: not in the manifest")
-    return len(files), problems
+    unlisted = [file for file in sorted(p for p in root.rglob("*") if p.is_file())
+                if file.relative_to(root).as_posix() not in listed]
+    return len(files), problems, unlisted

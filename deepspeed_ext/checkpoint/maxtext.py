@@ -260,18 +260,28 @@ def storage_chunk(leaf: Leaf, mesh_shape: Mapping[str, int] | None) -> tuple[int
     return tuple(1 if axis == 1 else size for axis, size in enumerate(chunk or leaf.shape))
 
 
-MESH_AXES = ("fsdp", "tensor", "expert", "stage")
+#: Every mesh axis MaxText's configs name (base.yml ``mesh_axes``, old and new releases): each is accepted. The
+#: storage chunks follow MESH_RULES, which shard parameters over fsdp, tensor, expert and stage only: MaxText
+#: never shards parameters over data (or diloco), and along the secondary axes of its rules (fsdp_transpose,
+#: sequence, context*, tensor_transpose, tensor_sequence, autoregressive) a chunk stays whole. Values are the same
+#: either way; a restore reads whole chunks and keeps its part.
+MESH_AXES = ("diloco", "data", "stage", "fsdp", "fsdp_transpose", "sequence", "context", "context_usp_ulysses",
+             "context_autoregressive", "tensor", "tensor_transpose", "tensor_sequence", "expert", "autoregressive")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
     """``fsdp=16,tensor=2`` -> ``{"fsdp": 16, "tensor": 2}`` (MaxText's ici_*_parallelism names)."""
     mesh: dict[str, int] = {}
+    expected = f"expected comma-separated AXIS=N with AXIS one of {', '.join(MESH_AXES)} and N >= 1"
     for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
+        name, _, value = (s.strip() for s in part.partition("="))
         if name not in MESH_AXES or not value.isdigit() or int(value) < 1:
-            raise CheckpointError(f"--mesh {text!r}: expected comma-separated AXIS=N with AXIS one of "
-                                  f"{', '.join(MESH_AXES)} and N >= 1, got {part!r}")
+            raise CheckpointError(f"--mesh {text!r}: {expected}, got {part!r}")
+        if name in mesh:
+            raise CheckpointError(f"--mesh {text!r}: axis {name!r} given twice")
         mesh[name] = int(value)
+    if not mesh:
+        raise CheckpointError(f"--mesh {text!r}: empty; {expected} (e.g. fsdp=16,tensor=2)")
     return mesh
 
 

@@ -93,6 +93,9 @@ class WriteOptions:
     overwrite: bool = False
     #: Show a progress bar.
     progress: bool = True
+    #: The progress bar's label (default: the writer's own name, e.g. "to-universal"); commands that write
+    #: through another format's writer name themselves (from-hf writes through the universal writer).
+    progress_label: str | None = None
     #: Check every tensor for NaN/Inf and write nothing if any has them.
     check_finite: bool = False
     #: Paths the output may not touch, beyond the source's own.

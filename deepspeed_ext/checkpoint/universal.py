@@ -68,6 +68,9 @@ class UniversalOptions(WriteOptions):
     result, byte-identical to a single-process run."""
 
     distributed: bool = False
+    #: ``out`` is the universal tag directory itself, with ``latest_universal`` naming it in its parent (as
+    #: upstream ``ds_to_universal --output_folder`` writes), rather than a save directory to write one into.
+    tag_directory: bool = False
 
 
 def universal_name(info: SourceInfo) -> str:
@@ -97,11 +100,15 @@ def write(source: CheckpointSource, out: str | Path | None = None,
             raise CheckpointError(f"{info.given}: a {info.format} checkpoint has no save directory to write "
                                   "beside: give an output")
         publish, inner = output.prepare(info.path.parent / name, source.read_paths, overwrite=options.overwrite), None
+    elif options.tag_directory:
+        publish, inner = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), None
     else:
         publish, inner = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), name
     finite = finite_check(source, options)
+    bar = (options.progress_label or "to-universal") if options.progress else None
     rank = _rank() if options.distributed else 0
-    # Beside the tag, the pointer goes into the save directory once the output is published.
+    # Beside the tag (or as a tag directory of its own), the pointer goes into the directory above once the
+    # output is published.
     pointer = (publish.parent / LATEST_UNIVERSAL, publish.name) if inner is None else None
     staged = output.staged(publish, pointer) if rank == 0 else contextlib.nullcontext(output.staging_path(publish))
     with staged as partial:
@@ -111,10 +118,10 @@ def write(source: CheckpointSource, out: str | Path | None = None,
             if inner:
                 (partial / LATEST_UNIVERSAL).write_text(inner)
         if options.distributed:
-            _write_distributed(source, universal, options.progress, finite)
+            _write_distributed(source, universal, bar, finite)
         else:
             manifest = ManifestRecorder(universal)
-            _write_tensors(source, list(info.layouts), universal, options.progress, manifest,
+            _write_tensors(source, list(info.layouts), universal, bar, manifest,
                            first=lambda: _write_summary(source, universal), finite=finite)
             manifest.write()
     if options.distributed:
@@ -140,8 +147,10 @@ def shares_by_size(layouts: dict[str, TPLayout], world: int) -> list[list[str]]:
     return [sorted(share, key=order.__getitem__) for share in shares]
 
 
-def _write_distributed(source: CheckpointSource, universal: Path, progress: bool, finite: FiniteCheck | None) -> None:
-    """This rank's share of the parameters into ``universal`` (inside rank 0's staging directory)."""
+def _write_distributed(source: CheckpointSource, universal: Path, progress: str | None,
+                       finite: FiniteCheck | None) -> None:
+    """This rank's share of the parameters into ``universal`` (inside rank 0's staging directory); rank 0 shows
+    the progress bar."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -156,7 +165,7 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: bool
     mine = shares_by_size(dict(source.info.layouts), world)[rank]
     summary = (lambda: _write_summary(source, universal)) if rank == 0 else None
     manifest = ManifestRecorder(universal)
-    error = attempt(lambda: _write_tensors(source, mine, universal, progress and rank == 0, manifest,
+    error = attempt(lambda: _write_tensors(source, mine, universal, progress if rank == 0 else None, manifest,
                                            first=summary, finite=finite))
     if error is None and rank != 0:
         error = attempt(lambda: manifest.write_rank_part(rank))
@@ -169,11 +178,12 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: bool
         manifest.write()
 
 
-def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, progress: bool,
+def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, progress: str | None,
                    manifest: ManifestRecorder, first: Callable[[], None] | None = None,
                    finite: FiniteCheck | None = None) -> None:
     """The per-parameter files of ``names``, each recorded in ``manifest`` by the thread that wrote it;
-    ``first`` (the summary files) runs on a writer thread meanwhile."""
+    ``first`` (the summary files) runs on a writer thread meanwhile. ``progress``: the progress bar's label, or
+    None for no bar."""
 
     def save(value: Any, path: Path) -> None:
         serialization.save(value, path)
@@ -186,8 +196,8 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
         if first is not None:
             writer.submit(first)
         stream = (t for t in source.tensors() if t.name in wanted)
-        for tensor in tqdm(finite.stream(stream) if finite else stream, total=len(names), desc="to-universal",
-                           unit="param", disable=not progress):
+        for tensor in tqdm(finite.stream(stream) if finite else stream, total=len(names), desc=progress,
+                           unit="param", disable=progress is None):
             param_dir = zero / tensor.name
             param_dir.mkdir()
             # A source without optimizer state (HF weights, a params-only MaxText checkpoint) has only fp32:

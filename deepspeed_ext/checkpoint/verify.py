@@ -28,25 +28,40 @@ class VerifyReport:
     #: How many tensor states were read and checked.
     tensors: int = 0
     problems: list[str] = field(default_factory=list)
+    #: Files beside a manifest that it does not list (added after the output was written, or left by
+    #: something else): reported, and problems only when ``strict``.
+    unlisted: list[Path] = field(default_factory=list)
+    strict: bool = False
     #: False when the checkpoint did not even open (then ``problems`` says why).
     opened: bool = True
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and not (self.strict and self.unlisted)
 
     def lines(self) -> list[str]:
-        """Each problem, then one summary line."""
+        """Each problem and each file the manifest does not cover, then one summary line."""
         if not self.opened:
             return [*self.problems, f"{self.root}: FAILED: the checkpoint does not open, 1 problem(s)"]
-        return [*self.problems, f"{self.root}: {'OK' if self.ok else 'FAILED'}: {self.files_checked}, "
-                f"{self.tensors} tensors (shape, dtype, finite), {len(self.problems)} problem(s)"]
+        if self.strict:
+            notes = [f"{file}: not in the manifest" for file in self.unlisted]
+            problems = len(self.problems) + len(notes)
+            extra = ""
+        else:
+            notes = [f"{file}: not covered by the manifest (not checked; --strict makes this an error)"
+                     for file in self.unlisted]
+            problems = len(self.problems)
+            extra = f", {len(notes)} file(s) not covered by the manifest" if notes else ""
+        return [*self.problems, *notes, f"{self.root}: {'OK' if self.ok else 'FAILED'}: {self.files_checked}, "
+                f"{self.tensors} tensors (shape, dtype, finite), {problems} problem(s){extra}"]
 
 
-def verify(path: str | Path, *, config: str | Path | None = None, family: str | None = None) -> VerifyReport:
+def verify(path: str | Path, *, config: str | Path | None = None, family: str | None = None,
+           strict: bool = False) -> VerifyReport:
     """Verify the checkpoint at ``path``. Raises :class:`CheckpointError` when ``path`` is no checkpoint at all,
     and :class:`MissingConfigError` when a model config is needed and there is none (nothing to verify
-    against); a damaged checkpoint is a report with problems, not an exception."""
+    against); a damaged checkpoint is a report with problems, not an exception. ``strict``: files beside a
+    manifest that it does not list are problems too (by default they are reported only)."""
     from deepspeed_ext.checkpoint import serialization
     from deepspeed_ext.checkpoint.hf import hf_config, parameter_mismatch
     from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
@@ -65,7 +80,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         items = maxtext_items(Path(path))
         assert items is not None
         root = items.parent.parent if items.parent.name.isdigit() else items.parent
-    report = VerifyReport(root, "")
+    report = VerifyReport(root, "", strict=strict)
     if kind == DEEPSPEED:
         # DeepSpeed writes no manifest: check what can be checked. Every file must load with the allow-list;
         # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
@@ -77,7 +92,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
                 report.problems.append(str(exc))
         report.files_checked = f"DeepSpeed checkpoint (no manifest): {len(files)} files load safely"
     elif (root / MANIFEST_FILE).is_file():
-        count, problems = check_manifest(root)
+        count, problems, report.unlisted = check_manifest(root)
         report.problems += problems
         report.files_checked = f"{count} files against the manifest"
     else:

@@ -24,6 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deepspeed_ext.demo", description=__doc__.splitlines()[0])
     p.add_argument("--workdir", help="keep checkpoints and logs here (default: a temporary directory)")
     args = p.parse_args(argv)
+    from deepspeed_ext.errors import MissingExtraError
+    from deepspeed_ext.extras import require
+    try:
+        require("hf", "the demo (its tiny models are transformers models)")
+    except MissingExtraError as exc:
+        print(f"deepspeed-ext demo: error: {exc}", file=sys.stderr)
+        return 2
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deepspeed_ext_demo_"))
     marker = workdir / ".deepspeed_ext_demo"
     if workdir.exists() and any(workdir.iterdir()):

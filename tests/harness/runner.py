@@ -24,8 +24,9 @@ __all__ = ["child_env", "cli", "read_loss_scales", "read_losses", "run_logged", 
 def child_env(python: str = sys.executable) -> dict[str, str]:
     env = demo_runner.child_env()
     if python != sys.executable:
-        # Another environment (another DeepSpeed): keep its JIT-built ops apart from ours.
-        env["TORCH_EXTENSIONS_DIR"] = str(Path(python).resolve().parents[1] / "torch_extensions")
+        # Another environment (another DeepSpeed): its JIT-built ops in its own cache, where scripts/setup.sh
+        # builds them, not in ours (inherited from this process). The venv's python is a symlink: not resolved.
+        env["TORCH_EXTENSIONS_DIR"] = str(Path(python).absolute().parents[1] / "torch_extensions")
     return env
 
 

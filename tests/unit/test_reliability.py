@@ -109,7 +109,28 @@ def test_verify_accepts_fresh_outputs_and_names_each_damage(sources, tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{broken}: 100 bytes, the manifest says" in proc.stdout
     assert f"{broken}: cannot read torch file" in proc.stdout
-    assert f"{universal / 'notes.txt'}: not in the manifest" in proc.stdout
+    assert f"{universal / 'notes.txt'}: not covered by the manifest" in proc.stdout
+
+
+def test_verify_reports_files_added_beside_an_output_and_fails_on_them_only_with_strict(sources, tmp_path):
+    """A README and a tokenizer added to an intact HF output: reported as not covered by the manifest, exit 0;
+    --strict makes them problems (exit 1). A missing manifest-listed file stays an error either way."""
+    hf = tmp_path / "hf"
+    assert cli_result("to-hf", str(sources / "hf"), "-o", str(hf), "-q").returncode == 0
+    (hf / "README.md").write_text("my model")
+    (hf / "extra").mkdir()
+    (hf / "extra" / "tokenizer.json").write_text("{}")
+    proc = cli_result("verify", str(hf))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{hf / 'README.md'}: not covered by the manifest" in proc.stdout
+    assert f"{hf / 'extra' / 'tokenizer.json'}: not covered by the manifest" in proc.stdout
+    assert ": OK: " in proc.stdout and "0 problem(s), 2 file(s) not covered by the manifest" in proc.stdout
+    proc = cli_result("verify", str(hf), "--strict")
+    assert proc.returncode == 1 and f"{hf / 'README.md'}: not in the manifest" in proc.stdout
+    assert ": FAILED: " in proc.stdout and "2 problem(s)" in proc.stdout
+    (hf / "config.json").unlink()  # listed in the manifest: missing is an error, strict or not
+    proc = cli_result("verify", str(hf), "--config", str(sources / "hf" / "config.json"))
+    assert proc.returncode == 1 and f"{hf / 'config.json'}: missing" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("command", ["to-maxtext", "from-maxtext", "to-hf"])

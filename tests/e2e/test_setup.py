@@ -1,0 +1,34 @@
+"""scripts/setup.sh builds what a command needs, says what it does, and keeps DeepSpeed's ops per venv.
+
+Run here on the set-up checkout (the first, slow run is the README's first command on a fresh machine; its
+times are in the README). ``setup.sh demo`` must not touch what only the tests need, and every venv's Python
+must find its JIT-built ops in its own cache.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_demo_setup_builds_only_the_demo_environment_and_reports_progress():
+    proc = subprocess.run(["bash", "scripts/setup.sh", "demo"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines and all(re.fullmatch(r"setup: .* \[\d+s\]", line) for line in lines), lines
+    assert not any("0.18.8" in line or "FusedAdam" in line for line in lines), lines  # only the tests need them
+    assert any("ShareMemCommBuilder" in line for line in lines)
+
+
+def test_each_venv_keeps_its_own_op_cache():
+    for venv in (".venv", ".venv-deepspeed-0.18.8"):
+        python = REPO / venv / "bin" / "python"
+        cache = subprocess.run([str(python), "-c", "import os; print(os.environ.get('TORCH_EXTENSIONS_DIR'))"],
+                               capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}).stdout
+        assert cache.strip() == str(REPO / venv / "torch_extensions"), (venv, cache)
+        built = list((REPO / venv / "torch_extensions").rglob("deepspeed_shm_comm_op*.so"))
+        assert built, f"{venv}: DeepSpeed's comm op is not in its own cache"

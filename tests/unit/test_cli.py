@@ -1,0 +1,159 @@
+"""The command line explains itself (issue: a new user's first hour): --help, --version, global flags anywhere,
+labelled progress, a missing extra named with its pip command, verify on added files, to-hf's companions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness.cli import cli_result, make_sources
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> Path:
+    return make_sources(tmp_path_factory.mktemp("sources"))
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    from deepspeed_ext.cli import build_parser
+    (action, ) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_every_command_has_a_description_an_example_and_help_for_every_option():
+    from deepspeed_ext.checkpoint.families import family_names
+    commands = _subparsers()
+    assert set(commands) == {"to-universal", "to-maxtext", "from-maxtext", "to-hf", "from-hf", "reshard-orbax",
+                             "verify", "inspect"}
+    for name, parser in commands.items():
+        text = parser.format_help()
+        assert "examples:\n  deepspeed-ext " + name in text, name
+        assert len(parser.description.split("\n\n", 1)[1]) > 150, name  # a paragraph beyond the summary line
+        for action in parser._actions:
+            assert action.help and action.help.strip(), f"{name} {action.option_strings or action.dest}: no help"
+        family = [a for a in parser._actions if "--family" in a.option_strings]
+        for action in family:  # --family names the families it takes
+            assert all(f in action.help for f in family_names()), (name, action.help)
+
+
+def test_version_names_the_packages_and_the_extras():
+    from importlib.metadata import version
+    proc = cli_result("--version")
+    assert proc.returncode == 0
+    assert f"DeepSpeed {version('deepspeed')}, torch {version('torch')}" in proc.stdout
+    for extra in ("hf", "maxtext", "trainer"):
+        assert f"extra {extra}: installed" in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["--quiet", "--debug", "inspect", "X"], ["inspect", "X", "--quiet", "--debug"],
+                                  ["-q", "inspect", "--debug", "X"]])
+def test_debug_and_quiet_work_before_or_after_the_command(argv):
+    from deepspeed_ext.cli import build_parser
+    args = build_parser().parse_args(argv)
+    assert args.quiet is True and args.debug is True and args.command == "inspect"
+    assert build_parser().parse_args(["inspect", "X"]).quiet is False
+
+
+def test_without_a_command_the_usage_is_shown():
+    proc = cli_result()
+    assert proc.returncode == 2 and "COMMAND" in proc.stderr and "to-universal" in proc.stderr
+
+
+def test_a_missing_extra_is_one_line_with_the_pip_command_and_nothing_is_written(sources, tmp_path, monkeypatch):
+    from deepspeed_ext import extras
+    real = extras._importable
+    monkeypatch.setattr(extras, "_importable", lambda module: module not in {"jax", "orbax.checkpoint"} and
+                        real(module))
+    out = tmp_path / "maxtext"
+    proc = cli_result("to-maxtext", str(sources / "hf"), "-o", str(out))
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().splitlines() == [
+        "deepspeed-ext: error: to-maxtext needs jax, orbax-checkpoint, which are not installed: "
+        "pip install 'deepspeed-ext[maxtext]'"]
+    # inspect finds the format first, then says what reading it needs
+    proc = cli_result("inspect", str(sources / "maxtext"))
+    assert proc.returncode == 2 and "pip install 'deepspeed-ext[maxtext]'" in proc.stderr
+    assert "extra maxtext: missing jax, orbax-checkpoint" in cli_result("--version").stdout
+    # the Python API says the same
+    import deepspeed_ext
+    from deepspeed_ext.errors import MissingExtraError
+    with pytest.raises(MissingExtraError, match=r"pip install 'deepspeed-ext\[maxtext\]'"):
+        deepspeed_ext.convert(sources / "hf", tmp_path / "api", to="maxtext")
+
+
+def test_progress_bars_are_labelled_with_the_command(sources, tmp_path):
+    proc = cli_result("from-hf", str(sources / "hf"), "-o", str(tmp_path / "universal"))
+    assert proc.returncode == 0, proc.stderr
+    assert "from-hf:" in proc.stderr and "to-universal" not in proc.stderr
+    proc = cli_result("from-maxtext", str(sources / "maxtext"), "-o", str(tmp_path / "back"))
+    assert proc.returncode == 0, proc.stderr
+    assert "from-maxtext:" in proc.stderr and "to-universal" not in proc.stderr
+
+
+def test_inspect_on_hf_says_full_tensors_not_replicated(sources):
+    proc = cli_result("inspect", str(sources / "hf"))
+    assert proc.returncode == 0
+    assert "full tensors (the format has no tensor-parallel layout)" in proc.stdout
+    assert "replicated" not in proc.stdout
+
+
+@pytest.mark.parametrize("mesh, ok", [("data=2,fsdp=2", True), ("fsdp_transpose=2", True), ("", False),
+                                      (" , ", False), ("fsdp=2,fsdp=2", False), ("model=2", False)])
+def test_mesh_takes_every_maxtext_axis_and_refuses_an_empty_value(sources, tmp_path, mesh, ok):
+    out = tmp_path / "maxtext"
+    proc = cli_result("to-maxtext", str(sources / "hf"), "-o", str(out), "--mesh", mesh, "-q")
+    assert (proc.returncode == 0) == ok, proc.stderr
+    if not ok:
+        assert len(proc.stderr.strip().splitlines()) == 1 and "--mesh" in proc.stderr and not out.exists()
+
+
+def test_to_hf_writes_generation_config_and_carries_or_adds_tokenizer_files(sources, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from harness.workers.hf_trainer import tiny_tokenizer
+    tokenizer_dir = tmp_path / "tokenizer"
+    tiny_tokenizer().save_pretrained(tokenizer_dir)
+
+    # an HF folder without tokenizer files, re-sharded: generation config kept, --tokenizer adds the rest
+    resharded = tmp_path / "resharded"
+    proc = cli_result("to-hf", str(sources / "hf"), "-o", str(resharded), "--tokenizer", str(tokenizer_dir), "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert (resharded / "generation_config.json").read_bytes() == (sources / "hf" / "generation_config.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(resharded)("t5 t7").input_ids == [5, 7]
+    # ... and from there on the tokenizer travels with the folder
+    again = tmp_path / "again"
+    assert cli_result("to-hf", str(resharded), "-o", str(again), "-q").returncode == 0
+    assert (again / "tokenizer.json").read_bytes() == (resharded / "tokenizer.json").read_bytes()
+    assert cli_result("verify", str(again)).returncode == 0
+
+    # a source folder without a generation config: derived from the model config, as save_pretrained does
+    bare = tmp_path / "bare"
+    shutil.copytree(sources / "hf", bare)
+    (bare / "generation_config.json").unlink()
+    out = tmp_path / "from_bare"
+    assert cli_result("to-hf", str(bare), "-o", str(out), "-q").returncode == 0
+    config = json.loads((bare / "config.json").read_text())
+    generation = GenerationConfig.from_pretrained(out)
+    assert generation.bos_token_id == config.get("bos_token_id")
+    assert generation.eos_token_id == config.get("eos_token_id")
+
+    proc = cli_result("to-hf", str(sources / "hf"), "-o", str(tmp_path / "x"), "--tokenizer", str(tmp_path))
+    assert proc.returncode == 2 and "no tokenizer files" in proc.stderr and not (tmp_path / "x").exists()
+
+
+def test_docs_examples_write_under_their_own_directories():
+    """Following one page's example after another's must not fail with "output already exists": each page's
+    shell examples keep their files under /tmp/<a directory of that page's own>."""
+    import re
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    roots: dict[str, set[str]] = {}
+    for page in sorted(docs.glob("*.md")):
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), flags=re.S):
+            for root in re.findall(r"/tmp/([A-Za-z0-9_.-]+)", block):
+                roots.setdefault(root, set()).add(page.name)
+    shared = {root: pages for root, pages in roots.items() if len(pages) > 1}
+    assert not shared, shared
