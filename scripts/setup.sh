@@ -61,18 +61,16 @@ PY
   say "DeepSpeed ops ready in $venv"
 }
 
-install .venv "requirements-$([ "$MODE" = demo ] && echo demo || echo dev).txt" "$MODE" \
-  "$([ "$MODE" = demo ] && echo "the demo's environment (torch CPU, DeepSpeed, transformers)" || echo "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, test tools)")" \
-  "$([ "$MODE" = demo ] && echo "about 1-2 minutes" || echo "about 3 minutes")"
-
 if [ "$MODE" = demo ]; then
+  install .venv requirements-demo.txt demo "the demo's environment (torch CPU, DeepSpeed, transformers)" \
+    "about 2 minutes"
   build_ops .venv ShareMemCommBuilder
   exit 0
 fi
 
 # The older release (tests/e2e/test_older_deepspeed.py): AutoTP training without upstream's universal-checkpoint
-# tags, where deepspeed-ext's are the only metadata. Built meanwhile, in the background: the op builds below
-# are CPU-bound, the installs mostly not.
+# tags, where deepspeed-ext's are the only metadata. Built in the background meanwhile: installs are mostly
+# waiting on the disk and the network, op builds on one core each.
 OLD_DS=0.18.8
 OLD_VENV=.venv-deepspeed-$OLD_DS
 (
@@ -83,6 +81,8 @@ OLD_VENV=.venv-deepspeed-$OLD_DS
   build_ops "$OLD_VENV" ShareMemCommBuilder
 ) &
 old=$!
+install .venv requirements-dev.txt test \
+  "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, accelerate, test tools)" "about 3 minutes"
 build_ops .venv ShareMemCommBuilder FusedAdamBuilder
 wait "$old"
 say "ready"
