@@ -36,10 +36,12 @@ install() {
     say "creating $venv with $PYTHON"
     "$PYTHON" -m venv "$venv"
   fi
-  say "installing $what into $venv (first time: $time)"
-  "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -r "$requirements"
-  "$venv/bin/python" -m pip install -q --no-deps -e .
+  say "installing $what into $venv (first time: $time; pip's output: $venv/setup-pip.log)"
+  {
+    "$venv/bin/python" -m pip install -q --upgrade pip &&
+    "$venv/bin/python" -m pip install -q -r "$requirements" &&
+    "$venv/bin/python" -m pip install -q --no-deps -e .
+  } > "$venv/setup-pip.log" 2>&1 || { tail -n 30 "$venv/setup-pip.log" >&2; say "pip failed in $venv"; return 1; }
   own_extension_cache "$venv"
   rm -f "$venv"/.deepspeed_ext-"$name"-*
   touch "$stamp"
