@@ -113,3 +113,45 @@ def torch_adam_state(model, steps: int = 2, lr: float = 1e-2):
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
     return optimizer
+
+
+#: MaxText's model_name per family: its config yml sets the decoder block and the family's switches; the
+#: sizes are overridden from the tiny HF config (override_model_config).
+MAXTEXT_MODEL_NAMES = {"llama": "llama2-7b", "llama3.1": "llama3.1-8b", "mistral": "mistral-7b",
+                       "qwen3": "qwen3-0.6b", "qwen3-moe": "qwen3-30b-a3b"}
+
+
+def maxtext_settings(model, family: str, scan_layers: bool) -> list[str]:
+    """The MaxText config (KEY=VALUE, for tests/harness/workers/maxtext_forward.py) of the tiny HF ``model``."""
+    c = model.config
+    rope_theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or c.rope_theta
+    settings = {"model_name": MAXTEXT_MODEL_NAMES[family], "scan_layers": str(scan_layers).lower(),
+                "base_emb_dim": c.hidden_size, "base_num_query_heads": c.num_attention_heads,
+                "base_num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                "base_mlp_dim": c.intermediate_size, "base_num_decoder_layers": c.num_hidden_layers,
+                "vocab_size": c.vocab_size, "normalization_layer_epsilon": c.rms_norm_eps,
+                "rope_max_timescale": int(rope_theta),
+                "logits_via_embedding": str(bool(c.tie_word_embeddings)).lower()}
+    if family == "qwen3-moe":
+        settings.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                        base_moe_mlp_dim=c.moe_intermediate_size, norm_topk_prob=str(c.norm_topk_prob).lower())
+    return [f"{key}={value}" for key, value in settings.items()]
+
+
+def maxtext_logits(items, model, family: str, scan_layers: bool, workdir) -> np.ndarray:
+    """MaxText's own forward (its model code and its checkpoint loader, in .venv-maxtext) on TOKENS."""
+    import subprocess
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    python = repo / ".venv-maxtext" / "bin" / "python"
+    tokens, logits = Path(workdir) / "tokens.npy", Path(workdir) / "maxtext_logits.npy"
+    np.save(tokens, np.array([TOKENS], dtype=np.int32))
+    cmd = [str(python), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--items", str(items),
+           "--tokens", str(tokens), "--logits", str(logits), "--output-dir", str(Path(workdir) / "maxtext_out")]
+    for setting in maxtext_settings(model, family, scan_layers):
+        cmd += ["--setting", setting]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin",
+                                                                                "JAX_PLATFORMS": "cpu"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"MaxText's forward failed:\n{proc.stderr[-4000:]}")
+    return np.load(logits)[0]
