@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh demo   .venv with the demo's environment (requirements-demo.txt: the base install plus
 #                                transformers) and DeepSpeed's CPU comm op
 #   bash scripts/setup.sh test   (the default) the whole dev environment (requirements-dev.txt), DeepSpeed's
-#                                FusedAdam op too, and .venv-deepspeed-0.18.8 for the older-release tests
+#                                FusedAdam op too, .venv-deepspeed-0.18.8 for the older-release tests, and
+#                                .venv-maxtext with MaxText's own model code (scripts/setup-maxtext.sh)
 # Each venv keeps DeepSpeed's JIT-built ops in its own cache (<venv>/torch_extensions), so checkouts on one
 # machine do not rebuild each other's.
 set -euo pipefail
@@ -83,8 +84,12 @@ OLD_VENV=.venv-deepspeed-$OLD_DS
   build_ops "$OLD_VENV" ShareMemCommBuilder
 ) &
 old=$!
+# MaxText's own model code for the tests that check to-maxtext output with MaxText itself.
+bash scripts/setup-maxtext.sh &
+maxtext=$!
 install .venv requirements-dev.txt test \
   "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, accelerate, test tools)" "about 3 minutes"
 build_ops .venv ShareMemCommBuilder FusedAdamBuilder
 wait "$old"
+wait "$maxtext"
 say "ready"
