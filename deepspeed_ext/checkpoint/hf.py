@@ -108,6 +108,15 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile("^" + text.replace(re.escape(EXPERT), r"(?P<expert>\d+)") + "$")
 
 
+def _is_rename(split: ExpertSplit) -> bool:
+    """A split of one piece without ``{expert}``: the parameter is stored whole under another name."""
+    return len(split.pieces) == 1 and EXPERT not in split.pieces[0]
+
+
+#: In :func:`group_file_names`' pieces: a parameter stored whole under another name.
+RENAMED = (-1, 0)
+
+
 def _split_of(param: str, splits: tuple[ExpertSplit, ...]) -> tuple[ExpertSplit, str] | None:
     """The split that applies to model parameter ``param``, with its layer index."""
     for split in splits:
@@ -124,6 +133,8 @@ def file_tensors(param: str, shape: tuple[int, ...], dtype: torch.dtype,
     if found is None:
         return [FileTensor(param, param, tuple(shape), dtype)]
     split, layer = found
+    if _is_rename(split):
+        return [FileTensor(split.pieces[0].replace(LAYER, layer), param, tuple(shape), dtype)]
     count = len(split.pieces)
     if len(shape) < 2 or shape[1] % count:
         raise CheckpointError(f"{param}: shape {list(shape)} cannot be cut into {count} expert pieces")
@@ -144,16 +155,16 @@ def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
             if match:
                 param = split.param.replace(LAYER, match.group("layer"))
                 found = params.setdefault(param, {})
-                if found is None:
-                    raise CheckpointError(f"{source}: holds {param} both fused and as per-expert tensors")
-                found[(int(match.group("expert")), piece)] = name
+                if found is None or (_is_rename(split) and found):
+                    raise CheckpointError(f"{source}: holds {param} under two names")
+                found[RENAMED if _is_rename(split) else (int(match.group("expert")), piece)] = name
                 break
         else:
             if name in params:
-                raise CheckpointError(f"{source}: holds {name} both fused and as per-expert tensors")
+                raise CheckpointError(f"{source}: holds {name} under two names (fused and per expert, or renamed)")
             params[name] = None
     for param, pieces in params.items():
-        if pieces is None:
+        if pieces is None or RENAMED in pieces:
             continue
         split_of = _split_of(param, splits)
         assert split_of is not None  # its pieces were matched by one of the splits' patterns
@@ -512,8 +523,8 @@ class HFCheckpoint:
         """Full shape of every model parameter (fused experts assembled), from the headers alone."""
         shapes = {}
         for param, pieces in self._pieces.items():
-            if pieces is None:
-                shapes[param] = self._headers[param][0]
+            if pieces is None or RENAMED in pieces:
+                shapes[param] = self._headers[param if pieces is None else pieces[RENAMED]][0]
                 continue
             piece_shapes = {self._headers[name][0] for name in pieces.values()}
             if len(piece_shapes) != 1:
@@ -527,13 +538,13 @@ class HFCheckpoint:
 
     def file_dtype(self, param: str) -> torch.dtype:
         pieces = self._pieces[param]
-        return torch_dtype(self._headers[param if pieces is None else pieces[(0, 0)]][1])
+        return torch_dtype(self._headers[param if pieces is None else next(iter(pieces.values()))][1])
 
     def load(self, param: str) -> torch.Tensor:
         """The full parameter in its file dtype (or the ``dtype`` asked for)."""
         pieces = self._pieces[param]
-        if pieces is None:
-            tensor = self._read(param)
+        if pieces is None or RENAMED in pieces:
+            tensor = self._read(param if pieces is None else pieces[RENAMED])
         else:
             tensor = torch.empty(self.shapes[param], dtype=self.file_dtype(param))
             count = len(pieces) // tensor.shape[0]

@@ -21,6 +21,7 @@ times the largest single tensor, not the model or a whole stack. bf16 is written
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import numpy as np
 
 from deepspeed_ext.checkpoint import output
 from deepspeed_ext.checkpoint.formats import ORBAX_ITEM
-from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
+from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, LayerBlock, Rule
 from deepspeed_ext.checkpoint.source import (ADAM_STATES, MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions,
                                              SourceInfo, WriteOptions, finite_check, protected_paths,
                                              required_model_config)
@@ -56,6 +57,10 @@ class ModelDims:
     num_layers: int
     head_dim: int
     tied: bool
+    hidden_size: int = 0
+    num_heads: int = 0
+    #: The model's dtype as its config names it ("bfloat16", "float32", ...; "" when the config has none).
+    dtype: str = ""
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "model config") -> ModelDims:
@@ -64,7 +69,10 @@ class ModelDims:
             head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
             return cls(num_layers=int(config["num_hidden_layers"]),
                        head_dim=head_dim,
-                       tied=bool(config.get("tie_word_embeddings", False)))
+                       tied=bool(config.get("tie_word_embeddings", False)),
+                       hidden_size=int(config["hidden_size"]),
+                       num_heads=heads,
+                       dtype=str(config.get("dtype") or config.get("torch_dtype") or ""))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{source}: incomplete model config ({exc}); pass --config config.json") from exc
 
@@ -92,7 +100,14 @@ class Transform:
     """HF tensor -> MaxText leaf (per layer), the leaf's shape from the HF shape, and the way back.
 
     ``inverse`` returns the HF tensor, or for a rule that holds part of one (``join_axis`` set), that part;
-    the parts of one HF tensor are concatenated on ``join_axis`` in rule order.
+    the parts of one HF tensor are concatenated on ``join_axis`` in rule order, or with ``interleaved``
+    alternate element by element along it (gpt-oss's gate/up columns).
+
+    Adam moments: where the weight's transform scales values by s (a pre-scaled query kernel, gemma3's scaled
+    embedding) or adds a constant (gemma3's 1 + w norms), MaxText's parameter is s·p + c, so its gradient is
+    the HF one / s: the first moment takes 1/s and the second 1/s², and a constant changes neither.
+    ``moments`` names the transform that only rearranges (the weight's without scale or shift) and
+    ``moment_factor`` gives 1/s or 1/s² for a state.
     """
 
     forward: Callable[[np.ndarray, ModelDims, Family], np.ndarray]
@@ -100,6 +115,9 @@ class Transform:
     inverse: Callable[[np.ndarray, ModelDims, Family], np.ndarray]
     hf_shape: Callable[[tuple[int, ...]], tuple[int, ...]]  # of what ``inverse`` returns, from the leaf shape
     join_axis: int | None = None
+    interleaved: bool = False
+    moments: str | None = None  # None: a moment takes ``forward`` itself
+    moment_factor: Callable[[ModelDims, Family, str], np.float32] | None = None
 
 
 def _heads_in(x: np.ndarray, dims: ModelDims) -> np.ndarray:
@@ -136,10 +154,39 @@ def _key_inverse(k: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
     return _heads_out(_deinterleave(k) if family.rope_interleaved else k)
 
 
+def _as_bias(weight_transform: Callable[[np.ndarray, ModelDims, Family], np.ndarray]) -> Transform:
+    """A q/k/v bias [heads*D] goes where its projection's output rows go: [heads, D], with the same RoPE
+    order and query scale (it is a column of the projection, applied as one)."""
+    return Transform(lambda x, d, f: weight_transform(x[:, None], d, f)[0],
+                     lambda s, d: (s[0] // d.head_dim, d.head_dim),
+                     lambda x, d, f: _INVERSES[weight_transform](x[None], d, f)[:, 0],
+                     lambda s: (s[0] * s[1], ))
+
+
+def _value(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    return _heads_in(x, dims)
+
+
+def _value_inverse(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    return _heads_out(x)
+
+
+_INVERSES = {_query: _query_inverse, _key: _key_inverse, _value: _value_inverse}
+
+
 def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
     inter = x.shape[1] // 2  # gate_up_proj [E, 2I, H]: gate rows first
     part = x[:, inter:, :] if second else x[:, :inter, :]
     return part.transpose(0, 2, 1)
+
+
+def _embed_scale(dims: ModelDims) -> np.float32:
+    """sqrt(hidden), as transformers' scaled embedding applies it: in the model's dtype (bf16 rounds it)."""
+    scale = np.sqrt(np.float32(dims.hidden_size))
+    if dims.dtype in ("bfloat16", "float16"):
+        import ml_dtypes
+        scale = np.float32(scale.astype(ml_dtypes.bfloat16 if dims.dtype == "bfloat16" else np.float16))
+    return np.float32(scale)
 
 
 #: Tensor states a leaf can hold: the fp32 master weights and Adam's two moments (universal names).
@@ -157,42 +204,86 @@ def _moment_factor(dims: ModelDims, family: Family, state: str) -> np.float32:
     return np.sqrt(np.float32(dims.head_dim)) if state == "exp_avg" else np.float32(dims.head_dim)
 
 
+def _embed_moment_factor(dims: ModelDims, family: Family, state: str) -> np.float32:
+    scale = _embed_scale(dims)
+    return np.float32(1.0) / (scale if state == "exp_avg" else scale * scale)
+
+
 def to_maxtext(kind: str, x: np.ndarray, dims: ModelDims, family: Family, state: str = "fp32") -> np.ndarray:
     """One HF tensor (a weight or one of its Adam moments) in the layout of its MaxText leaf."""
-    if kind == "query" and state != "fp32":
-        return _key(x, dims, family) * _moment_factor(dims, family, state)
-    return TRANSFORMS[kind].forward(x, dims, family)
+    transform = TRANSFORMS[kind]
+    if state != "fp32" and transform.moments is not None:
+        factor = transform.moment_factor(dims, family, state) if transform.moment_factor else np.float32(1.0)
+        return TRANSFORMS[transform.moments].forward(x, dims, family) * factor
+    return transform.forward(x, dims, family)
 
 
 def from_maxtext(kind: str, x: np.ndarray, dims: ModelDims, family: Family, state: str = "fp32") -> np.ndarray:
     """The inverse of :func:`to_maxtext` (for split tensors: this rule's part)."""
-    if kind == "query" and state != "fp32":
-        return _key_inverse(x / _moment_factor(dims, family, state), dims, family)
-    return TRANSFORMS[kind].inverse(x, dims, family)
+    transform = TRANSFORMS[kind]
+    if state != "fp32" and transform.moments is not None:
+        factor = transform.moment_factor(dims, family, state) if transform.moment_factor else np.float32(1.0)
+        return TRANSFORMS[transform.moments].inverse(x / factor, dims, family)
+    return transform.inverse(x, dims, family)
 
 
 def _per_head_shape(s: tuple[int, ...], d: ModelDims) -> tuple[int, ...]:
     return (s[1], s[0] // d.head_dim, d.head_dim)
 
 
+def _half_last(s: tuple[int, ...], d: ModelDims) -> tuple[int, ...]:
+    return (*s[:-1], s[-1] // 2)
+
+
+def _same(x: np.ndarray, d: ModelDims, f: Family) -> np.ndarray:
+    return x
+
+
 TRANSFORMS: dict[str, Transform] = {
-    "copy": Transform(lambda x, d, f: x, lambda s, d: s, lambda x, d, f: x, lambda s: s),
+    "copy": Transform(_same, lambda s, d: s, _same, lambda s: s),
     "linear": Transform(lambda x, d, f: x.T, lambda s, d: (s[1], s[0]), lambda x, d, f: x.T, lambda s: (s[1], s[0])),
-    "query": Transform(_query, _per_head_shape, _query_inverse, lambda s: (s[1] * s[2], s[0])),
+    "query": Transform(_query, _per_head_shape, _query_inverse, lambda s: (s[1] * s[2], s[0]), moments="key",
+                       moment_factor=_moment_factor),
     "key": Transform(_key, _per_head_shape, _key_inverse, lambda s: (s[1] * s[2], s[0])),
-    "value": Transform(lambda x, d, f: _heads_in(x, d), _per_head_shape, lambda x, d, f: _heads_out(x),
-                       lambda s: (s[1] * s[2], s[0])),
+    "value": Transform(_value, _per_head_shape, _value_inverse, lambda s: (s[1] * s[2], s[0])),
+    "query_bias": dataclasses.replace(_as_bias(_query), moments="key_bias", moment_factor=_moment_factor),
+    "key_bias": _as_bias(_key),
+    "value_bias": _as_bias(_value),
     "out": Transform(lambda x, d, f: x.T.reshape(-1, d.head_dim, x.shape[0]),
                      lambda s, d: (s[1] // d.head_dim, d.head_dim, s[0]),
                      lambda x, d, f: x.reshape(-1, x.shape[-1]).T,
                      lambda s: (s[2], s[0] * s[1])),
+    # gemma3: MaxText stores RMSNorm scales as 1 + w and the embedding pre-multiplied by sqrt(hidden).
+    "norm_plus_one": Transform(lambda x, d, f: x + np.float32(1.0), lambda s, d: s,
+                               lambda x, d, f: x - np.float32(1.0), lambda s: s, moments="copy"),
+    "embed_scaled": Transform(lambda x, d, f: x * _embed_scale(d), lambda s, d: s,
+                              lambda x, d, f: x / _embed_scale(d), lambda s: s, moments="copy",
+                              moment_factor=_embed_moment_factor),
+    # transformers' fused experts [E, 2I, H] (gate rows, then up rows) and [E, H, I] -> MaxText's [E, in, out].
     "expert_gate": Transform(lambda x, d, f: _expert_half(x, False), lambda s, d: (s[0], s[2], s[1] // 2),
                              lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1),
     "expert_up": Transform(lambda x, d, f: _expert_half(x, True), lambda s, d: (s[0], s[2], s[1] // 2),
                            lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1),
     "expert_down": Transform(lambda x, d, f: x.transpose(0, 2, 1), lambda s, d: (s[0], s[2], s[1]),
                              lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1])),
+    # gpt-oss: experts already [E, in, out]; gate and up alternate along the last axis (weights and biases).
+    "even_columns": Transform(lambda x, d, f: x[..., 0::2], _half_last, _same, lambda s: s, join_axis=-1,
+                              interleaved=True),
+    "odd_columns": Transform(lambda x, d, f: x[..., 1::2], _half_last, _same, lambda s: s, join_axis=-1,
+                             interleaved=True),
 }
+
+
+def join_parts(kind: str, parts: list[np.ndarray]) -> np.ndarray:
+    """The HF tensor from the inverses of its rules' leaves (one part unless the transform splits it)."""
+    transform = TRANSFORMS[kind]
+    if transform.join_axis is None:
+        return parts[0]
+    if transform.interleaved:
+        axis = transform.join_axis % parts[0].ndim
+        return np.stack(parts, axis=axis + 1).reshape(
+            *parts[0].shape[:axis], -1, *parts[0].shape[axis + 1:])
+    return np.concatenate(parts, axis=transform.join_axis)
 
 
 # --------------------------------------------------------------------------- sharding
@@ -205,13 +296,22 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "key/kernel": ("embed", "kv_heads", "kv_head_dim"),
     "value/kernel": ("embed", "kv_heads", "kv_head_dim"),
     "out/kernel": ("heads", "kv", "embed"),
+    "query/bias": ("q_heads", "kv"),
+    "key/bias": ("kv_heads", "kv_head_dim"),
+    "value/bias": ("kv_heads", "kv_head_dim"),
+    "out/bias": ("embed", ),
+    "sinks": (None, ),
     "mlp/wi_0/kernel": ("embed", "mlp"),
     "mlp/wi_1/kernel": ("embed", "mlp"),
     "mlp/wo/kernel": ("mlp", "embed"),
     "gate/kernel": ("embed", None),
-    "moe_block/wi_0": ("exp", "embed_moe", "mlp_moe"),
-    "moe_block/wi_1": ("exp", "embed_moe", "mlp_moe"),
-    "moe_block/wo": ("exp", "mlp_moe", "embed_moe"),
+    "gate/bias": (None, ),
+    "wi_0": ("exp", "embed_moe", "mlp_moe"),  # routed experts (moe_block, MoeBlock_0, GptOssMlp)
+    "wi_1": ("exp", "embed_moe", "mlp_moe"),
+    "wo": ("exp", "mlp_moe", "embed_moe"),
+    "wi_0_bias": ("exp", None),
+    "wi_1_bias": ("exp", None),
+    "wo_bias": ("exp", None),
 }
 
 #: Logical axis -> mesh axis (MaxText base.yml logical_axis_rules, first choice; norms kept whole).
@@ -301,21 +401,33 @@ class Leaf:
         return "/".join(self.path)
 
 
+def layer_blocks(family: Family, dims: ModelDims, scan_layers: bool) -> tuple[LayerBlock, ...]:
+    return family.layer_blocks(dims.num_layers, scan_layers)
+
+
+def rule_blocks(rule: Rule, blocks: Iterable[LayerBlock]) -> list[LayerBlock]:
+    """The layer blocks a per-layer rule has a leaf in."""
+    return [block for block in blocks if rule.block is None or rule.block == block.kind]
+
+
 def plan_leaves(family: Family, dims: ModelDims, hf_shapes: Mapping[str, tuple[int, ...]], scan_layers: bool,
                 source: str = "source") -> list[Leaf]:
     """Every MaxText leaf of the model, checked against the source's parameters in both directions."""
     rules = family.rules_for(dims.tied)
+    blocks = layer_blocks(family, dims, scan_layers)
     used: set[str] = set()
     leaves = []
     for rule in rules:
-        names = [rule.hf.replace(LAYER, str(layer)) for layer in range(dims.num_layers)] if rule.per_layer else [
-            rule.hf
-        ]
+        mine = rule_blocks(rule, blocks) if rule.per_layer else []
+        names = [rule.hf.replace(LAYER, str(layer)) for block in mine for layer in block.layers] \
+            if rule.per_layer else [rule.hf]
         missing = [name for name in names if name not in hf_shapes]
         if missing:
             raise CheckpointError(f"{source}: family {family.name!r} expects {missing[0]!r}"
                                   f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the "
                                   "checkpoint does not have; wrong --family?")
+        if not names:
+            continue
         used.update(names)
         transform = TRANSFORMS[rule.kind]
         shapes = {transform.shape(tuple(hf_shapes[name]), dims) for name in names}
@@ -324,19 +436,63 @@ def plan_leaves(family: Family, dims: ModelDims, hf_shapes: Mapping[str, tuple[i
         (shape, ) = shapes
         if not rule.per_layer:
             leaves.append(Leaf(tuple(rule.path.split("/")), shape, rule, None))
-        elif scan_layers:
-            stacked = (shape[0], dims.num_layers, *shape[1:])
-            leaves.append(Leaf(tuple(rule.path.replace(LAYERS, "layers").split("/")), stacked, rule,
-                               tuple(range(dims.num_layers)), stacked=True))
-        else:
-            for layer in range(dims.num_layers):
-                path = rule.path.replace(LAYERS, f"layers_{layer}")
-                leaves.append(Leaf(tuple(path.split("/")), shape, rule, (layer, )))
+            continue
+        for block in mine:
+            path = tuple(rule.path.replace(LAYERS, block.path).split("/"))
+            if block.stacked:
+                leaves.append(Leaf(path, (shape[0], len(block.layers), *shape[1:]), rule, block.layers, stacked=True))
+            else:
+                leaves.append(Leaf(path, shape, rule, block.layers))
     unmapped = sorted(set(hf_shapes) - used)
     if unmapped:
         raise CheckpointError(f"{source}: {len(unmapped)} parameters have no place in family {family.name!r} "
                               f"(e.g. {unmapped[:3]}); wrong --family?")
     return leaves
+
+
+# --------------------------------------------------------------------------- loading in MaxText
+def _rope_theta(config: Mapping[str, Any]) -> float | None:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope, Mapping) and isinstance(rope.get("full_attention"), Mapping):
+        rope = rope["full_attention"]  # per layer type (gemma3): the global layers' RoPE
+    theta = (rope.get("rope_theta") if isinstance(rope, Mapping) else None) or config.get("rope_theta")
+    return float(theta) if theta is not None else None
+
+
+def maxtext_settings(family: Family, config: Mapping[str, Any], scan_layers: bool = True) -> dict[str, Any]:
+    """The MaxText config (``KEY=VALUE`` overrides) that builds the model of HF ``config`` for a checkpoint
+    written with ``family``: the family's MaxText model_name with the sizes overridden
+    (``override_model_config``), and the family's own switches. MaxText's own model code is run with exactly
+    these in tests/e2e/test_maxtext_model_code.py."""
+    dims = ModelDims.from_config(config)
+    settings: dict[str, Any] = {
+        "model_name": family.maxtext_model, "override_model_config": True, "scan_layers": scan_layers,
+        "base_emb_dim": dims.hidden_size, "base_num_query_heads": dims.num_heads,
+        "base_num_kv_heads": int(config.get("num_key_value_heads") or dims.num_heads), "head_dim": dims.head_dim,
+        "base_mlp_dim": config.get("intermediate_size"), "base_num_decoder_layers": dims.num_layers,
+        "vocab_size": config.get("vocab_size"), "normalization_layer_epsilon": config.get("rms_norm_eps"),
+        "logits_via_embedding": dims.tied,
+        # Tied logits are x @ embedding.T as transformers computes them; gemma3 (which MaxText stores
+        # pre-scaled) turns the 1/sqrt(hidden) normalization back on.
+        "normalize_embedding_logits": False if dims.tied else None,
+    }
+    theta = _rope_theta(config)
+    if theta is not None:
+        settings["rope_max_timescale"] = int(theta) if float(theta).is_integer() else theta
+    if family.maxtext_extra is not None:
+        settings.update(family.maxtext_extra(config))
+    return {key: value for key, value in settings.items() if value is not None}
+
+
+def settings_text(settings: Mapping[str, Any]) -> str:
+    """``KEY=VALUE ...`` as MaxText's command line takes them (booleans as true/false)."""
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, (list, tuple)):
+            return "[" + ",".join(text(v) for v in value) + "]"
+        return str(value)
+    return " ".join(f"{key}={text(value)}" for key, value in settings.items())
 
 
 # --------------------------------------------------------------------------- lazy leaves for Orbax
@@ -505,11 +661,11 @@ def write_maxtext(load: Callable[..., np.ndarray],
             array = np.asarray(load(name, state), dtype=np.float32)
             return np.ascontiguousarray(to_maxtext(rule.kind, array, dims, family, state), dtype=leaf_dtype)
 
-        def layer_of_stack(layer: int) -> np.ndarray:
+        def layer_of_stack(index: int) -> np.ndarray:
             assert leaf.layers is not None  # a stack holds layers
-            if layer == leaf.layers[-1]:
+            if index == len(leaf.layers) - 1:
                 bar.update(1)
-            return one(rule.hf.replace(LAYER, str(layer)))
+            return one(rule.hf.replace(LAYER, str(leaf.layers[index])))
 
         def produce() -> np.ndarray:
             array = one(rule.hf if leaf.layers is None else rule.hf.replace(LAYER, str(leaf.layers[0])))
@@ -675,7 +831,8 @@ class MaxTextCheckpoint:
                               if name.startswith(params_prefix)}
         if not self.stored:
             raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
-        self.scan_layers = any(name.startswith("decoder/layers/") for name in self.stored)
+        stacks = {block.path for block in layer_blocks(family, self.dims, True) if block.stacked}
+        self.scan_layers = any(f"/{stack}/" in f"/{name}" for name in self.stored for stack in stacks)
         self._sources = self._plan()
         moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
                    for state, prefix in MOMENT_PREFIX.items()}
@@ -706,16 +863,16 @@ class MaxTextCheckpoint:
     def _plan(self) -> dict[str, list[tuple[Rule, str, int | None]]]:
         """HF name -> the (rule, leaf, layer index inside a stack) its parts come from, in rule order."""
         sources: dict[str, list[tuple[Rule, str, int | None]]] = {}
+        blocks = layer_blocks(self.family, self.dims, self.scan_layers)
         for rule in self.family.rules_for(self.dims.tied):
-            layers = range(self.dims.num_layers) if rule.per_layer else [None]
-            for layer in layers:
-                hf = rule.hf if layer is None else rule.hf.replace(LAYER, str(layer))
-                if layer is None:
-                    leaf, index = rule.path, None
-                elif self.scan_layers:
-                    leaf, index = rule.path.replace(LAYERS, "layers"), layer
-                else:
-                    leaf, index = rule.path.replace(LAYERS, f"layers_{layer}"), None
+            places: list[tuple[str, str, int | None]] = []
+            if not rule.per_layer:
+                places.append((rule.hf, rule.path, None))
+            for block in rule_blocks(rule, blocks) if rule.per_layer else []:
+                leaf = rule.path.replace(LAYERS, block.path)
+                for index, layer in enumerate(block.layers):
+                    places.append((rule.hf.replace(LAYER, str(layer)), leaf, index if block.stacked else None))
+            for hf, leaf, index in places:
                 if leaf not in self.stored:
                     raise CheckpointError(f"{self.items}: MaxText leaf {leaf!r} (for {hf}) is missing; wrong "
                                           f"--family ({self.family.name}) or config?")
@@ -744,6 +901,7 @@ class MaxTextCheckpoint:
         axis = TRANSFORMS[parts[0][0].kind].join_axis
         if axis is None:
             return shapes[0]
+        axis %= len(shapes[0])
         return tuple(sum(s[axis] for s in shapes) if i == axis else d for i, d in enumerate(shapes[0]))
 
     def hf_tensor(self, name: str, state: str = "fp32") -> np.ndarray:
@@ -755,8 +913,7 @@ class MaxTextCheckpoint:
             if index is not None:
                 array = array[:, index]
             pieces.append(from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state))
-        axis = TRANSFORMS[self._sources[name][0][0].kind].join_axis
-        return np.ascontiguousarray(pieces[0] if axis is None else np.concatenate(pieces, axis=axis))
+        return np.ascontiguousarray(join_parts(self._sources[name][0][0].kind, pieces))
 
     @cached_property
     def layouts(self) -> dict[str, TPLayout]:

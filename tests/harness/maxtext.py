@@ -40,6 +40,17 @@ def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
     elif family == "qwen3-moe":
         config = transformers.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                              decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6)
+    elif family == "qwen2":  # no head_dim in Qwen2's config: hidden / heads
+        config = transformers.Qwen2Config(**{k: v for k, v in COMMON.items() if k != "head_dim"},
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6)
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5)
+    elif family == "gemma3":  # 7 layers: five local, one global, and one past the cycle (MaxText's remainder)
+        config = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 7}, query_pre_attn_scalar=head_dim,
+                                               sliding_window=8)
+    elif family == "gpt-oss":  # sliding window 8 < the 12 tokens, so the local layers differ from the global ones
+        config = transformers.GptOssConfig(**{**COMMON, "max_position_embeddings": 131072}, num_local_experts=4,
+                                           num_experts_per_tok=2, sliding_window=8)
     else:
         raise ValueError(family)
     torch.manual_seed(0)
@@ -51,6 +62,8 @@ def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
                 param.mul_(6.0)  # peaky attention: RoPE / scaling mistakes become visible
             elif "norm" in name:
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("bias", "sinks")):  # transformers initializes these to zero: make them count
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
     return model
 
 
@@ -115,27 +128,12 @@ def torch_adam_state(model, steps: int = 2, lr: float = 1e-2):
     return optimizer
 
 
-#: MaxText's model_name per family: its config yml sets the decoder block and the family's switches; the
-#: sizes are overridden from the tiny HF config (override_model_config).
-MAXTEXT_MODEL_NAMES = {"llama": "llama2-7b", "llama3.1": "llama3.1-8b", "mistral": "mistral-7b",
-                       "qwen3": "qwen3-0.6b", "qwen3-moe": "qwen3-30b-a3b"}
-
-
 def maxtext_settings(model, family: str, scan_layers: bool) -> list[str]:
-    """The MaxText config (KEY=VALUE, for tests/harness/workers/maxtext_forward.py) of the tiny HF ``model``."""
-    c = model.config
-    rope_theta = (getattr(c, "rope_parameters", None) or {}).get("rope_theta") or c.rope_theta
-    settings = {"model_name": MAXTEXT_MODEL_NAMES[family], "scan_layers": str(scan_layers).lower(),
-                "base_emb_dim": c.hidden_size, "base_num_query_heads": c.num_attention_heads,
-                "base_num_kv_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-                "base_mlp_dim": c.intermediate_size, "base_num_decoder_layers": c.num_hidden_layers,
-                "vocab_size": c.vocab_size, "normalization_layer_epsilon": c.rms_norm_eps,
-                "rope_max_timescale": int(rope_theta),
-                "logits_via_embedding": str(bool(c.tie_word_embeddings)).lower()}
-    if family == "qwen3-moe":
-        settings.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-                        base_moe_mlp_dim=c.moe_intermediate_size, norm_topk_prob=str(c.norm_topk_prob).lower())
-    return [f"{key}={value}" for key, value in settings.items()]
+    """The MaxText config (KEY=VALUE, for tests/harness/workers/maxtext_forward.py) of the tiny HF ``model``:
+    what deepspeed-ext tells users to load the checkpoint with."""
+    from deepspeed_ext.checkpoint.maxtext import maxtext_settings as settings_for, settings_text
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    return settings_text(settings_for(get_family(family), config, scan_layers)).split(" ")
 
 
 def maxtext_logits(items, model, family: str, scan_layers: bool, workdir) -> np.ndarray:

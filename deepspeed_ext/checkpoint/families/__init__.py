@@ -12,14 +12,14 @@ lives in :mod:`deepspeed_ext.checkpoint.hf`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from deepspeed_ext.errors import CheckpointError
 
 LAYER = "{layer}"  # in Rule.hf: the decoder layer index
-LAYERS = "{layers}"  # in Rule.path: "layers" when scanned, "layers_<i>" when not
+LAYERS = "{layers}"  # in Rule.path: the layer block's path ("layers" when scanned, "layers_<i>" when not)
 EXPERT = "{expert}"  # in ExpertSplit.pieces: the expert index
 
 
@@ -30,10 +30,50 @@ class Rule:
     hf: str  # HF name, with "{layer}" for per-layer parameters
     path: str  # MaxText path under params/params, "/"-separated, with "{layers}" for per-layer leaves
     kind: str  # the transform (see maxtext.TRANSFORMS)
+    block: str | None = None  # per-layer rules: the LayerBlock kind it belongs to (None: every block)
 
     @property
     def per_layer(self) -> bool:
         return LAYER in self.hf
+
+
+@dataclass(frozen=True)
+class LayerBlock:
+    """Decoder layers that MaxText keeps under one path (what replaces ``{layers}`` in a rule's path).
+
+    Unscanned, every layer is a block of its own (``layers_<i>``). Scanned, a block stacks its layers on
+    axis 1 in the order of ``layers``; families whose layers repeat in a cycle (gemma3's five local and one
+    global layer, gpt-oss's local/global pairs) scan one stack per position in the cycle, and the layers
+    left over after the last whole cycle stay unstacked.
+    """
+
+    path: str  # e.g. "layers", "layers_3", "layers/layers_2", "layers_remainder/layers_0"
+    layers: tuple[int, ...]  # HF decoder layer indices, in stack order
+    stacked: bool  # scanned: the layers are stacked on axis 1 (else exactly one layer)
+    kind: str = ""  # which rules apply: those whose ``block`` is None or this kind
+
+
+def plain_blocks(num_layers: int, scanned: bool) -> tuple[LayerBlock, ...]:
+    """One stack of every layer (scanned), or ``layers_<i>`` each."""
+    if scanned:
+        return (LayerBlock("layers", tuple(range(num_layers)), True), )
+    return tuple(LayerBlock(f"layers_{i}", (i, ), False) for i in range(num_layers))
+
+
+def cycle_blocks(num_layers: int, scanned: bool, cycle: int, remainder: str | None) -> tuple[LayerBlock, ...]:
+    """Scanned: ``layers/layers_<j>`` stacks layers j, j+cycle, ... over the whole cycles; the layers left
+    over go to ``<remainder>/layers_<r>`` unstacked (``remainder`` None: the layer count must be whole cycles).
+    Unscanned: ``layers_<i>`` each, as :func:`plain_blocks`."""
+    if not scanned:
+        return plain_blocks(num_layers, False)
+    repeats, left = divmod(num_layers, cycle)
+    if left and remainder is None:
+        raise CheckpointError(f"{num_layers} decoder layers are not whole cycles of {cycle}, which scanned MaxText "
+                              f"needs for this family; write it with --no-scan-layers")
+    stacks = tuple(LayerBlock(f"layers/layers_{j}", tuple(range(j, repeats * cycle, cycle)), True)
+                   for j in range(cycle) if repeats)
+    rest = tuple(LayerBlock(f"{remainder}/layers_{r}", (repeats * cycle + r, ), False) for r in range(left))
+    return stacks + rest
 
 
 @dataclass(frozen=True)
@@ -43,6 +83,8 @@ class ExpertSplit:
     transformers 5.x models hold a layer's experts as one 3-D parameter ``[E, ...]`` but read and write
     the per-expert tensors of older checkpoints. Expert ``e``'s slice ``param[e]`` is cut into
     ``len(pieces)`` equal parts along its first axis, in the order of ``pieces`` (gate rows before up rows).
+    A single piece without ``{expert}`` is the whole parameter under another name in the files (Mixtral's
+    router is ``block_sparse_moe.gate`` on disk, ``mlp.gate`` in the model).
     """
 
     param: str  # the model's name, with "{layer}"
@@ -59,8 +101,8 @@ class Family:
     query_scaled: bool
     #: MaxText uses adjacent-pair (Meta/GPT-J) RoPE for this family (llama3.1): q/k heads are interleaved.
     rope_interleaved: bool
-    #: The MaxText settings a user loads the checkpoint with (for docs and `inspect`).
-    maxtext_settings: Mapping[str, Any]
+    #: MaxText's model_name for the family (its config yml sets the decoder block and the family's switches).
+    maxtext_model: str
     #: The HF ``model_type`` the family reads (``config.json``).
     model_type: str = ""
     #: Among families of one model_type, the HF RoPE type that picks this one (None: the default).
@@ -69,13 +111,20 @@ class Family:
     untied_rules: tuple[Rule, ...] = ()
     #: How transformers' files split the model's fused expert parameters (none: the files use the model's names).
     hf_expert_splits: tuple[ExpertSplit, ...] = ()
+    #: MaxText settings beyond the sizes every family shares, from the HF config (see maxtext.maxtext_settings).
+    maxtext_extra: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    #: The MaxText layer blocks, from the layer count and scanning (default: one stack, or layers_<i>).
+    layer_blocks: Callable[[int, bool], tuple[LayerBlock, ...]] = plain_blocks
+    #: A DeepSpeed ``tensor_parallel.partition_config`` for the family, where AutoTP needs one (None: its
+    #: defaults work); see deepspeed_ext.presets.
+    tp_partition_config: Mapping[str, Any] | None = None
 
     def rules_for(self, tied: bool) -> tuple[Rule, ...]:
         return self.rules if tied else self.rules + self.untied_rules
 
 
 #: The family modules (under this package), each exporting ``FAMILIES``.
-FAMILY_MODULES = ("llama", "qwen3", "qwen3_moe")
+FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
 
 
 def _families() -> dict[str, Family]:

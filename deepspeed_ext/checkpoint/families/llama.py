@@ -30,7 +30,7 @@ LLAMA = Family(name="llama",
                untied_rules=LM_HEAD,
                query_scaled=True,
                rope_interleaved=False,
-               maxtext_settings={"decoder_block": "llama2", "mlp_activations": ["silu", "linear"]})
+               maxtext_model="llama2-7b")
 
 LLAMA31 = Family(name="llama3.1",
                  model_type="llama",
@@ -39,8 +39,7 @@ LLAMA31 = Family(name="llama3.1",
                  untied_rules=LM_HEAD,
                  query_scaled=True,
                  rope_interleaved=True,
-                 maxtext_settings={"decoder_block": "llama2", "rope_type": "llama3.1",
-                                   "mlp_activations": ["silu", "linear"]})
+                 maxtext_model="llama3.1-8b")
 
 MISTRAL = Family(name="mistral",
                  model_type="mistral",
@@ -48,6 +47,6 @@ MISTRAL = Family(name="mistral",
                  untied_rules=LM_HEAD,
                  query_scaled=True,
                  rope_interleaved=False,
-                 maxtext_settings={"decoder_block": "mistral", "mlp_activations": ["silu", "linear"]})
+                 maxtext_model="mistral-7b")
 
 FAMILIES = (LLAMA, LLAMA31, MISTRAL)

@@ -14,7 +14,6 @@ QWEN3 = Family(name="qwen3",
                untied_rules=LM_HEAD,
                query_scaled=False,
                rope_interleaved=False,
-               maxtext_settings={"decoder_block": "qwen3", "use_qk_norm": True,
-                                 "mlp_activations": ["silu", "linear"]})
+               maxtext_model="qwen3-0.6b")
 
 FAMILIES = (QWEN3, )

@@ -31,7 +31,11 @@ QWEN3_MOE = Family(name="qwen3-moe",
                    untied_rules=LM_HEAD,
                    query_scaled=False,
                    rope_interleaved=False,
-                   maxtext_settings={"decoder_block": "qwen3_moe", "use_qk_norm": True},
+                   maxtext_model="qwen3-30b-a3b",
+                   maxtext_extra=lambda c: {"num_experts": c["num_experts"],
+                                            "num_experts_per_tok": c["num_experts_per_tok"],
+                                            "base_moe_mlp_dim": c["moe_intermediate_size"],
+                                            "norm_topk_prob": bool(c.get("norm_topk_prob", True))},
                    hf_expert_splits=HF_EXPERTS)
 
 
