@@ -37,6 +37,13 @@ def disable() -> None:
     _disable()
 
 
+def tensor_parallel_preset(family: str) -> dict[str, Any]:
+    """The keys a DeepSpeed config's ``"tensor_parallel"`` section needs for ``family`` under AutoTP ({} when
+    AutoTP's defaults work), e.g. ``{"autotp_size": 2, **tensor_parallel_preset("mixtral")}``."""
+    from deepspeed_ext.presets import tensor_parallel_preset as _preset
+    return _preset(family)
+
+
 def __getattr__(name: str) -> Any:
     # The checkpoint API imports only when used: `import deepspeed_ext` stays instant.
     if name in ("open_checkpoint", "convert", "verify"):
@@ -45,4 +52,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'deepspeed_ext' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "enable", "disable", "open_checkpoint", "convert", "verify", "__version__"]
+__all__ = ["initialize", "enable", "disable", "tensor_parallel_preset", "open_checkpoint", "convert", "verify", "__version__"]

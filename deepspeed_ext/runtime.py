@@ -130,6 +130,11 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
         logger.warning("AutoTP cannot shard %d parameters that are not nn.Linear weights (e.g. fused MoE expert "
                        "stacks); every TP rank keeps them whole, and checkpoints hold them as replicated: %s",
                        len(stacked), ", ".join(name_patterns(stacked)))
+    matrices = [name for name in unsharded_weights(layouts, min_ndim=2) if name not in stacked]
+    if matrices and engine.global_rank == 0:
+        logger.warning("AutoTP left %d weight matrices whole on every TP rank (the tensor-parallel config does not "
+                       "split them, or the layer cannot be split); checkpoints hold them as replicated: %s",
+                       len(matrices), ", ".join(name_patterns(matrices)))
     _hook_save(engine, info)
     if ext.universal_checkpoint.restore == "deepspeed_ext":
         _hook_load(engine)

@@ -15,6 +15,8 @@ E2E_DIR = Path(__file__).parent / "e2e"
 #: worker, so the trained checkpoints its tests share (session and module fixtures) are built once; these files'
 #: tests share little beyond one quick scenario, so each test function is a group of its own.
 SPLIT_BY_FUNCTION = {"test_end_to_end.py", "test_optimizer_paths.py"}
+#: These files' tests are grouped by their ``family`` parameter: a family's tests share its trained run.
+SPLIT_BY_FAMILY = {"test_model_families.py"}
 #: The longest groups start first, so neither worker is left alone with one at the end.
 LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py"]
 
@@ -27,6 +29,9 @@ def pytest_collection_modifyitems(items):
         group = item.path.name
         if group in SPLIT_BY_FUNCTION:
             group += "::" + getattr(item, "originalname", item.name)
+        elif group in SPLIT_BY_FAMILY:
+            callspec = getattr(item, "callspec", None)
+            group += "::" + str(callspec.params.get("family", "") if callspec else "")
         item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
 
 
 def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
@@ -41,6 +41,17 @@ def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
         from transformers import Qwen3MoeConfig
         return Qwen3MoeConfig(**common, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                               decoder_sparse_step=1, norm_topk_prob=True)
+    if family == "mixtral":  # 4 experts, top-2; its router and fused experts stay whole under AutoTP
+        from transformers import MixtralConfig
+        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if family == "gemma3":  # 7 layers: five sliding-window layers, one global, one past the cycle; tied
+        from transformers import Gemma3TextConfig
+        return Gemma3TextConfig(**{**common, "num_hidden_layers": 7, "tie_word_embeddings": True}, head_dim=4,
+                                query_pre_attn_scalar=4, sliding_window=8)
+    if family == "gpt_oss":  # attention sinks, biases, interleaved gate/up experts, sliding/global layers
+        from transformers import GptOssConfig
+        return GptOssConfig(**{**common, "max_position_embeddings": 131072}, head_dim=4, num_local_experts=4,
+                            num_experts_per_tok=2, sliding_window=8)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -77,23 +88,9 @@ def tensor_parallel_section(family: str, tp: int, kv_heads: int = 4) -> dict[str
                 {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"},
             ],
         }
-    if family == "qwen3_moe":
-        # DeepSpeed rejects transformers' own tp_plan for Qwen3-MoE (its "moe_tp_experts" and
-        # "packed_colwise" styles are unsupported), so users spell out the Linear layers. transformers keeps
-        # each layer's experts as fused 3-D parameters, which AutoTP (nn.Linear only) cannot shard: they and
-        # the router stay replicated on every TP rank.
-        section["partition_config"] = {
-            "use_default_specs": False,
-            "layer_specs": [
-                {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
-                {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-                {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
-                # q/k norms act on each rank's own heads: replicated, gradients summed over TP (without
-                # this the ranks' copies drift apart, which the converter refuses to merge).
-                {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip",
-                 "grad_allreduce": True},
-            ],
-        }
+    if family not in ("llama", "phi3"):
+        from deepspeed_ext.presets import tensor_parallel_preset
+        section.update(tensor_parallel_preset(family))
     return section
 
 

@@ -16,7 +16,7 @@ from deepspeed_ext.checkpoint.hf import HFCheckpoint
 from deepspeed_ext.cli import main
 from deepspeed_ext.demo.models import batch, build_model, eval_batch
 from harness.cli import universal_in
-from harness.hf import SHARD, cli, load_hf, read_files, save_pretrained
+from harness.hf import SHARD, assert_to_hf_matches_live, cli, load_hf, read_files, save_pretrained
 from harness.runner import read_losses, torchrun_train
 from harness.scenario import KV2_SCENARIOS
 
@@ -67,39 +67,7 @@ def test_deepspeed_tp2_to_hf_matches_the_live_model(scenarios, tmp_path, caplog,
     * the logits equal the live TP=2 model's up to the order of TP's partial sums (fp32: 1e-5 absolute,
       bf16: bf16 rounding), with the same argmax almost everywhere.
     """
-    scenario = scenarios(name, **kwargs)
-    cli("to-hf", str(scenario.save_dir), "-o", str(tmp_path / "hf"), "--max-shard-size", SHARD)
-    dtype = torch.float32 if scenario.dtype == "fp32" else torch.bfloat16
-
-    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
-    source = DeepSpeedCheckpoint(scenario.save_dir)
-    written = HFCheckpoint(tmp_path / "hf")
-    assert sorted(written.layouts) == sorted(source.layouts)
-    for param, layout in source.layouts.items():
-        full = written.load(param)
-        assert full.dtype == dtype, param
-        for tp in range(scenario.tp):
-            live = source.rank_model_states(tp)["module"][param]
-            if live.numel() == 0:  # ZeRO-3 saves empty placeholders: compare with the merged master, cast
-                live = layout.slice(source.full_tensor(param), tp).to(dtype)
-            assert torch.equal(layout.slice(full, tp), live), (param, tp)
-
-    model = load_hf(tmp_path / "hf", caplog)
-    assert model.dtype == dtype
-    with torch.no_grad():
-        logits = model(input_ids=eval_batch()).logits.float()
-    shards = [torch.load(scenario.dump_dir / f"logits_tp_rank_{r:02d}.pt", weights_only=True)
-              for r in range(scenario.tp)]
-    vocab = model.config.vocab_size  # a vocab-parallel head without gather_output leaves each rank its shard
-    live = shards[0] if shards[0].shape[-1] == vocab else torch.cat(shards, dim=-1)
-    difference = (logits - live).abs().max().item()
-    print(f"{name}: max |logits - live TP=2 logits| = {difference:.3g} (|logits| max {live.abs().max():.3g})")
-    if dtype == torch.float32:
-        assert difference <= 1e-5
-        assert torch.equal(logits.argmax(-1), live.argmax(-1))
-    else:
-        assert difference <= 2 * 2**-7 * live.abs().max().item()  # two bf16 ulps at the largest logit
-        assert (logits.argmax(-1) == live.argmax(-1)).float().mean() >= 0.9
+    assert_to_hf_matches_live(scenarios(name, **kwargs), tmp_path, caplog)
 
 
 def test_deepspeed_tp2_to_hf_through_universal_is_the_same(scenarios, tmp_path):

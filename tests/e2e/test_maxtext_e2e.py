@@ -112,3 +112,4 @@ def test_reshard_orbax_rechunks_array_by_array_and_keeps_everything_else(tmp_pat
             array = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{resharded}"},
                              "path": root + ".".join(leaf.path)}).result()
             assert tuple(array.chunk_layout.write_chunk.shape) == shard_shape(leaf, MESH_SHAPE), (root, leaf.name)
+

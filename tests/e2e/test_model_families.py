@@ -1,5 +1,6 @@
-"""Model features beyond the plain Llama: q/k/v biases (Qwen2), q/k norms + tied embeddings (Qwen3) and
-a mixture of experts (Qwen3-MoE)."""
+"""Model features beyond the plain Llama: q/k/v biases (Qwen2), q/k norms + tied embeddings (Qwen3), mixtures
+of experts (Qwen3-MoE, Mixtral), Gemma 3 (scaled tied embedding, sandwich norms, sliding/global layers) and
+gpt-oss (attention sinks, biases everywhere, interleaved gate/up experts)."""
 
 import json
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
+from harness.hf import assert_to_hf_matches_live
 from harness.runner import cli
 from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
                               upstream_ds_to_universal)
@@ -86,3 +88,74 @@ def test_qwen3_moe_universal_matches_live_engine_and_upstream(qwen3_moe, tmp_pat
 @pytest.mark.parametrize("target_tp", [1, 3])
 def test_qwen3_moe_tp2_resumes(qwen3_moe, target_tp):
     assert_losses_continue(qwen3_moe, qwen3_moe.resume(target_tp))
+
+
+#: Families trained with the partition preset deepspeed-ext ships for them (deepspeed_ext.tensor_parallel_preset),
+#: and what AutoTP leaves whole on every TP rank, by name: (3-D stacks it cannot shard, weight matrices it does not
+#: split), as initialize logs them.
+_EXPERTS = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
+NEW_FAMILIES = {
+    "mixtral": (_EXPERTS, ["model.embed_tokens.weight", "model.layers.*.mlp.gate.weight"]),
+    "gemma3": ([], []),  # the tied embedding and head are vocabulary-parallel, everything else split
+    # transformers gives gpt-oss no tp_plan but lm_head's, and its attention cannot be split by AutoTP without
+    # splitting the per-head sinks (a 1-D parameter AutoTP does not touch): attention stays whole.
+    "gpt_oss": (_EXPERTS, ["model.embed_tokens.weight", "model.layers.*.self_attn.q_proj.weight",
+                           "model.layers.*.self_attn.k_proj.weight", "model.layers.*.self_attn.v_proj.weight",
+                           "model.layers.*.self_attn.o_proj.weight", "model.layers.*.mlp.router.weight",
+                           "model.layers.*.mlp.experts.gate_up_proj_bias", "model.layers.*.mlp.experts.down_proj_bias"]),
+}
+
+
+@pytest.mark.parametrize("target_tp", [1, 3])
+@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+def test_new_family_tp2_resumes(scenarios, family, target_tp):
+    """DeepSpeed AutoTP TP=2 (bf16, ZeRO-1) -> to-universal -> resume at TP=1 and TP=3: the universal checkpoint
+    holds what the live engine held, and the resumed losses are the uninterrupted run's within 2e-3."""
+    scenario = scenarios(f"{family}_tp2", tp=2, family=family)
+    if target_tp == 1:
+        assert assert_universal_matches_live(scenario) > 0
+    assert_losses_continue(scenario, scenario.resume(target_tp), rel=2e-3)
+
+
+@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+def test_new_family_unsplit_layers_are_named(scenarios, family, tmp_path):
+    """What AutoTP keeps whole is said by name at initialize and by ``inspect``, and held as replicated."""
+    scenario = scenarios(f"{family}_tp2", tp=2, family=family)
+    stacks, matrices = NEW_FAMILIES[family]
+    log = (scenario.root / "train.log").read_text()
+    for names, message in ((stacks, "AutoTP cannot shard"), (matrices, "AutoTP left")):
+        lines = [line for line in log.splitlines() if message in line]
+        assert (lines[0].endswith(": " + ", ".join(names)) if names else not lines), (message, lines)
+    summary = json.loads(cli(["inspect", str(scenario.tag_dir), "--json"], tmp_path / "inspect.log").stdout)
+    assert sorted(summary["unsharded_weights"]) == sorted(stacks + matrices)
+    q_proj = summary["parameters"]["model.layers.1.self_attn.q_proj.weight"]
+    assert q_proj["partition_type"] == ("replicated" if family == "gpt_oss" else "column")
+
+
+@pytest.mark.parametrize("family", list(NEW_FAMILIES))
+def test_new_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, family):
+    assert_to_hf_matches_live(scenarios(f"{family}_tp2", tp=2, family=family), tmp_path, caplog)
+
+
+@pytest.mark.parametrize("family", ["qwen2", *NEW_FAMILIES])
+def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
+    """Each family's DeepSpeed TP=2 run -> to-maxtext --with-optimizer (fp32, scanned, on a mesh) -> from-maxtext
+    -> DeepSpeed resume at TP=1 continues the loss within 2e-3. The universal tensors come back exactly, but
+    gemma3's norms, which MaxText stores as 1 + w (within the rounding of 1 + w)."""
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    tp2 = scenarios(f"{family}_tp2", tp=2, family=family)
+    cli(["to-maxtext", str(tp2.save_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32", "--with-optimizer",
+         "--mesh", "fsdp=2,tensor=2,expert=2", "--quiet"], tmp_path / "to.log")
+    back = tmp_path / "universal"
+    cli(["from-maxtext", str(tmp_path / "maxtext"), "-o", str(back), "--quiet"], tmp_path / "from.log")
+    original, returned = UniversalCheckpoint(tp2.universal_dir), UniversalCheckpoint(back)
+    assert sorted(original.names) == sorted(returned.names)
+    for name in original.names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            want, got = original.load(name, state), returned.load(name, state)
+            if family == "gemma3" and name.endswith("norm.weight") and state == "fp32":
+                assert (want - got).abs().max() <= 2**-23 * (1 + want.abs().max()), (name, state)
+            else:
+                assert torch.equal(want, got), (name, state)
+        assert int(original.step(name)) == int(returned.step(name))
+    assert_losses_continue(tp2, tp2.resume(1, load_dir=back), rel=2e-3)

@@ -115,9 +115,9 @@ class Family:
     maxtext_extra: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     #: The MaxText layer blocks, from the layer count and scanning (default: one stack, or layers_<i>).
     layer_blocks: Callable[[int, bool], tuple[LayerBlock, ...]] = plain_blocks
-    #: A DeepSpeed ``tensor_parallel.partition_config`` for the family, where AutoTP needs one (None: its
-    #: defaults work); see deepspeed_ext.presets.
-    tp_partition_config: Mapping[str, Any] | None = None
+    #: Keys for a DeepSpeed config's ``tensor_parallel`` section that AutoTP needs for the family (a
+    #: ``partition_config``; None: AutoTP's defaults work); users get them from deepspeed_ext.presets.
+    tensor_parallel: Mapping[str, Any] | None = None
 
     def rules_for(self, tied: bool) -> tuple[Rule, ...]:
         return self.rules if tied else self.rules + self.untied_rules

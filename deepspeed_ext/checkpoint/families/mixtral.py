@@ -29,14 +29,14 @@ HF_FILES = (
 #: AutoTP for Mixtral under transformers 5: DeepSpeed refuses the model's own tp_plan (its "packed_colwise"
 #: and "moe_tp_experts" styles), so the Linear layers are named. The fused 3-D experts are not nn.Linear
 #: weights and stay whole on every TP rank, as does the router.
-PARTITION_CONFIG = {
+TENSOR_PARALLEL = {"partition_config": {
     "use_default_specs": False,
     "layer_specs": [
         {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
         {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
         {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
     ],
-}
+}}
 
 MIXTRAL = Family(name="mixtral",
                  model_type="mixtral",
@@ -49,6 +49,6 @@ MIXTRAL = Family(name="mixtral",
                                           "num_experts_per_tok": c["num_experts_per_tok"],
                                           "base_moe_mlp_dim": c["intermediate_size"]},
                  hf_expert_splits=HF_FILES,
-                 tp_partition_config=PARTITION_CONFIG)
+                 tensor_parallel=TENSOR_PARALLEL)
 
 FAMILIES = (MIXTRAL, )

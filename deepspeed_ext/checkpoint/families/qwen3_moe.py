@@ -25,6 +25,21 @@ HF_EXPERTS = (
     ExpertSplit(f"{_L}.experts.down_proj", (f"{_L}.experts.{{expert}}.down_proj.weight", )),
 )
 
+#: AutoTP for Qwen3-MoE: DeepSpeed refuses transformers' own tp_plan for it (its "moe_tp_experts" and
+#: "packed_colwise" styles), so the Linear layers are named. The fused 3-D experts are not nn.Linear weights
+#: and stay whole on every TP rank, as does the router.
+TENSOR_PARALLEL = {"partition_config": {
+    "use_default_specs": False,
+    "layer_specs": [
+        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+        # q/k norms act on each rank's own heads: replicated, gradients summed over TP (without this the
+        # ranks' copies drift apart, which the converter refuses to merge).
+        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
+    ],
+}}
+
 QWEN3_MOE = Family(name="qwen3-moe",
                    model_type="qwen3_moe",
                    rules=EMBEDDING_AND_NORM + ATTENTION + QK_NORMS + MOE_BLOCK,
@@ -36,7 +51,8 @@ QWEN3_MOE = Family(name="qwen3-moe",
                                             "num_experts_per_tok": c["num_experts_per_tok"],
                                             "base_moe_mlp_dim": c["moe_intermediate_size"],
                                             "norm_topk_prob": bool(c.get("norm_topk_prob", True))},
-                   hf_expert_splits=HF_EXPERTS)
+                   hf_expert_splits=HF_EXPERTS,
+                   tensor_parallel=TENSOR_PARALLEL)
 
 
 FAMILIES = (QWEN3_MOE, )
