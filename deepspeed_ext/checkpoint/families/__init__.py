@@ -123,6 +123,15 @@ class Family:
         return self.rules if tied else self.rules + self.untied_rules
 
 
+def num_experts(config: Mapping[str, Any]) -> int:
+    """The routed expert count of an HF MoE config: transformers 5 writes ``num_local_experts``, older configs
+    (Qwen3-MoE, DeepSeek) ``num_experts`` or ``n_routed_experts``."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key):
+            return int(config[key])
+    raise CheckpointError("model config: no expert count (num_local_experts / num_experts)")
+
+
 #: The family modules (under this package), each exporting ``FAMILIES``.
 FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
 

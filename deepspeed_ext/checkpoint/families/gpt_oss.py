@@ -11,7 +11,7 @@ gate and up columns interleaved (even = gate, odd = up; the same in ``gate_up_pr
 from collections.abc import Mapping
 from typing import Any
 
-from deepspeed_ext.checkpoint.families import Family, Rule, cycle_blocks
+from deepspeed_ext.checkpoint.families import num_experts, Family, Rule, cycle_blocks
 from deepspeed_ext.checkpoint.families.llama import EMBEDDING_AND_NORM, LM_HEAD
 
 _L = "model.layers.{layer}"
@@ -43,7 +43,7 @@ LAYER_RULES = (
 def _maxtext_extra(c: Mapping[str, Any]) -> dict[str, Any]:
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     settings: dict[str, Any] = {
-        "num_experts": c["num_local_experts"], "num_experts_per_tok": c["num_experts_per_tok"],
+        "num_experts": num_experts(c), "num_experts_per_tok": c["num_experts_per_tok"],
         "base_moe_mlp_dim": c["intermediate_size"], "sliding_window_size": c.get("sliding_window") or 0,
         "mlp_activations_limit": c.get("swiglu_limit", 7.0), "max_position_embeddings": c.get("max_position_embeddings"),
     }

@@ -7,7 +7,7 @@ original names, ``block_sparse_moe.experts.<e>.w1|w3|w2.weight`` and ``block_spa
 MaxText stacks the experts as ``wi_0``/``wi_1`` [E, H, I] and ``wo`` [E, I, H] ([E, L, ...] scanned).
 """
 
-from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule
+from deepspeed_ext.checkpoint.families import num_experts, ExpertSplit, Family, Rule
 from deepspeed_ext.checkpoint.families.llama import ATTENTION, EMBEDDING_AND_NORM, LM_HEAD
 
 _L = "model.layers.{layer}.mlp"
@@ -45,7 +45,7 @@ MIXTRAL = Family(name="mixtral",
                  query_scaled=True,
                  rope_interleaved=False,
                  maxtext_model="mixtral-8x7b",
-                 maxtext_extra=lambda c: {"num_experts": c["num_local_experts"],
+                 maxtext_extra=lambda c: {"num_experts": num_experts(c),
                                           "num_experts_per_tok": c["num_experts_per_tok"],
                                           "base_moe_mlp_dim": c["intermediate_size"]},
                  hf_expert_splits=HF_FILES,

@@ -5,7 +5,7 @@ and ``experts.down_proj`` [E, H, I]; MaxText keeps ``moe_block/wi_0``, ``wi_1`` 
 (stacked as [E, L, ...] when scanned).
 """
 
-from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule
+from deepspeed_ext.checkpoint.families import num_experts, ExpertSplit, Family, Rule
 from deepspeed_ext.checkpoint.families.llama import ATTENTION, EMBEDDING_AND_NORM, LM_HEAD
 from deepspeed_ext.checkpoint.families.qwen3 import QK_NORMS
 
@@ -47,7 +47,7 @@ QWEN3_MOE = Family(name="qwen3-moe",
                    query_scaled=False,
                    rope_interleaved=False,
                    maxtext_model="qwen3-30b-a3b",
-                   maxtext_extra=lambda c: {"num_experts": c["num_experts"],
+                   maxtext_extra=lambda c: {"num_experts": num_experts(c),
                                             "num_experts_per_tok": c["num_experts_per_tok"],
                                             "base_moe_mlp_dim": c["moe_intermediate_size"],
                                             "norm_topk_prob": bool(c.get("norm_topk_prob", True))},
