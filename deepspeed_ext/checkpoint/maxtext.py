@@ -61,6 +61,8 @@ class ModelDims:
     num_heads: int = 0
     #: The model's dtype as its config names it ("bfloat16", "float32", ...; "" when the config has none).
     dtype: str = ""
+    #: The HF config itself (for layer blocks that depend on it, e.g. DeepSeek's dense layers).
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "model config") -> ModelDims:
@@ -72,7 +74,8 @@ class ModelDims:
                        tied=bool(config.get("tie_word_embeddings", False)),
                        hidden_size=int(config["hidden_size"]),
                        num_heads=heads,
-                       dtype=str(config.get("dtype") or config.get("torch_dtype") or ""))
+                       dtype=str(config.get("dtype") or config.get("torch_dtype") or ""),
+                       config=dict(config))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{source}: incomplete model config ({exc}); pass --config config.json") from exc
 
@@ -253,6 +256,14 @@ TRANSFORMS: dict[str, Transform] = {
                      lambda s, d: (s[1] // d.head_dim, d.head_dim, s[0]),
                      lambda x, d, f: x.reshape(-1, x.shape[-1]).T,
                      lambda s: (s[2], s[0] * s[1])),
+    # Split per head by the head count (MLA: the B projections' and the output's head widths differ from the
+    # config's head_dim): [heads*X, in] -> [in, heads, X] and [out, heads*X] -> [heads, X, out].
+    "head_rows": Transform(lambda x, d, f: x.T.reshape(x.shape[1], d.num_heads, -1),
+                           lambda s, d: (s[1], d.num_heads, s[0] // d.num_heads),
+                           lambda x, d, f: x.reshape(x.shape[0], -1).T, lambda s: (s[1] * s[2], s[0])),
+    "head_columns": Transform(lambda x, d, f: x.T.reshape(d.num_heads, -1, x.shape[0]),
+                              lambda s, d: (d.num_heads, s[1] // d.num_heads, s[0]),
+                              lambda x, d, f: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1])),
     # gemma3: MaxText stores RMSNorm scales as 1 + w and the embedding pre-multiplied by sqrt(hidden).
     "norm_plus_one": Transform(lambda x, d, f: x + np.float32(1.0), lambda s, d: s,
                                lambda x, d, f: x - np.float32(1.0), lambda s: s, moments="copy"),
@@ -304,6 +315,13 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "mlp/wi_0/kernel": ("embed", "mlp"),
     "mlp/wi_1/kernel": ("embed", "mlp"),
     "mlp/wo/kernel": ("mlp", "embed"),
+    "wq_a/kernel": ("embed", None),  # MLA
+    "wkv_a/kernel": ("embed", None),
+    "wq_b/kernel": (None, "q_heads", "kv"),
+    "wkv_b/kernel": (None, "kv_heads", "kv_head_dim"),
+    "shared_experts/wi_0/kernel": ("embed", "mlp"),
+    "shared_experts/wi_1/kernel": ("embed", "mlp"),
+    "shared_experts/wo/kernel": ("mlp", "embed"),
     "gate/kernel": ("embed", None),
     "gate/bias": (None, ),
     "wi_0": ("exp", "embed_moe", "mlp_moe"),  # routed experts (moe_block, MoeBlock_0, GptOssMlp)
@@ -328,7 +346,7 @@ def logical_axes(leaf: Leaf) -> tuple[str | None, ...]:
     if not matches:
         raise CheckpointError(f"internal: no logical axes for MaxText leaf {name!r}")
     axes = LOGICAL_AXES[max(matches, key=len)]
-    return (axes[0], "layers", *axes[1:]) if leaf.stacked else axes
+    return (*axes[:leaf.scan_axis], "layers", *axes[leaf.scan_axis:]) if leaf.stacked else axes
 
 
 def partition_spec(leaf: Leaf, mesh_shape: Mapping[str, int]) -> tuple[str | None, ...]:
@@ -357,7 +375,7 @@ def storage_chunk(leaf: Leaf, mesh_shape: Mapping[str, int] | None) -> tuple[int
     chunk = shard_shape(leaf, mesh_shape) if mesh_shape else None
     if not leaf.stacked:
         return chunk
-    return tuple(1 if axis == 1 else size for axis, size in enumerate(chunk or leaf.shape))
+    return tuple(1 if axis == leaf.scan_axis else size for axis, size in enumerate(chunk or leaf.shape))
 
 
 #: Every mesh axis MaxText's configs name (base.yml ``mesh_axes``, old and new releases): each is accepted. The
@@ -390,19 +408,26 @@ def parse_mesh(text: str) -> dict[str, int]:
 class Leaf:
     """One MaxText leaf to write: its path, shape, and where its data comes from."""
 
-    path: tuple[str, ...]  # under params/params
+    path: tuple[str, ...]  # under params/<collection>
     shape: tuple[int, ...]
     rule: Rule | None  # None: a leaf reshard-orbax re-chunks (it needs only the path and shape)
     layers: tuple[int, ...] | None  # the decoder layers it holds; None for a global parameter
-    stacked: bool = False  # scanned: ``layers`` stacked on axis 1
+    stacked: bool = False  # scanned: ``layers`` stacked on ``scan_axis``
+    collection: str = "params"  # MaxText's variable collection (params/<collection>/...)
+    scan_axis: int = 1
 
     @property
     def name(self) -> str:
         return "/".join(self.path)
 
+    @property
+    def key(self) -> str:
+        """The leaf's path under the tree's ``params``: ``<collection>/<path>``."""
+        return f"{self.collection}/{self.name}"
+
 
 def layer_blocks(family: Family, dims: ModelDims, scan_layers: bool) -> tuple[LayerBlock, ...]:
-    return family.layer_blocks(dims.num_layers, scan_layers)
+    return family.layer_blocks(dims.config or {"num_hidden_layers": dims.num_layers}, scan_layers)
 
 
 def rule_blocks(rule: Rule, blocks: Iterable[LayerBlock]) -> list[LayerBlock]:
@@ -435,14 +460,16 @@ def plan_leaves(family: Family, dims: ModelDims, hf_shapes: Mapping[str, tuple[i
             raise CheckpointError(f"{source}: {rule.hf} has different shapes across layers: {sorted(shapes)}")
         (shape, ) = shapes
         if not rule.per_layer:
-            leaves.append(Leaf(tuple(rule.path.split("/")), shape, rule, None))
+            leaves.append(Leaf(tuple(rule.path.split("/")), shape, rule, None, collection=rule.collection))
             continue
         for block in mine:
             path = tuple(rule.path.replace(LAYERS, block.path).split("/"))
             if block.stacked:
-                leaves.append(Leaf(path, (shape[0], len(block.layers), *shape[1:]), rule, block.layers, stacked=True))
+                axis = rule.scan_axis
+                leaves.append(Leaf(path, (*shape[:axis], len(block.layers), *shape[axis:]), rule, block.layers,
+                                   stacked=True, collection=rule.collection, scan_axis=axis))
             else:
-                leaves.append(Leaf(path, shape, rule, block.layers))
+                leaves.append(Leaf(path, shape, rule, block.layers, collection=rule.collection))
     unmapped = sorted(set(hf_shapes) - used)
     if unmapped:
         raise CheckpointError(f"{source}: {len(unmapped)} parameters have no place in family {family.name!r} "
@@ -672,16 +699,28 @@ def write_maxtext(load: Callable[..., np.ndarray],
             bar.update(1)
             return array
 
-        if leaf.stacked:
+        if leaf.stacked and leaf.scan_axis == 1:
             return LazyLeaf(leaf.shape, leaf_dtype, None, storage_chunk(leaf, mesh), produce_layer=layer_of_stack)
+        if leaf.stacked:  # stacked on another axis (small non-parameter variables): produced whole
+
+            def produce_stack() -> np.ndarray:
+                assert leaf.layers is not None
+                array = np.stack([one(rule.hf.replace(LAYER, str(layer))) for layer in leaf.layers], leaf.scan_axis)
+                bar.update(1)
+                return array
+
+            return LazyLeaf(leaf.shape, leaf_dtype, produce_stack, shard_shape(leaf, mesh) if mesh else None)
         return LazyLeaf(leaf.shape, leaf_dtype, produce, storage_chunk(leaf, mesh))
 
     def lazy_tree(state: str) -> dict[str, Any]:
+        """``{collection: tree}``; the moments only of the ``params`` collection (the optimizer's)."""
         # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
         leaf_dtype = np_dtype if state == "fp32" else np.dtype(np.float32)
         tree: dict[str, Any] = {}
         for leaf in leaves:
-            node = tree
+            if state != "fp32" and leaf.collection != "params":
+                continue
+            node = tree.setdefault(leaf.collection, {})
             for key in leaf.path[:-1]:
                 node = node.setdefault(key, {})
             node[leaf.path[-1]] = lazy_leaf(leaf, state, leaf_dtype)
@@ -690,9 +729,9 @@ def write_maxtext(load: Callable[..., np.ndarray],
     opt_state: Any = {}
     if with_optimizer:
         count = np.int32(step if optimizer_step is None else optimizer_step)
-        adam = {"count": count, "mu": {"params": lazy_tree("exp_avg")}, "nu": {"params": lazy_tree("exp_avg_sq")}}
+        adam = {"count": count, "mu": lazy_tree("exp_avg"), "nu": lazy_tree("exp_avg_sq")}
         opt_state = [adam, None, {"count": count}]
-    tree = {"step": int(step), "params": {"params": lazy_tree("fp32")}, "opt_state": opt_state}
+    tree = {"step": int(step), "params": lazy_tree("fp32"), "opt_state": opt_state}
 
     custom = {"scan_layers": scan_layers,
               METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}}
@@ -732,8 +771,8 @@ def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, A
 
 # --------------------------------------------------------------------------- source
 #: Where optax adamw's moments sit in MaxText's train state, relative to the item root.
-MOMENT_PREFIX = {"exp_avg": ("opt_state", "0", "mu", "params"), "exp_avg_sq": ("opt_state", "0", "nu", "params")}
-PARAMS_PREFIX = ("params", "params")
+MOMENT_PREFIX = {"exp_avg": ("opt_state", "0", "mu"), "exp_avg_sq": ("opt_state", "0", "nu")}
+PARAMS_PREFIX = ("params", )
 
 
 def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...], restore_type: type,
@@ -824,12 +863,13 @@ class MaxTextCheckpoint:
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"{self.items / '_METADATA'}: cannot read the Orbax metadata: "
                                   f"{first_line(exc)}") from exc
+        # Keys: the leaf under the tree's "params", "<collection>/<path>" ("params/decoder/...").
         params_prefix = "/".join(PARAMS_PREFIX) + "/"
         self.stored = {name[len(params_prefix):]: tuple(m.shape) for name, m in flat.items()
                        if name.startswith(params_prefix)}
         self.stored_dtypes = {name[len(params_prefix):]: str(m.dtype) for name, m in flat.items()
                               if name.startswith(params_prefix)}
-        if not self.stored:
+        if not any(name.startswith("params/") for name in self.stored):
             raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
         stacks = {block.path for block in layer_blocks(family, self.dims, True) if block.stacked}
         self.scan_layers = any(f"/{stack}/" in f"/{name}" for name in self.stored for stack in stacks)
@@ -837,7 +877,8 @@ class MaxTextCheckpoint:
         moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
                    for state, prefix in MOMENT_PREFIX.items()}
         self.has_optimizer = all(moments.values())
-        if self.has_optimizer and any(names != set(self.stored) for names in moments.values()):
+        optimized = {name for name in self.stored if name.startswith("params/")}
+        if self.has_optimizer and any(names != optimized for names in moments.values()):
             raise CheckpointError(f"{self.items}: opt_state mu/nu do not mirror params (not optax adamw's state?)")
         self.step = self._read_scalar(("step", ))
         self.optimizer_step = self._read_scalar(("opt_state", "0", "count")) if self.has_optimizer else 0
@@ -867,9 +908,9 @@ class MaxTextCheckpoint:
         for rule in self.family.rules_for(self.dims.tied):
             places: list[tuple[str, str, int | None]] = []
             if not rule.per_layer:
-                places.append((rule.hf, rule.path, None))
+                places.append((rule.hf, f"{rule.collection}/{rule.path}", None))
             for block in rule_blocks(rule, blocks) if rule.per_layer else []:
-                leaf = rule.path.replace(LAYERS, block.path)
+                leaf = f"{rule.collection}/{rule.path.replace(LAYERS, block.path)}"
                 for index, layer in enumerate(block.layers):
                     places.append((rule.hf.replace(LAYER, str(layer)), leaf, index if block.stacked else None))
             for hf, leaf, index in places:
@@ -896,7 +937,7 @@ class MaxTextCheckpoint:
         for rule, leaf, index in parts:
             shape = self.stored[leaf]
             if index is not None:
-                shape = (shape[0], *shape[2:])
+                shape = shape[:rule.scan_axis] + shape[rule.scan_axis + 1:]
             shapes.append(TRANSFORMS[rule.kind].hf_shape(shape))
         axis = TRANSFORMS[parts[0][0].kind].join_axis
         if axis is None:
@@ -909,9 +950,16 @@ class MaxTextCheckpoint:
         prefix = PARAMS_PREFIX if state == "fp32" else MOMENT_PREFIX[state]
         pieces = []
         for rule, leaf, index in self._sources[name]:
+            if state != "fp32" and rule.collection != "params":
+                # Outside the optimizer (DeepSeek's router bias): no moments, as a never-stepped Adam has.
+                shape = self.stored[leaf]
+                if index is not None:
+                    shape = shape[:rule.scan_axis] + shape[rule.scan_axis + 1:]
+                pieces.append(np.zeros(TRANSFORMS[rule.kind].hf_shape(shape), np.float32))
+                continue
             array = self._leaf((*prefix, *leaf.split("/")))
             if index is not None:
-                array = array[:, index]
+                array = np.take(array, index, axis=rule.scan_axis)
             pieces.append(from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state))
         return np.ascontiguousarray(join_parts(self._sources[name][0][0].kind, pieces))
 
@@ -974,6 +1022,8 @@ def stored_model_info(items: str | Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- reshard
 _PARAM_ROOTS = ("params/params/", "opt_state/0/mu/params/", "opt_state/0/nu/params/")
+#: The decoder subtrees that hold scanned stacks (``decoder/<stack>/...``) in MaxText's families.
+SCANNED_STACKS = ("layers", "dense_layers", "moe_layers")
 
 
 def reshard_orbax(items: str | Path,
@@ -1033,7 +1083,8 @@ def reshard_orbax(items: str | Path,
         write_shape = None
         if root is not None:
             param = name[len(root):]
-            leaf = Leaf(tuple(param.split("/")), shape, None, None, stacked=param.startswith("decoder/layers/"))
+            parts = tuple(param.split("/"))
+            leaf = Leaf(parts, shape, None, None, stacked=len(parts) > 2 and parts[1] in SCANNED_STACKS)
             try:
                 write_shape = shard_shape(leaf, mesh)
             except CheckpointError:

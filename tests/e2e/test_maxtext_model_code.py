@@ -12,7 +12,8 @@ from harness.maxtext import convert, hf_model, max_kl, maxtext_logits, torch_log
 
 #: Per-token KL bounds (issue 17), and argmax equal.
 KL = {"float32": 1e-4, "bfloat16": 1e-3}
-FAMILIES = ["llama", "llama3.1", "mistral", "qwen3", "qwen3-moe", "qwen2", "mixtral", "gemma3", "gpt-oss"]
+FAMILIES = ["llama", "llama3.1", "mistral", "qwen3", "qwen3-moe", "qwen2", "mixtral", "gemma3", "gpt-oss",
+            "deepseek-v3"]
 #: fp32 scanned and unscanned; bf16 scanned (the storage dtype changes no layout).
 CASES = [(family, scan, dtype) for family in FAMILIES
          for scan, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16"))]

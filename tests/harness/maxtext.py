@@ -51,6 +51,13 @@ def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
     elif family == "gpt-oss":  # sliding window 8 < the 12 tokens, so the local layers differ from the global ones
         config = transformers.GptOssConfig(**{**COMMON, "max_position_embeddings": 131072}, num_local_experts=4,
                                            num_experts_per_tok=2, sliding_window=8)
+    elif family == "deepseek-v3":  # one dense layer, two MoE layers; 8 experts in 2 groups, top-1 group
+        config = transformers.DeepseekV3Config(
+            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            first_k_dense_replace=1, num_attention_heads=64 // head_dim, num_key_value_heads=64 // head_dim,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
+            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
+            max_position_embeddings=64, rms_norm_eps=1e-6)
     else:
         raise ValueError(family)
     torch.manual_seed(0)
@@ -64,6 +71,9 @@ def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(("bias", "sinks")):  # transformers initializes these to zero: make them count
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: steers the expert choice
+                buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
     return model
 
 
@@ -79,8 +89,10 @@ def reference_config(model: torch.nn.Module, family: str, scan_layers: bool) -> 
 
 
 def convert(model, family, out, scan_layers=True, dtype="float32"):
-    """HF parameters (deduplicated, as a universal checkpoint holds them) -> MaxText, as to-maxtext does."""
+    """HF parameters (deduplicated, as a universal checkpoint holds them) and persistent buffers -> MaxText, as
+    to-maxtext does."""
     params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
+    params.update((name, b.detach().float().numpy()) for name, b in model.named_buffers() if name in model.state_dict())
     config = json.loads(model.config.to_json_string(use_diff=False))
     family = get_family(family) if isinstance(family, str) else family
     dims = ModelDims.from_config(config)

@@ -142,15 +142,16 @@ def test_the_family_registry_holds_everything_about_each_family():
     inferred from a config of its own model_type; the HF expert splits come from the family that has them."""
     from deepspeed_ext.checkpoint.families import (FAMILY_MODULES, family_names, get_family, hf_expert_splits,
                                                    infer_family)
-    assert family_names() == ["llama", "llama3.1", "mistral", "qwen3", "qwen3-moe"]
-    assert len(FAMILY_MODULES) == 3
+    assert family_names() == ["llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3",
+                              "gpt-oss"]
+    assert len(FAMILY_MODULES) == 7
     for name in family_names():
         family = get_family(name)
         config = {"model_type": family.model_type}
         if family.rope_type:
             config["rope_scaling"] = {"rope_type": family.rope_type, "factor": 8.0}
         assert infer_family(config) is family, name
-    assert get_family("qwen3_moe") is get_family("qwen3-moe")
+    assert get_family("qwen3_moe") is get_family("qwen3-moe") and get_family("gpt_oss") is get_family("gpt-oss")
     assert infer_family({"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}).name == "llama"
     assert hf_expert_splits("qwen3_moe") == get_family("qwen3-moe").hf_expert_splits != ()
     assert hf_expert_splits("llama") == ()

@@ -31,6 +31,12 @@ class Rule:
     path: str  # MaxText path under params/params, "/"-separated, with "{layers}" for per-layer leaves
     kind: str  # the transform (see maxtext.TRANSFORMS)
     block: str | None = None  # per-layer rules: the LayerBlock kind it belongs to (None: every block)
+    #: The variable collection beside ``params`` in MaxText's tree (``MoEBiasVar``: DeepSeek's router bias,
+    #: which MaxText updates outside the optimizer, so it has no Adam moments).
+    collection: str = "params"
+    #: Scanned: the axis the layers are stacked on (MaxText moves nnx.Param stacks to axis 1; other
+    #: collections keep axis 0).
+    scan_axis: int = 1
 
     @property
     def per_layer(self) -> bool:
@@ -51,6 +57,10 @@ class LayerBlock:
     layers: tuple[int, ...]  # HF decoder layer indices, in stack order
     stacked: bool  # scanned: the layers are stacked on axis 1 (else exactly one layer)
     kind: str = ""  # which rules apply: those whose ``block`` is None or this kind
+
+
+def default_blocks(config: Mapping[str, Any], scanned: bool) -> tuple[LayerBlock, ...]:
+    return plain_blocks(int(config["num_hidden_layers"]), scanned)
 
 
 def plain_blocks(num_layers: int, scanned: bool) -> tuple[LayerBlock, ...]:
@@ -113,8 +123,8 @@ class Family:
     hf_expert_splits: tuple[ExpertSplit, ...] = ()
     #: MaxText settings beyond the sizes every family shares, from the HF config (see maxtext.maxtext_settings).
     maxtext_extra: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
-    #: The MaxText layer blocks, from the layer count and scanning (default: one stack, or layers_<i>).
-    layer_blocks: Callable[[int, bool], tuple[LayerBlock, ...]] = plain_blocks
+    #: The MaxText layer blocks, from the HF config and scanning (default: one stack, or layers_<i>).
+    layer_blocks: Callable[[Mapping[str, Any], bool], tuple[LayerBlock, ...]] = default_blocks
     #: Keys for a DeepSpeed config's ``tensor_parallel`` section that AutoTP needs for the family (a
     #: ``partition_config``; None: AutoTP's defaults work); users get them from deepspeed_ext.presets.
     tensor_parallel: Mapping[str, Any] | None = None
@@ -133,7 +143,7 @@ def num_experts(config: Mapping[str, Any]) -> int:
 
 
 #: The family modules (under this package), each exporting ``FAMILIES``.
-FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
+FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3")
 
 
 def _families() -> dict[str, Family]:

@@ -71,6 +71,7 @@ GEMMA3 = Family(name="gemma3",
                 rope_interleaved=False,
                 maxtext_model="gemma3-4b",
                 maxtext_extra=_maxtext_extra,
-                layer_blocks=lambda layers, scanned: cycle_blocks(layers, scanned, 6, "layers_remainder"))
+                layer_blocks=lambda c, scanned: cycle_blocks(int(c["num_hidden_layers"]), scanned, 6,
+                                                                      "layers_remainder"))
 
 FAMILIES = (GEMMA3, )

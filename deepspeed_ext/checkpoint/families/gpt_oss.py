@@ -62,6 +62,6 @@ GPT_OSS = Family(name="gpt-oss",
                  rope_interleaved=False,
                  maxtext_model="gpt-oss-20b",
                  maxtext_extra=_maxtext_extra,
-                 layer_blocks=lambda layers, scanned: cycle_blocks(layers, scanned, 2, None))
+                 layer_blocks=lambda c, scanned: cycle_blocks(int(c["num_hidden_layers"]), scanned, 2, None))
 
 FAMILIES = (GPT_OSS, )
