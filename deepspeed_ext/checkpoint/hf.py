@@ -224,7 +224,11 @@ def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
             model = AutoModelForCausalLM.from_config(config)
     except ValueError:
         return None  # a model type with no causal-LM class: nothing to check against
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    persistent = set(model.state_dict())  # persistent buffers are in the files too (DeepSeek's router bias)
+    expected.update((name, tuple(b.shape)) for name, b in model.named_buffers()
+                    if name in persistent and b.is_floating_point())
+    return expected
 
 
 def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str | None:

@@ -157,12 +157,13 @@ def _key_inverse(k: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
     return _heads_out(_deinterleave(k) if family.rope_interleaved else k)
 
 
-def _as_bias(weight_transform: Callable[[np.ndarray, ModelDims, Family], np.ndarray]) -> Transform:
+def _as_bias(forward: Callable[[np.ndarray, ModelDims, Family], np.ndarray],
+             inverse: Callable[[np.ndarray, ModelDims, Family], np.ndarray]) -> Transform:
     """A q/k/v bias [heads*D] goes where its projection's output rows go: [heads, D], with the same RoPE
     order and query scale (it is a column of the projection, applied as one)."""
-    return Transform(lambda x, d, f: weight_transform(x[:, None], d, f)[0],
+    return Transform(lambda x, d, f: forward(x[:, None], d, f)[0],
                      lambda s, d: (s[0] // d.head_dim, d.head_dim),
-                     lambda x, d, f: _INVERSES[weight_transform](x[None], d, f)[:, 0],
+                     lambda x, d, f: inverse(x[None], d, f)[:, 0],
                      lambda s: (s[0] * s[1], ))
 
 
@@ -173,8 +174,6 @@ def _value(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
 def _value_inverse(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
     return _heads_out(x)
 
-
-_INVERSES = {_query: _query_inverse, _key: _key_inverse, _value: _value_inverse}
 
 
 def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
@@ -249,9 +248,10 @@ TRANSFORMS: dict[str, Transform] = {
                        moment_factor=_moment_factor),
     "key": Transform(_key, _per_head_shape, _key_inverse, lambda s: (s[1] * s[2], s[0])),
     "value": Transform(_value, _per_head_shape, _value_inverse, lambda s: (s[1] * s[2], s[0])),
-    "query_bias": dataclasses.replace(_as_bias(_query), moments="key_bias", moment_factor=_moment_factor),
-    "key_bias": _as_bias(_key),
-    "value_bias": _as_bias(_value),
+    "query_bias": dataclasses.replace(_as_bias(_query, _query_inverse), moments="key_bias",
+                                      moment_factor=_moment_factor),
+    "key_bias": _as_bias(_key, _key_inverse),
+    "value_bias": _as_bias(_value, _value_inverse),
     "out": Transform(lambda x, d, f: x.T.reshape(-1, d.head_dim, x.shape[0]),
                      lambda s, d: (s[1] // d.head_dim, d.head_dim, s[0]),
                      lambda x, d, f: x.reshape(-1, x.shape[-1]).T,
@@ -911,8 +911,8 @@ class MaxTextCheckpoint:
                 places.append((rule.hf, f"{rule.collection}/{rule.path}", None))
             for block in rule_blocks(rule, blocks) if rule.per_layer else []:
                 leaf = f"{rule.collection}/{rule.path.replace(LAYERS, block.path)}"
-                for index, layer in enumerate(block.layers):
-                    places.append((rule.hf.replace(LAYER, str(layer)), leaf, index if block.stacked else None))
+                for position, layer in enumerate(block.layers):
+                    places.append((rule.hf.replace(LAYER, str(layer)), leaf, position if block.stacked else None))
             for hf, leaf, index in places:
                 if leaf not in self.stored:
                     raise CheckpointError(f"{self.items}: MaxText leaf {leaf!r} (for {hf}) is missing; wrong "

@@ -153,12 +153,23 @@ def load_resharded(engine: Any,
                                           "restore its optimizer state")
         if zero3:
             _refresh_zero3_partitions(engine.optimizer)
+        _restore_buffers(module, ckpt, available, tp_size, tp_rank)
 
         if with_optimizer:
             _restore_step_and_groups(engine, ckpt, [name for name, _ in params if name in available])
 
     client_state = _restore_engine_state(engine, ckpt, load_lr_scheduler_states and not load_module_only)
     return str(ckpt.path), client_state
+
+
+def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available: set[str], tp_size: int,
+                     tp_rank: int) -> None:
+    """The persistent buffers the checkpoint carries (DeepSeek-V3's router bias): whole on every rank."""
+    persistent = set(module.state_dict().keys())
+    for name, buffer in module.named_buffers():
+        if name in available and name in persistent and buffer.is_floating_point():
+            value = ckpt.resharded(name, MASTER_WEIGHTS, TPLayout.replicated(tuple(buffer.shape), tp_size), tp_rank)
+            buffer.copy_(value.to(buffer.dtype))
 
 
 def _refresh_zero3_partitions(optimizer: Any) -> None:

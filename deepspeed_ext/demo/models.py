@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
+FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3")
 
 
 def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
@@ -52,6 +52,13 @@ def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
         from transformers import GptOssConfig
         return GptOssConfig(**{**common, "max_position_embeddings": 131072}, head_dim=4, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=8)
+    if family == "deepseek_v3":  # MLA, one dense layer then two MoE layers (8 experts in 2 groups, 1 shared)
+        from transformers import DeepseekV3Config
+        # MLA has one key per head: transformers requires num_key_value_heads == num_attention_heads.
+        return DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 16}, first_k_dense_replace=1,
+                                moe_intermediate_size=48,
+                                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -62,7 +69,14 @@ def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> 
     """
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config or tiny_config(family), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(config or tiny_config(family), attn_implementation="eager")
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # DeepSeek's router bias starts at zero and is tuned outside the optimizer; a pretrained model has
+                # it set, so give it values that steer the expert choice, as a real checkpoint's do.
+                buffer.copy_(0.1 * torch.randn(buffer.shape))
+    return model
 
 
 def tensor_parallel_section(family: str, tp: int, kv_heads: int = 4) -> dict[str, Any]:

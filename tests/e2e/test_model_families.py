@@ -95,6 +95,13 @@ def test_qwen3_moe_tp2_resumes(qwen3_moe, target_tp):
 #: split), as initialize logs them.
 _EXPERTS = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
 NEW_FAMILIES = {
+    # MLA stays whole (see the preset in deepspeed_ext/checkpoint/families/deepseek_v3.py), and so do the router
+    # and the fused experts; the dense MLPs, the shared experts and lm_head are split.
+    "deepseek_v3": (_EXPERTS, ["model.embed_tokens.weight", "model.layers.*.self_attn.q_a_proj.weight",
+                               "model.layers.*.self_attn.q_b_proj.weight",
+                               "model.layers.*.self_attn.kv_a_proj_with_mqa.weight",
+                               "model.layers.*.self_attn.kv_b_proj.weight", "model.layers.*.self_attn.o_proj.weight",
+                               "model.layers.*.mlp.gate.weight"]),
     "mixtral": (_EXPERTS, ["model.embed_tokens.weight", "model.layers.*.mlp.gate.weight"]),
     "gemma3": ([], []),  # the tied embedding and head are vocabulary-parallel, everything else split
     # transformers gives gpt-oss no tp_plan but lm_head's, and its attention cannot be split by AutoTP without
@@ -128,8 +135,9 @@ def test_new_family_unsplit_layers_are_named(scenarios, family, tmp_path):
         assert (lines[0].endswith(": " + ", ".join(names)) if names else not lines), (message, lines)
     summary = json.loads(cli(["inspect", str(scenario.tag_dir), "--json"], tmp_path / "inspect.log").stdout)
     assert sorted(summary["unsharded_weights"]) == sorted(stacks + matrices)
-    q_proj = summary["parameters"]["model.layers.1.self_attn.q_proj.weight"]
-    assert q_proj["partition_type"] == ("replicated" if family == "gpt_oss" else "column")
+    attention = "o_proj" if family == "deepseek_v3" else "q_proj"
+    partition = summary["parameters"][f"model.layers.1.self_attn.{attention}.weight"]["partition_type"]
+    assert partition == ("replicated" if family in ("gpt_oss", "deepseek_v3") else "column")
 
 
 @pytest.mark.parametrize("family", list(NEW_FAMILIES))

@@ -68,7 +68,9 @@ def assert_to_hf_matches_live(scenario, tmp_path: Path, caplog) -> float:
     assert sorted(written.layouts) == sorted(source.layouts)
     for param, layout in source.layouts.items():
         full = written.load(param)
-        assert full.dtype == dtype, param
+        saved = source.rank_model_states(0)["module"][param]
+        # The weights keep the training dtype; a buffer its own (DeepSeek's router bias stays fp32).
+        assert full.dtype == (saved.dtype if param in source.buffers else dtype), param
         for tp in range(scenario.tp):
             live = source.rank_model_states(tp)["module"][param]
             if live.numel() == 0:  # ZeRO-3 saves empty placeholders: compare with the merged master, cast

@@ -143,8 +143,8 @@ def test_the_family_registry_holds_everything_about_each_family():
     from deepspeed_ext.checkpoint.families import (FAMILY_MODULES, family_names, get_family, hf_expert_splits,
                                                    infer_family)
     assert family_names() == ["llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3",
-                              "gpt-oss"]
-    assert len(FAMILY_MODULES) == 7
+                              "gpt-oss", "deepseek-v3"]
+    assert len(FAMILY_MODULES) == 8
     for name in family_names():
         family = get_family(name)
         config = {"model_type": family.model_type}

@@ -129,7 +129,8 @@ def assert_round_trip(family: str, name: str, got: np.ndarray, want: np.ndarray,
 
 ROUND_TRIPS = [("llama", True), ("llama3.1", False), ("mistral", True), ("qwen3", True), ("qwen3-moe", True),
                ("qwen3-moe", False), ("qwen2", True), ("qwen2", False), ("mixtral", True), ("mixtral", False),
-               ("gemma3", True), ("gemma3", False), ("gpt-oss", True), ("gpt-oss", False)]
+               ("gemma3", True), ("gemma3", False), ("gpt-oss", True), ("gpt-oss", False), ("deepseek-v3", True),
+               ("deepseek-v3", False)]
 
 
 @pytest.mark.parametrize("family, scan_layers", ROUND_TRIPS)
@@ -144,6 +145,7 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers)
     source = MaxTextCheckpoint(items, get_family(family), stored["model_config"])
     assert source.scan_layers == scan_layers
     original = {name: p.detach().numpy() for name, p in model.named_parameters()}
+    original.update((name, b.numpy()) for name, b in model.named_buffers() if name in model.state_dict())
     assert list(source.layouts) and sorted(source.layouts) == sorted(original)
     inexact = [name for name, want in original.items()
                if assert_round_trip(family, name, source.hf_tensor(name), want)]
@@ -151,7 +153,7 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers)
         assert inexact, "the query kernel should have met a rounding (else this test proves less than it says)"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral", "gemma3", "gpt-oss"])
+@pytest.mark.parametrize("family", ["qwen2", "mixtral", "gemma3", "gpt-oss", "deepseek-v3"])
 def test_adam_moments_round_trip_for_every_family(tmp_path, family):
     """--with-optimizer: each family's Adam moments -> optax's state -> back, through every transform (biases,
     1 + w norms, the scaled embedding, interleaved experts); bit-exact but the pre-scaled query's."""
@@ -161,18 +163,23 @@ def test_adam_moments_round_trip_for_every_family(tmp_path, family):
     params = dict(model.named_parameters())
     config = json.loads(model.config.to_json_string(use_diff=False))
 
+    buffers = {name: b for name, b in model.named_buffers() if name in model.state_dict()}
+
     def load(name, state="fp32"):
+        if name in buffers:  # DeepSeek's router bias: no optimizer state, zero moments
+            return buffers[name].numpy().copy() if state == "fp32" else np.zeros(buffers[name].shape, np.float32)
         tensor = params[name] if state == "fp32" else optimizer.state[params[name]][state]
         return tensor.detach().numpy().copy()
 
+    shapes = {n: tuple(p.shape) for n, p in [*params.items(), *buffers.items()]}
     for scan_layers in (True, False):
-        items = write_maxtext(load, {n: tuple(p.shape) for n, p in params.items()}, get_family(family),
+        items = write_maxtext(load, shapes, get_family(family),
                               ModelDims.from_config(config), tmp_path / f"out_{scan_layers}", dtype="float32",
                               progress=False, model_config=config, with_optimizer=True, optimizer_step=2,
                               scan_layers=scan_layers)
         source = MaxTextCheckpoint(items, get_family(family), config)
         assert source.has_optimizer and source.optimizer_step == 2
-        for name in params:
+        for name in shapes:
             for state in ("fp32", "exp_avg", "exp_avg_sq"):
                 assert_round_trip(family, name, source.hf_tensor(name, state), load(name, state), state)
 

@@ -257,7 +257,26 @@ class DeepSpeedCheckpoint:
                 if shape is not None and expected != shape:
                     raise CheckpointError(f"{model_files[tp]}: parameter {name!r} has shape {shape} but its "
                                           f"layout ({layout.describe()}) expects {expected}")
-        return {name: layouts[name] for name in self._saved_shapes}
+        params = {name: layouts[name] for name in self._saved_shapes}
+        # Persistent buffers after the parameters, held whole (replicated) on every TP rank.
+        return {**params, **{name: TPLayout.replicated(tuple(buffer.shape), self.tp_degree)
+                             for name, buffer in self.buffers.items()}}
+
+    @cached_property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's persistent floating-point buffers (the module state dict's non-parameters, such as
+        DeepSeek-V3's router ``e_score_correction_bias``): state the optimizer does not step but the model needs.
+        They are carried as tensors with zero Adam moments; every TP rank's copy must agree."""
+        module = self.model_states.get(keys.MODULE) or {}
+        names = self.model_states.get(keys.BUFFER_NAMES) or []
+        found = {name: module[name] for name in names
+                 if torch.is_tensor(module.get(name)) and module[name].is_floating_point() and module[name].numel()}
+        for tp in range(1, self.tp_degree):
+            other = self.rank_model_states(tp).get(keys.MODULE) or {}
+            for name, buffer in found.items():
+                if not torch.is_tensor(other.get(name)) or not torch.equal(other[name], buffer):
+                    raise CheckpointError(f"{self.files.model_files[tp]}: buffer {name!r} differs from TP rank 0's")
+        return found
 
     # ------------------------------------------------------------------ reading tensors
     @cached_property
@@ -320,6 +339,8 @@ class DeepSpeedCheckpoint:
         May be a view into a memory-mapped file; the caller copies what it keeps.
         """
         self._release_in_flight()
+        if name in self.buffers:
+            return target.slice(self.full_tensor(name, state), rank)
         try:
             return self.layouts[name].reshard(target, rank,
                                               lambda src, offset, length: self.region(name, src, state, offset,
@@ -333,6 +354,9 @@ class DeepSpeedCheckpoint:
         May be a view into the memory-mapped optimizer file; sinks copy what they keep.
         """
         self._release_in_flight()
+        if name in self.buffers:
+            buffer = self.buffers[name].float()
+            return buffer if state == MASTER_WEIGHTS else torch.zeros_like(buffer)
         layout = self.layouts[name]
         # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
         shards = [self.local_tensor(name, tp, state) for tp in range(self.tp_degree)]
