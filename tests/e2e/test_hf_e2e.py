@@ -80,10 +80,11 @@ def test_deepspeed_tp2_to_hf_through_universal_is_the_same(scenarios, tmp_path):
     assert all(direct[n].dtype == torch.bfloat16 and torch.equal(direct[n], via[n]) for n in direct)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
 def test_training_starts_from_hf_weights_at_tp2(tmp_path, family):
     """A transformers-saved model -> from-hf -> DeepSpeed AutoTP TP=2 (fp32): the first step's loss is the
-    transformers model's loss on the same batch, and training goes on from there."""
+    transformers model's loss on the same batch, and training goes on from there. (DeepSeek-V3: its router bias,
+    a buffer, comes from the files too: seed 7's, not the one the training script built.)"""
     model = build_model(family, seed=7).eval()  # not train.py's initial weights (seed 1234)
     save_pretrained(model, tmp_path / "hf")
     tokens = batch(1, 0, 1)

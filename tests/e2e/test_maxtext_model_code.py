@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.maxtext import convert, hf_model, max_kl, maxtext_logits, torch_logits
+from harness.maxtext import base_family, convert, hf_model, max_kl, maxtext_logits, torch_logits
 
 #: Per-token KL bounds (issue 17), and argmax equal.
 KL = {"float32": 1e-4, "bfloat16": 1e-3}
 FAMILIES = ["llama", "llama3.1", "mistral", "qwen3", "qwen3-moe", "qwen2", "mixtral", "gemma3", "gpt-oss",
-            "deepseek-v3"]
-#: fp32 scanned and unscanned; bf16 scanned (the storage dtype changes no layout).
-CASES = [(family, scan, dtype) for family in FAMILIES
+            "deepseek-v3", "deepseek-v3-yarn"]
+#: fp32 scanned and unscanned; bf16 scanned (the storage dtype changes no layout). DeepSeek-V3 with its own yarn
+#: RoPE: scanned fp32 (only the MaxText settings differ from the plain-RoPE model).
+CASES = [(family, scan, dtype) for family in FAMILIES if family != "deepseek-v3-yarn"
          for scan, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16"))]
+CASES.append(("deepseek-v3-yarn", True, "float32"))
 
 
 @pytest.mark.parametrize("family, scan_layers, dtype", CASES,
@@ -28,7 +30,7 @@ def test_maxtext_forward_on_our_output_matches_transformers(family, scan_layers,
     if dtype == "bfloat16":  # against the weights the checkpoint holds, read back into transformers' model
         from deepspeed_ext.checkpoint.families import get_family
         from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
-        stored = MaxTextCheckpoint(items, get_family(family), stored_model_info(items)["model_config"])
+        stored = MaxTextCheckpoint(items, get_family(base_family(family)), stored_model_info(items)["model_config"])
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(torch.from_numpy(stored.hf_tensor(name)))

@@ -51,13 +51,18 @@ def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
     elif family == "gpt-oss":  # sliding window 8 < the 12 tokens, so the local layers differ from the global ones
         config = transformers.GptOssConfig(**{**COMMON, "max_position_embeddings": 131072}, num_local_experts=4,
                                            num_experts_per_tok=2, sliding_window=8)
-    elif family == "deepseek-v3":  # one dense layer, two MoE layers; 8 experts in 2 groups, top-1 group
+    elif family.startswith("deepseek-v3"):  # one dense layer, two MoE layers; 8 experts in 2 groups, top-1 group
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if family == "deepseek-v3-yarn":  # DeepSeek-V3's own RoPE: yarn, 40x context, attention rescaled
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
         config = transformers.DeepseekV3Config(
             vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
             first_k_dense_replace=1, num_attention_heads=64 // head_dim, num_key_value_heads=64 // head_dim,
             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
             kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
-            max_position_embeddings=64, rms_norm_eps=1e-6)
+            max_position_embeddings=163840 if family == "deepseek-v3-yarn" else 64, rms_norm_eps=1e-6,
+            rope_parameters=rope)
     else:
         raise ValueError(family)
     torch.manual_seed(0)
@@ -94,7 +99,7 @@ def convert(model, family, out, scan_layers=True, dtype="float32"):
     params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
     params.update((name, b.detach().float().numpy()) for name, b in model.named_buffers() if name in model.state_dict())
     config = json.loads(model.config.to_json_string(use_diff=False))
-    family = get_family(family) if isinstance(family, str) else family
+    family = get_family(base_family(family)) if isinstance(family, str) else family
     dims = ModelDims.from_config(config)
     shapes = {name: array.shape for name, array in params.items()}
     items = write_maxtext(lambda name, state="fp32": params[name], shapes, family, dims, out,
@@ -145,7 +150,12 @@ def maxtext_settings(model, family: str, scan_layers: bool) -> list[str]:
     what deepspeed-ext tells users to load the checkpoint with."""
     from deepspeed_ext.checkpoint.maxtext import maxtext_settings as settings_for, settings_text
     config = json.loads(model.config.to_json_string(use_diff=False))
-    return settings_text(settings_for(get_family(family), config, scan_layers)).split(" ")
+    return settings_text(settings_for(get_family(base_family(family)), config, scan_layers)).split(" ")
+
+
+def base_family(name: str) -> str:
+    """The family of a test model variant (``deepseek-v3-yarn`` is a deepseek-v3 with yarn RoPE)."""
+    return name.removesuffix("-yarn")
 
 
 def maxtext_logits(items, model, family: str, scan_layers: bool, workdir) -> np.ndarray:
