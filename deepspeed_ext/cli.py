@@ -107,6 +107,13 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
                    if args.with_optimizer else f"load it with load_parameters_path={items}")
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); {loading}")
+        from deepspeed_ext.checkpoint.maxtext import maxtext_settings, settings_text
+        from deepspeed_ext.errors import CheckpointError
+        try:
+            settings = settings_text(maxtext_settings(family, source.info.model_config or {}, args.scan_layers))
+            print(f"the model, in MaxText's settings: {settings}")
+        except CheckpointError as exc:
+            print(f"no MaxText settings for this model: {exc}")
     return 0
 
 

@@ -1006,7 +1006,14 @@ class MaxTextCheckpoint:
             "optimizer": "optax adamw (mu, nu)" if self.has_optimizer else "none",
             "optimizer_step": self.optimizer_step if self.has_optimizer else None,
             "num_parameters": sum(math.prod(layout.shape) for layout in self.layouts.values()),
+            "maxtext_settings": self._settings_text(),
         }
+
+    def _settings_text(self) -> str:
+        try:
+            return settings_text(maxtext_settings(self.family, self.model_config, self.scan_layers))
+        except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+            return f"unknown ({first_line(exc)})"
 
 
 def stored_model_info(items: str | Path) -> dict[str, Any]:

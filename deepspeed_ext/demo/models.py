@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3")
+FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "mistral",
+            "llama3.1")
 
 
 def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
@@ -28,6 +29,14 @@ def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
     if family == "llama":
         from transformers import LlamaConfig
         return LlamaConfig(**common)
+    if family == "llama3.1":  # Llama with Llama 3.1's RoPE scaling (MaxText's llama3.1 constants)
+        from transformers import LlamaConfig
+        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192})
+    if family == "mistral":
+        from transformers import MistralConfig
+        return MistralConfig(**common, sliding_window=None)
     if family == "phi3":  # fused qkv_proj (q, k, v of unequal size) and fused gate_up_proj
         from transformers import Phi3Config
         return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -102,7 +111,7 @@ def tensor_parallel_section(family: str, tp: int, kv_heads: int = 4) -> dict[str
                 {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"},
             ],
         }
-    if family not in ("llama", "phi3"):
+    if family not in ("llama", "llama3.1", "mistral", "phi3"):
         from deepspeed_ext.presets import tensor_parallel_preset
         section.update(tensor_parallel_preset(family))
     return section

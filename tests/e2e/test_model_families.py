@@ -95,6 +95,9 @@ def test_qwen3_moe_tp2_resumes(qwen3_moe, target_tp):
 #: split), as initialize logs them.
 _EXPERTS = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
 NEW_FAMILIES = {
+    # AutoTP's defaults (transformers' tp_plan) split everything but the untied embedding.
+    "mistral": ([], ["model.embed_tokens.weight"]),
+    "llama3.1": ([], ["model.embed_tokens.weight"]),
     # MLA stays whole (see the preset in deepspeed_ext/checkpoint/families/deepseek_v3.py), and so do the router
     # and the fused experts; the dense MLPs, the shared experts and lm_head are split.
     "deepseek_v3": (_EXPERTS, ["model.embed_tokens.weight", "model.layers.*.self_attn.q_a_proj.weight",
@@ -145,7 +148,7 @@ def test_new_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, fa
     assert_to_hf_matches_live(scenarios(f"{family}_tp2", tp=2, family=family), tmp_path, caplog)
 
 
-@pytest.mark.parametrize("family", ["qwen2", *NEW_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", *NEW_FAMILIES])
 def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
     """Each family's DeepSpeed TP=2 run -> to-maxtext --with-optimizer (fp32, scanned, on a mesh) -> from-maxtext
     -> DeepSpeed resume at TP=1 continues the loss within 2e-3. The universal tensors come back exactly, but
