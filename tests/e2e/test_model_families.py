@@ -94,7 +94,7 @@ def test_qwen3_moe_tp2_resumes(qwen3_moe, target_tp):
 #: and what AutoTP leaves whole on every TP rank, by name: (3-D stacks it cannot shard, weight matrices it does not
 #: split), as initialize logs them.
 _EXPERTS = ["model.layers.*.mlp.experts.gate_up_proj", "model.layers.*.mlp.experts.down_proj"]
-NEW_FAMILIES = {
+TRAINED_FAMILIES = {
     # AutoTP's defaults (transformers' tp_plan) split everything but the untied embedding.
     "mistral": ([], ["model.embed_tokens.weight"]),
     "llama3.1": ([], ["model.embed_tokens.weight"]),
@@ -117,8 +117,8 @@ NEW_FAMILIES = {
 
 
 @pytest.mark.parametrize("target_tp", [1, 3])
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
-def test_new_family_tp2_resumes(scenarios, family, target_tp):
+@pytest.mark.parametrize("family", list(TRAINED_FAMILIES))
+def test_family_tp2_resumes(scenarios, family, target_tp):
     """DeepSpeed AutoTP TP=2 (bf16, ZeRO-1) -> to-universal -> resume at TP=1 and TP=3: the universal checkpoint
     holds what the live engine held, and the resumed losses are the uninterrupted run's within 2e-3."""
     scenario = scenarios(f"{family}_tp2", tp=2, family=family)
@@ -127,11 +127,11 @@ def test_new_family_tp2_resumes(scenarios, family, target_tp):
     assert_losses_continue(scenario, scenario.resume(target_tp), rel=2e-3)
 
 
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
-def test_new_family_unsplit_layers_are_named(scenarios, family, tmp_path):
+@pytest.mark.parametrize("family", list(TRAINED_FAMILIES))
+def test_family_unsplit_layers_are_named(scenarios, family, tmp_path):
     """What AutoTP keeps whole is said by name at initialize and by ``inspect``, and held as replicated."""
     scenario = scenarios(f"{family}_tp2", tp=2, family=family)
-    stacks, matrices = NEW_FAMILIES[family]
+    stacks, matrices = TRAINED_FAMILIES[family]
     log = (scenario.root / "train.log").read_text()
     for names, message in ((stacks, "AutoTP cannot shard"), (matrices, "AutoTP left")):
         lines = [line for line in log.splitlines() if message in line]
@@ -143,12 +143,12 @@ def test_new_family_unsplit_layers_are_named(scenarios, family, tmp_path):
     assert partition == ("replicated" if family in ("gpt_oss", "deepseek_v3") else "column")
 
 
-@pytest.mark.parametrize("family", list(NEW_FAMILIES))
-def test_new_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, family):
+@pytest.mark.parametrize("family", list(TRAINED_FAMILIES))
+def test_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, family):
     assert_to_hf_matches_live(scenarios(f"{family}_tp2", tp=2, family=family), tmp_path, caplog)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", *NEW_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", *TRAINED_FAMILIES])
 def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
     """Each family's DeepSpeed TP=2 run -> to-maxtext --with-optimizer (fp32, scanned, on a mesh) -> from-maxtext
     -> DeepSpeed resume at TP=1 continues the loss within 2e-3. The universal tensors come back exactly, but
