@@ -15,8 +15,11 @@ E2E_DIR = Path(__file__).parent / "e2e"
 #: worker, so the trained checkpoints its tests share (session and module fixtures) are built once; these files'
 #: tests share little beyond one quick scenario, so each test function is a group of its own.
 SPLIT_BY_FUNCTION = {"test_end_to_end.py", "test_optimizer_paths.py"}
-#: These files' tests are grouped by their ``family`` parameter: a family's tests share its trained run.
+#: These files' tests are grouped by model family (their ``family`` parameter, or a ``family`` mark): a family's
+#: tests share its trained run.
 SPLIT_BY_FAMILY = {"test_model_families.py"}
+#: These files' tests (each a MaxText run of its own) are each a group.
+SPLIT_EACH = {"test_maxtext_model_code.py"}
 #: The longest groups start first, so neither worker is left alone with one at the end.
 LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py"]
 
@@ -31,7 +34,11 @@ def pytest_collection_modifyitems(items):
             group += "::" + getattr(item, "originalname", item.name)
         elif group in SPLIT_BY_FAMILY:
             callspec = getattr(item, "callspec", None)
-            group += "::" + str(callspec.params.get("family", "") if callspec else "")
+            mark = item.get_closest_marker("family")
+            family = callspec.params.get("family") if callspec else None
+            group += "::" + str(family or (mark.args[0] if mark else ""))
+        elif group in SPLIT_EACH:
+            group += "::" + item.name
         item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -15,14 +15,13 @@ from deepspeed_ext.checkpoint.maxtext import ModelDims, plan_leaves, write_maxte
 jax = pytest.importorskip("jax")
 ocp = pytest.importorskip("orbax.checkpoint")
 
-from harness.maxtext import (MESH_SHAPE, TOKENS, hf_model, max_kl, reference_config, restore_on_mesh,  # noqa: E402
+from harness.maxtext import (MESH_SHAPE, TOKENS, hf_model, max_kl, maxtext_logits, restore_on_mesh,  # noqa: E402
                              torch_adam_state)
-from harness.maxtext_reference import forward  # noqa: E402
 
 
 def test_deepspeed_checkpoint_to_maxtext_directly_and_via_universal(scenarios, tmp_path):
     """A TP=2 ZeRO-1 DeepSpeed checkpoint converts on the fly (no universal copy) to the same arrays as its
-    universal form, and the JAX forward on them matches the PyTorch model holding the trained fp32 weights."""
+    universal form, and MaxText's own forward on them matches the PyTorch model holding the trained fp32 weights."""
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     from deepspeed_ext.demo.models import build_model
     from harness.runner import cli
@@ -47,9 +46,10 @@ def test_deepspeed_checkpoint_to_maxtext_directly_and_via_universal(scenarios, t
     assert flat["deepspeed"].keys() == flat["universal"].keys()
     for name, array in flat["deepspeed"].items():
         assert np.array_equal(np.asarray(array), np.asarray(flat["universal"][name])), name
-    logits = forward(restored["deepspeed"], np.array(TOKENS) % 101, reference_config(model, "llama", True))
+    tokens = [t % 101 for t in TOKENS]
+    logits = maxtext_logits(outputs["deepspeed"], model, "llama", True, tmp_path, tokens=tokens)
     with torch.no_grad():
-        reference = model(input_ids=torch.tensor([TOKENS]) % 101).logits[0]
+        reference = model(input_ids=torch.tensor([tokens])).logits[0]
     assert max_kl(reference, logits) <= 1e-5
 
 

@@ -14,8 +14,9 @@ from harness.maxtext import base_family, convert, hf_model, max_kl, maxtext_logi
 KL = {"float32": 1e-4, "bfloat16": 1e-3}
 FAMILIES = ["llama", "llama3.1", "mistral", "qwen3", "qwen3-moe", "qwen2", "mixtral", "gemma3", "gpt-oss",
             "deepseek-v3", "deepseek-v3-yarn"]
-#: fp32 scanned and unscanned; bf16 scanned (the storage dtype changes no layout). DeepSeek-V3 with its own yarn
-#: RoPE: scanned fp32 (only the MaxText settings differ from the plain-RoPE model).
+#: fp32 scanned and unscanned, on one device; bf16 scanned, written with --mesh fsdp=2,tensor=2 storage chunks and
+#: restored onto MaxText's own sharding of a 4-device CPU mesh. DeepSeek-V3 with its own yarn RoPE: scanned fp32
+#: (only the MaxText settings differ from the plain-RoPE model).
 CASES = [(family, scan, dtype) for family in FAMILIES if family != "deepseek-v3-yarn"
          for scan, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16"))]
 CASES.append(("deepseek-v3-yarn", True, "float32"))
@@ -25,8 +26,10 @@ CASES.append(("deepseek-v3-yarn", True, "float32"))
                          ids=[f"{f}-{'scanned' if s else 'unscanned'}-{d}" for f, s, d in CASES])
 def test_maxtext_forward_on_our_output_matches_transformers(family, scan_layers, dtype, tmp_path):
     model = hf_model(family)
-    items, _ = convert(model, family, tmp_path / "maxtext", scan_layers=scan_layers, dtype=dtype)
-    logits = maxtext_logits(items, model, family, scan_layers, tmp_path)
+    sharded = dtype == "bfloat16"
+    items, _ = convert(model, family, tmp_path / "maxtext", scan_layers=scan_layers, dtype=dtype,
+                       mesh={"fsdp": 2, "tensor": 2} if sharded else None)
+    logits = maxtext_logits(items, model, family, scan_layers, tmp_path, sharded=sharded)
     if dtype == "bfloat16":  # against the weights the checkpoint holds, read back into transformers' model
         from deepspeed_ext.checkpoint.families import get_family
         from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
@@ -39,3 +42,20 @@ def test_maxtext_forward_on_our_output_matches_transformers(family, scan_layers,
     print(f"{family} scan_layers={scan_layers} {dtype}: max per-token KL {kl:.2e}")
     assert kl <= KL[dtype]
     assert (reference.argmax(-1).numpy() == logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("mistake", ["no_query_scale", "no_rope_interleave"])
+def test_negative_controls_fail_the_kl_bar(tmp_path, mistake):
+    """The check above can fail: a conversion that leaves out one convention moves MaxText's KL far above the bar
+    (llama's pre-scaled query; llama3.1's adjacent-pair RoPE order)."""
+    import dataclasses
+
+    from deepspeed_ext.checkpoint.families import get_family
+    family = "llama3.1" if mistake == "no_rope_interleave" else "llama"
+    wrong = dataclasses.replace(get_family(family), **({"query_scaled": False} if mistake == "no_query_scale" else
+                                                       {"rope_interleaved": False}))
+    model = hf_model(family)
+    items, _ = convert(model, wrong, tmp_path / "maxtext")
+    kl = max_kl(torch_logits(model), maxtext_logits(items, model, family, True, tmp_path))
+    print(f"{mistake}: max per-token KL {kl:.2e}")
+    assert kl > 1e-3

@@ -1,6 +1,10 @@
 """Model features beyond the plain Llama: q/k/v biases (Qwen2), q/k norms + tied embeddings (Qwen3), mixtures
 of experts (Qwen3-MoE, Mixtral), Gemma 3 (scaled tied embedding, sandwich norms, sliding/global layers) and
-gpt-oss (attention sinks, biases everywhere, interleaved gate/up experts)."""
+gpt-oss (attention sinks, biases everywhere, interleaved gate/up experts) and DeepSeek-V3 (MLA, dense then MoE
+layers, shared experts, a router bias buffer).
+
+Each family's TP=2 run is trained once: tests/conftest.py keeps a family's tests (its ``family`` parameter or mark)
+on one worker, and they all ask for it through :func:`trained`."""
 
 import json
 
@@ -13,10 +17,20 @@ from harness.runner import cli
 from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
                               upstream_ds_to_universal)
 
+#: Scenario names kept from before the per-family tests (other test files train the same runs under them).
+SCENARIO_NAMES = {"qwen3": "qwen3_tied_tp2"}
 
+
+def trained(scenarios, family: str):
+    """The family's TP=2 ZeRO-1 bf16 run, trained once per worker."""
+    return scenarios(SCENARIO_NAMES.get(family, f"{family}_tp2"), tp=2, family=family)
+
+
+
+@pytest.mark.family("qwen2")
 @pytest.mark.parametrize("target_tp", [1, 3])
 def test_qwen2_qkv_biases_tp2_resumes(scenarios, target_tp):
-    qwen2 = scenarios("qwen2_tp2", tp=2, family="qwen2")
+    qwen2 = trained(scenarios, "qwen2")
     if target_tp == 1:
         assert_universal_matches_live(qwen2)
         bias = serialization.load(qwen2.universal_dir / "zero" / "model.layers.0.self_attn.k_proj.bias" / "fp32.pt")
@@ -26,9 +40,10 @@ def test_qwen2_qkv_biases_tp2_resumes(scenarios, target_tp):
 
 @pytest.fixture(scope="module")
 def qwen3(scenarios):
-    return scenarios("qwen3_tied_tp2", tp=2, family="qwen3")
+    return trained(scenarios, "qwen3")
 
 
+@pytest.mark.family("qwen3")
 @pytest.mark.parametrize("target_tp", [1, 3])
 def test_qwen3_tied_embeddings_tp2_resumes(qwen3, target_tp):
     if target_tp == 1:
@@ -36,6 +51,7 @@ def test_qwen3_tied_embeddings_tp2_resumes(qwen3, target_tp):
     assert_losses_continue(qwen3, qwen3.resume(target_tp))
 
 
+@pytest.mark.family("qwen3")
 def test_tied_embedding_is_held_in_full_where_upstream_writes_a_shard(qwen3, tmp_path):
     """Disagreement with upstream 0.19.8, named: parameter ``lm_head.weight`` of a tied Qwen3 at TP=2.
 
@@ -58,9 +74,10 @@ def test_tied_embedding_is_held_in_full_where_upstream_writes_a_shard(qwen3, tmp
 
 @pytest.fixture(scope="module")
 def qwen3_moe(scenarios):
-    return scenarios("qwen3_moe_tp2", tp=2, family="qwen3_moe")
+    return trained(scenarios, "qwen3_moe")
 
 
+@pytest.mark.family("qwen3_moe")
 def test_qwen3_moe_unshardable_experts_are_reported_by_name(qwen3_moe, tmp_path):
     """transformers keeps a layer's experts as fused 3-D parameters, which AutoTP (nn.Linear only) cannot
     shard: they stay whole on every TP rank. That is said by name at initialize and by ``inspect``, and
@@ -79,12 +96,14 @@ def test_qwen3_moe_unshardable_experts_are_reported_by_name(qwen3_moe, tmp_path)
     assert sharded["partition_type"] == "column"
 
 
+@pytest.mark.family("qwen3_moe")
 def test_qwen3_moe_universal_matches_live_engine_and_upstream(qwen3_moe, tmp_path):
     assert assert_universal_matches_live(qwen3_moe) == 25 * 3 * 2
     upstream = upstream_ds_to_universal(qwen3_moe.tag_dir, tmp_path / "upstream")
     assert differences_from_upstream(qwen3_moe.universal_dir, upstream) == []
 
 
+@pytest.mark.family("qwen3_moe")
 @pytest.mark.parametrize("target_tp", [1, 3])
 def test_qwen3_moe_tp2_resumes(qwen3_moe, target_tp):
     assert_losses_continue(qwen3_moe, qwen3_moe.resume(target_tp))
@@ -121,7 +140,7 @@ TRAINED_FAMILIES = {
 def test_family_tp2_resumes(scenarios, family, target_tp):
     """DeepSpeed AutoTP TP=2 (bf16, ZeRO-1) -> to-universal -> resume at TP=1 and TP=3: the universal checkpoint
     holds what the live engine held, and the resumed losses are the uninterrupted run's within 2e-3."""
-    scenario = scenarios(f"{family}_tp2", tp=2, family=family)
+    scenario = trained(scenarios, family)
     if target_tp == 1:
         assert assert_universal_matches_live(scenario) > 0
     assert_losses_continue(scenario, scenario.resume(target_tp), rel=2e-3)
@@ -130,7 +149,7 @@ def test_family_tp2_resumes(scenarios, family, target_tp):
 @pytest.mark.parametrize("family", list(TRAINED_FAMILIES))
 def test_family_unsplit_layers_are_named(scenarios, family, tmp_path):
     """What AutoTP keeps whole is said by name at initialize and by ``inspect``, and held as replicated."""
-    scenario = scenarios(f"{family}_tp2", tp=2, family=family)
+    scenario = trained(scenarios, family)
     stacks, matrices = TRAINED_FAMILIES[family]
     log = (scenario.root / "train.log").read_text()
     for names, message in ((stacks, "AutoTP cannot shard"), (matrices, "AutoTP left")):
@@ -145,7 +164,7 @@ def test_family_unsplit_layers_are_named(scenarios, family, tmp_path):
 
 @pytest.mark.parametrize("family", list(TRAINED_FAMILIES))
 def test_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, family):
-    assert_to_hf_matches_live(scenarios(f"{family}_tp2", tp=2, family=family), tmp_path, caplog)
+    assert_to_hf_matches_live(trained(scenarios, family), tmp_path, caplog)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen3_moe", *TRAINED_FAMILIES])
@@ -154,7 +173,7 @@ def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
     -> DeepSpeed resume at TP=1 continues the loss within 2e-3. The universal tensors come back exactly, but
     gemma3's norms, which MaxText stores as 1 + w (within the rounding of 1 + w)."""
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-    tp2 = scenarios(f"{family}_tp2", tp=2, family=family)
+    tp2 = trained(scenarios, family)
     cli(["to-maxtext", str(tp2.save_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32", "--with-optimizer",
          "--mesh", "fsdp=2,tensor=2,expert=2", "--quiet"], tmp_path / "to.log")
     back = tmp_path / "universal"

@@ -93,7 +93,7 @@ def reference_config(model: torch.nn.Module, family: str, scan_layers: bool) -> 
                            num_experts_per_tok=getattr(c, "num_experts_per_tok", 0) if family == "qwen3-moe" else 0)
 
 
-def convert(model, family, out, scan_layers=True, dtype="float32"):
+def convert(model, family, out, scan_layers=True, dtype="float32", mesh=None):
     """HF parameters (deduplicated, as a universal checkpoint holds them) and persistent buffers -> MaxText, as
     to-maxtext does."""
     params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
@@ -103,7 +103,7 @@ def convert(model, family, out, scan_layers=True, dtype="float32"):
     dims = ModelDims.from_config(config)
     shapes = {name: array.shape for name, array in params.items()}
     items = write_maxtext(lambda name, state="fp32": params[name], shapes, family, dims, out,
-                          scan_layers=scan_layers, dtype=dtype, progress=False, model_config=config)
+                          scan_layers=scan_layers, dtype=dtype, progress=False, model_config=config, mesh=mesh)
     return items, plan_leaves(family, dims, shapes, scan_layers)
 
 
@@ -158,20 +158,29 @@ def base_family(name: str) -> str:
     return name.removesuffix("-yarn")
 
 
-def maxtext_logits(items, model, family: str, scan_layers: bool, workdir) -> np.ndarray:
-    """MaxText's own forward (its model code and its checkpoint loader, in .venv-maxtext) on TOKENS."""
+def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharded: bool = False,
+                   family_for_settings: str | None = None, tokens=None) -> np.ndarray:
+    """MaxText's own forward (its model code and its checkpoint loader, in .venv-maxtext) on TOKENS.
+
+    ``sharded``: restored onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2); most arrays
+    must come out split."""
     import subprocess
     from pathlib import Path
     repo = Path(__file__).resolve().parents[2]
     python = repo / ".venv-maxtext" / "bin" / "python"
-    tokens, logits = Path(workdir) / "tokens.npy", Path(workdir) / "maxtext_logits.npy"
-    np.save(tokens, np.array([TOKENS], dtype=np.int32))
+    tokens_file, logits = Path(workdir) / "tokens.npy", Path(workdir) / "maxtext_logits.npy"
+    np.save(tokens_file, np.array([TOKENS if tokens is None else list(tokens)], dtype=np.int32))
     cmd = [str(python), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--items", str(items),
-           "--tokens", str(tokens), "--logits", str(logits), "--output-dir", str(Path(workdir) / "maxtext_out")]
-    for setting in maxtext_settings(model, family, scan_layers):
+           "--tokens", str(tokens_file), "--logits", str(logits), "--output-dir", str(Path(workdir) / "maxtext_out")]
+    for setting in maxtext_settings(model, family_for_settings or family, scan_layers):
         cmd += ["--setting", setting]
+    if sharded:
+        cmd.append("--sharded")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin",
                                                                                 "JAX_PLATFORMS": "cpu"})
     if proc.returncode != 0:
         raise RuntimeError(f"MaxText's forward failed:\n{proc.stderr[-4000:]}")
+    if sharded:
+        split, arrays = (int(n) for n in proc.stdout.split("MAXTEXT_SPLIT_ARRAYS ")[1].split()[:2])
+        assert split >= arrays // 2, f"MaxText split only {split} of {arrays} arrays over the mesh"
     return np.load(logits)[0]

@@ -1,15 +1,14 @@
-"""to-maxtext: tree paths, shapes and dtypes as MaxText expects, restored through Orbax with target shardings
-onto a simulated 4-device CPU mesh, and logits of a JAX forward written from MaxText's conventions
-(tests/harness/maxtext_reference.py) against the PyTorch model (fp32: per-token KL <= 1e-5, argmax equal).
+"""to-maxtext: tree paths, shapes and dtypes as MaxText expects, round trips of weights and Adam moments for every
+family, storage chunks for a mesh, and one optax step from the converted Adam state.
 
-Tiny models per family are built from configs in code with sharpened q/k and random norms, so that a
-wrong RoPE order or a missing query scale moves the KL far above the bar (negative controls below). From a
+MaxText's own model code checks the logits in tests/e2e/test_maxtext_model_code.py (one device and MaxText's own
+4-device sharding, with negative controls). The JAX forward written from MaxText's conventions
+(tests/harness/maxtext_reference.py) is kept only where the tests do not run MaxText: the optax step. From a
 real DeepSpeed checkpoint, and reshard-orbax run as a subprocess: tests/e2e/test_maxtext_e2e.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -17,14 +16,12 @@ import pytest
 import torch
 
 from deepspeed_ext.checkpoint.families import get_family
-from deepspeed_ext.checkpoint.maxtext import ModelDims, partition_spec, plan_leaves, write_maxtext
+from deepspeed_ext.checkpoint.maxtext import ModelDims, plan_leaves, write_maxtext
 
 jax = pytest.importorskip("jax")
 ocp = pytest.importorskip("orbax.checkpoint")
-from jax.sharding import PartitionSpec  # noqa: E402
-
-from harness.maxtext import (MESH_SHAPE, TOKENS, convert, hf_model, max_kl, reference_config,  # noqa: E402
-                             restore_on_mesh, torch_adam_state, torch_logits)
+from harness.maxtext import (MESH_SHAPE, TOKENS, convert, hf_model, reference_config,  # noqa: E402
+                             restore_on_mesh, torch_adam_state)
 from harness.maxtext_reference import forward  # noqa: E402
 
 LLAMA_SCANNED = {
@@ -70,41 +67,6 @@ def test_llama_unscanned_tree(tmp_path):
             expected[name] = shape
     assert stored == {name: (shape, "float32") for name, shape in expected.items()}
     assert ocp.StandardCheckpointer().metadata(tmp_path / "out" / "0").custom_metadata["scan_layers"] is False
-
-
-@pytest.mark.parametrize("family, scan_layers", [("llama", True), ("llama", False), ("llama3.1", True),
-                                                 ("mistral", True), ("qwen3", True), ("qwen3", False),
-                                                 ("qwen3-moe", True)])
-def test_jax_forward_on_a_4_device_mesh_matches_pytorch(tmp_path, family, scan_layers):
-    model = hf_model(family)
-    items, leaves = convert(model, family, tmp_path / "out", scan_layers=scan_layers)
-    restored = restore_on_mesh(items, leaves)
-    sharded = 0
-    for leaf in leaves:
-        node = restored["params"]["params"]
-        for key in leaf.path:
-            node = node[key]
-        assert node.shape == leaf.shape and node.dtype == np.float32
-        assert node.sharding.spec == PartitionSpec(*partition_spec(leaf, MESH_SHAPE))
-        sharded += any(axis is not None for axis in node.sharding.spec)
-    assert sharded >= len(leaves) // 2, "the mesh should split most arrays"
-    logits = forward(restored, np.array(TOKENS), reference_config(model, family, scan_layers))
-    reference = torch_logits(model)
-    assert max_kl(reference, logits) <= 1e-5
-    assert np.array_equal(np.asarray(logits).argmax(-1), reference.argmax(-1).numpy())
-
-
-@pytest.mark.parametrize("mistake", ["no_query_scale", "no_rope_interleave"])
-def test_negative_controls_fail_the_kl_bar(tmp_path, mistake):
-    """The check above can fail: converting with a convention left out moves the KL far above 1e-5."""
-    family_name = "llama3.1" if mistake == "no_rope_interleave" else "llama"
-    family = get_family(family_name)
-    wrong = dataclasses.replace(family, **({"query_scaled": False} if mistake == "no_query_scale" else
-                                           {"rope_interleaved": False}))
-    model = hf_model(family_name)
-    items, leaves = convert(model, wrong, tmp_path / "out")
-    logits = forward(restore_on_mesh(items, leaves), np.array(TOKENS), reference_config(model, family_name, True))
-    assert max_kl(torch_logits(model), logits) > 1e-3
 
 
 def _ulps(a: np.ndarray, b: np.ndarray) -> int:

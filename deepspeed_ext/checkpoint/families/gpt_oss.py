@@ -11,7 +11,7 @@ gate and up columns interleaved (even = gate, odd = up; the same in ``gate_up_pr
 from collections.abc import Mapping
 from typing import Any
 
-from deepspeed_ext.checkpoint.families import num_experts, Family, Rule, cycle_blocks
+from deepspeed_ext.checkpoint.families import Family, Rule, cycle_blocks, num_experts
 from deepspeed_ext.checkpoint.families.llama import EMBEDDING_AND_NORM, LM_HEAD
 
 _L = "model.layers.{layer}"

@@ -24,6 +24,15 @@ DENSE_MLP = (
     Rule(f"{_L}.mlp.down_proj.weight", f"{_M}/mlp/wo/kernel", "linear"),
 )
 
+#: AutoTP layer specs (DeepSpeed ``partition_config``) for Llama-style attention and an untied head: q/k/v split by
+#: output rows, o_proj by input columns, lm_head by vocabulary with its output gathered. MoE families whose
+#: tp_plan DeepSpeed refuses start from these.
+ATTENTION_AND_HEAD_SPECS = (
+    {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+    {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+    {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+)
+
 LLAMA = Family(name="llama",
                model_type="llama",
                rules=EMBEDDING_AND_NORM + ATTENTION + DENSE_MLP,

@@ -7,8 +7,8 @@ original names, ``block_sparse_moe.experts.<e>.w1|w3|w2.weight`` and ``block_spa
 MaxText stacks the experts as ``wi_0``/``wi_1`` [E, H, I] and ``wo`` [E, I, H] ([E, L, ...] scanned).
 """
 
-from deepspeed_ext.checkpoint.families import num_experts, ExpertSplit, Family, Rule
-from deepspeed_ext.checkpoint.families.llama import ATTENTION, EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule, num_experts
+from deepspeed_ext.checkpoint.families.llama import ATTENTION, ATTENTION_AND_HEAD_SPECS, EMBEDDING_AND_NORM, LM_HEAD
 
 _L = "model.layers.{layer}.mlp"
 _F = "model.layers.{layer}.block_sparse_moe"
@@ -22,21 +22,15 @@ MOE_BLOCK = (
 
 HF_FILES = (
     ExpertSplit(f"{_L}.gate.weight", (f"{_F}.gate.weight", )),
-    ExpertSplit(f"{_L}.experts.gate_up_proj", (f"{_F}.experts.{{expert}}.w1.weight", f"{_F}.experts.{{expert}}.w3.weight")),
+    ExpertSplit(f"{_L}.experts.gate_up_proj",
+                (f"{_F}.experts.{{expert}}.w1.weight", f"{_F}.experts.{{expert}}.w3.weight")),
     ExpertSplit(f"{_L}.experts.down_proj", (f"{_F}.experts.{{expert}}.w2.weight", )),
 )
 
 #: AutoTP for Mixtral under transformers 5: DeepSpeed refuses the model's own tp_plan (its "packed_colwise"
 #: and "moe_tp_experts" styles), so the Linear layers are named. The fused 3-D experts are not nn.Linear
 #: weights and stay whole on every TP rank, as does the router.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
-    ],
-}}
+TENSOR_PARALLEL = {"partition_config": {"use_default_specs": False, "layer_specs": list(ATTENTION_AND_HEAD_SPECS)}}
 
 MIXTRAL = Family(name="mixtral",
                  model_type="mixtral",

@@ -5,8 +5,8 @@ and ``experts.down_proj`` [E, H, I]; MaxText keeps ``moe_block/wi_0``, ``wi_1`` 
 (stacked as [E, L, ...] when scanned).
 """
 
-from deepspeed_ext.checkpoint.families import num_experts, ExpertSplit, Family, Rule
-from deepspeed_ext.checkpoint.families.llama import ATTENTION, EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule, num_experts
+from deepspeed_ext.checkpoint.families.llama import ATTENTION, ATTENTION_AND_HEAD_SPECS, EMBEDDING_AND_NORM, LM_HEAD
 from deepspeed_ext.checkpoint.families.qwen3 import QK_NORMS
 
 _L = "model.layers.{layer}.mlp"
@@ -31,9 +31,7 @@ HF_EXPERTS = (
 TENSOR_PARALLEL = {"partition_config": {
     "use_default_specs": False,
     "layer_specs": [
-        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
+        *ATTENTION_AND_HEAD_SPECS,
         # q/k norms act on each rank's own heads: replicated, gradients summed over TP (without this the
         # ranks' copies drift apart, which the converter refuses to merge).
         {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},

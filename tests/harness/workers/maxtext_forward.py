@@ -31,7 +31,12 @@ def main() -> None:
     p.add_argument("--logits", required=True, help="where to save the float32 logits (.npy)")
     p.add_argument("--setting", action="append", default=[], help="a MaxText config KEY=VALUE (repeatable)")
     p.add_argument("--output-dir", required=True, help="MaxText's base_output_directory (it writes nothing there)")
+    p.add_argument("--sharded", action="store_true",
+                   help="restore onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2), as a "
+                        "MaxText run on that mesh does, instead of whole arrays on one device")
     args = p.parse_args()
+    if args.sharded:
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
     import jax
     import numpy as np
@@ -46,20 +51,32 @@ def main() -> None:
     tokens = np.load(args.tokens).astype(np.int32)
     settings = {**CPU_SETTINGS, "max_target_length": tokens.shape[1], "max_prefill_predict_length": tokens.shape[1],
                 "base_output_directory": args.output_dir, "load_parameters_path": args.items}
+    if args.sharded:
+        settings.update(ici_fsdp_parallelism=2, ici_tensor_parallelism=2, per_device_batch_size=0.25)
     base = Path(maxtext.__file__).parent / "configs" / "base.yml"
     argv = ["maxtext", str(base), *(f"{k}={v}" for k, v in settings.items()), *args.setting]
     config = pyconfig.initialize(argv)
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(config), config.mesh_axes)
     model = models.transformer_as_linen(config, mesh, quant=None, model_mode=MODEL_MODE_TRAIN)
-    abstract = max_utils.unbox_logicallypartioned(maxtext_utils.get_abstract_param(model, config))
-    # The restore target: each array whole on the (one-device) CPU mesh, as MaxText's loader requires a sharding.
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    abstract = jax.tree_util.tree_map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated),
-                                      abstract)
+    boxed = maxtext_utils.get_abstract_param(model, config)
+    abstract = max_utils.unbox_logicallypartioned(boxed)
+    if args.sharded:  # MaxText's own logical-axis rules place every array on the mesh
+        import flax.linen as nn
+        from maxtext.utils import sharding
+        shardings = sharding.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, config.logical_axis_rules)
+    else:  # each array whole on the one-device CPU mesh, as MaxText's loader requires a sharding
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        shardings = jax.tree_util.tree_map(lambda leaf: replicated, abstract)
+    abstract = jax.tree_util.tree_map(lambda leaf, where: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=where),
+                                      abstract, shardings)
     params = checkpointing.load_params_from_path(config.load_parameters_path, abstract,
                                                  config.checkpoint_storage_concurrent_gb,
                                                  use_ocdbt=config.checkpoint_storage_use_ocdbt,
                                                  use_zarr3=config.checkpoint_storage_use_zarr3)
+    if args.sharded:  # how many arrays MaxText actually split over the mesh (the caller checks it)
+        placed = jax.tree_util.tree_leaves(params)
+        split = sum(any(axis is not None for axis in leaf.sharding.spec) for leaf in placed)
+        print(f"MAXTEXT_SPLIT_ARRAYS {split} {len(placed)}")
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     with mesh:
         logits = model.apply(params, tokens, positions, decoder_segment_ids=np.ones_like(tokens),
