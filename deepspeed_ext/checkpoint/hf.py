@@ -224,10 +224,10 @@ def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
             model = AutoModelForCausalLM.from_config(config)
     except ValueError:
         return None  # a model type with no causal-LM class: nothing to check against
+    from deepspeed_ext.checkpoint.tensor import persistent_buffers
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    persistent = set(model.state_dict())  # persistent buffers are in the files too (DeepSeek's router bias)
-    expected.update((name, tuple(b.shape)) for name, b in model.named_buffers()
-                    if name in persistent and b.is_floating_point())
+    # Persistent buffers are in the files too (DeepSeek's router bias).
+    expected.update((name, tuple(b.shape)) for name, b in persistent_buffers(model).items())
     return expected
 
 

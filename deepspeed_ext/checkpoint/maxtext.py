@@ -175,7 +175,6 @@ def _value_inverse(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray
     return _heads_out(x)
 
 
-
 def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
     inter = x.shape[1] // 2  # gate_up_proj [E, 2I, H]: gate rows first
     part = x[:, inter:, :] if second else x[:, :inter, :]
@@ -419,11 +418,6 @@ class Leaf:
     @property
     def name(self) -> str:
         return "/".join(self.path)
-
-    @property
-    def key(self) -> str:
-        """The leaf's path under the tree's ``params``: ``<collection>/<path>``."""
-        return f"{self.collection}/{self.name}"
 
 
 def layer_blocks(family: Family, dims: ModelDims, scan_layers: bool) -> tuple[LayerBlock, ...]:
@@ -952,10 +946,7 @@ class MaxTextCheckpoint:
         for rule, leaf, index in self._sources[name]:
             if state != "fp32" and rule.collection != "params":
                 # Outside the optimizer (DeepSeek's router bias): no moments, as a never-stepped Adam has.
-                shape = self.stored[leaf]
-                if index is not None:
-                    shape = shape[:rule.scan_axis] + shape[rule.scan_axis + 1:]
-                pieces.append(np.zeros(TRANSFORMS[rule.kind].hf_shape(shape), np.float32))
+                pieces.append(np.zeros(self._hf_shape([(rule, leaf, index)]), np.float32))
                 continue
             array = self._leaf((*prefix, *leaf.split("/")))
             if index is not None:

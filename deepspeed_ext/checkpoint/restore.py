@@ -17,6 +17,7 @@ import torch
 
 from deepspeed_ext.checkpoint.deepspeed import keys, zero0
 from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.tensor import persistent_buffers
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tag_autotp_model, tp_group_info
@@ -165,9 +166,8 @@ def load_resharded(engine: Any,
 def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available: set[str], tp_size: int,
                      tp_rank: int) -> None:
     """The persistent buffers the checkpoint carries (DeepSeek-V3's router bias): whole on every rank."""
-    persistent = set(module.state_dict().keys())
-    for name, buffer in module.named_buffers():
-        if name in available and name in persistent and buffer.is_floating_point():
+    for name, buffer in persistent_buffers(module).items():
+        if name in available:
             value = ckpt.resharded(name, MASTER_WEIGHTS, TPLayout.replicated(tuple(buffer.shape), tp_size), tp_rank)
             buffer.copy_(value.to(buffer.dtype))
 

@@ -96,3 +96,11 @@ class FiniteCheck:
             more = f" and {len(self.offenders) - 5} more" if len(self.offenders) > 5 else ""
             raise CheckpointError(f"{self.source}: NaN/Inf in {len(self.offenders)} parameter(s): {listed}{more}; "
                                   "nothing was written")
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's floating-point buffers that its state dict saves (DeepSeek-V3's router
+    ``e_score_correction_bias``): model state no optimizer steps, which checkpoints carry as tensors."""
+    persistent = set(module.state_dict(keep_vars=True))
+    return {name: buffer for name, buffer in module.named_buffers()
+            if name in persistent and buffer.is_floating_point()}

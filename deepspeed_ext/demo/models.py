@@ -91,8 +91,9 @@ def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> 
 def tensor_parallel_section(family: str, tp: int, kv_heads: int = 4) -> dict[str, Any]:
     """The ``tensor_parallel`` config section for ``family``.
 
-    Llama uses AutoTP's defaults. Phi3 needs explicit specs: DeepSpeed's phi3 preset assumes q, k and
-    v of equal size, which is wrong with GQA.
+    Phi3 needs explicit specs: DeepSpeed's phi3 preset assumes q, k and v of equal size, which is wrong with
+    GQA. Every other family takes the preset deepspeed-ext ships for it (``tensor_parallel_preset``; none where
+    AutoTP's defaults work).
     """
     section: dict[str, Any] = {"autotp_size": tp}
     if family == "phi3":
@@ -111,7 +112,7 @@ def tensor_parallel_section(family: str, tp: int, kv_heads: int = 4) -> dict[str
                 {"patterns": [r"^lm_head\.weight$"], "partition_type": "column"},
             ],
         }
-    if family not in ("llama", "llama3.1", "mistral", "phi3"):
+    else:  # the preset deepspeed-ext ships for the family ({} where AutoTP's defaults work)
         from deepspeed_ext.presets import tensor_parallel_preset
         section.update(tensor_parallel_preset(family))
     return section

@@ -59,23 +59,23 @@ class LayerBlock:
     kind: str = ""  # which rules apply: those whose ``block`` is None or this kind
 
 
-def default_blocks(config: Mapping[str, Any], scanned: bool) -> tuple[LayerBlock, ...]:
-    return plain_blocks(int(config["num_hidden_layers"]), scanned)
-
-
-def plain_blocks(num_layers: int, scanned: bool) -> tuple[LayerBlock, ...]:
+def plain_blocks(config: Mapping[str, Any], scanned: bool) -> tuple[LayerBlock, ...]:
     """One stack of every layer (scanned), or ``layers_<i>`` each."""
+    num_layers = int(config["num_hidden_layers"])
     if scanned:
         return (LayerBlock("layers", tuple(range(num_layers)), True), )
     return tuple(LayerBlock(f"layers_{i}", (i, ), False) for i in range(num_layers))
 
 
-def cycle_blocks(num_layers: int, scanned: bool, cycle: int, remainder: str | None) -> tuple[LayerBlock, ...]:
+def cycle_blocks(config: Mapping[str, Any], scanned: bool, *, cycle: int,
+                 remainder: str | None) -> tuple[LayerBlock, ...]:
     """Scanned: ``layers/layers_<j>`` stacks layers j, j+cycle, ... over the whole cycles; the layers left
     over go to ``<remainder>/layers_<r>`` unstacked (``remainder`` None: the layer count must be whole cycles).
-    Unscanned: ``layers_<i>`` each, as :func:`plain_blocks`."""
+    Unscanned: ``layers_<i>`` each, as :func:`plain_blocks`. A family binds ``cycle`` and ``remainder``
+    (``functools.partial``)."""
     if not scanned:
-        return plain_blocks(num_layers, False)
+        return plain_blocks(config, False)
+    num_layers = int(config["num_hidden_layers"])
     repeats, left = divmod(num_layers, cycle)
     if left and remainder is None:
         raise CheckpointError(f"{num_layers} decoder layers are not whole cycles of {cycle}, which scanned MaxText "
@@ -124,7 +124,7 @@ class Family:
     #: MaxText settings beyond the sizes every family shares, from the HF config (see maxtext.maxtext_settings).
     maxtext_extra: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     #: The MaxText layer blocks, from the HF config and scanning (default: one stack, or layers_<i>).
-    layer_blocks: Callable[[Mapping[str, Any], bool], tuple[LayerBlock, ...]] = default_blocks
+    layer_blocks: Callable[[Mapping[str, Any], bool], tuple[LayerBlock, ...]] = plain_blocks
     #: Keys for a DeepSpeed config's ``tensor_parallel`` section that AutoTP needs for the family (a
     #: ``partition_config``; None: AutoTP's defaults work); users get them from deepspeed_ext.presets.
     tensor_parallel: Mapping[str, Any] | None = None

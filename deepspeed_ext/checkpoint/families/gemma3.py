@@ -10,6 +10,7 @@ which MaxText derives from its model_name: gemma3-4b/12b use head_dim, gemma3-27
 """
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from deepspeed_ext.checkpoint.families import Family, Rule, cycle_blocks
@@ -71,7 +72,6 @@ GEMMA3 = Family(name="gemma3",
                 rope_interleaved=False,
                 maxtext_model="gemma3-4b",
                 maxtext_extra=_maxtext_extra,
-                layer_blocks=lambda c, scanned: cycle_blocks(int(c["num_hidden_layers"]), scanned, 6,
-                                                                      "layers_remainder"))
+                layer_blocks=partial(cycle_blocks, cycle=6, remainder="layers_remainder"))
 
 FAMILIES = (GEMMA3, )

@@ -9,6 +9,7 @@ gate and up columns interleaved (even = gate, odd = up; the same in ``gate_up_pr
 """
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from deepspeed_ext.checkpoint.families import Family, Rule, cycle_blocks, num_experts
@@ -62,6 +63,6 @@ GPT_OSS = Family(name="gpt-oss",
                  rope_interleaved=False,
                  maxtext_model="gpt-oss-20b",
                  maxtext_extra=_maxtext_extra,
-                 layer_blocks=lambda c, scanned: cycle_blocks(int(c["num_hidden_layers"]), scanned, 2, None))
+                 layer_blocks=partial(cycle_blocks, cycle=2, remainder=None))
 
 FAMILIES = (GPT_OSS, )

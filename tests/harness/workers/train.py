@@ -56,10 +56,9 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
             # A rank beyond the KV-head count holds no attention shard; DeepSpeed leaves such empty
             # parameters out of the optimizer, so they have no fp32 master or moments to ask for.
             state[name] = {key: torch.zeros(shape) for key in STATES}
-    persistent = set(engine.module.state_dict())
-    for name, buffer in engine.module.named_buffers():
-        if name in persistent and buffer.is_floating_point():  # carried as a tensor no optimizer steps
-            state[name] = {"fp32": buffer.detach().float().clone(), "exp_avg": torch.zeros(buffer.shape),
+    from deepspeed_ext.checkpoint.tensor import persistent_buffers
+    for name, buffer in persistent_buffers(engine.module).items():  # carried as tensors no optimizer steps
+        state[name] = {"fp32": buffer.detach().float().clone(), "exp_avg": torch.zeros(buffer.shape),
                            "exp_avg_sq": torch.zeros(buffer.shape)}
     with torch.no_grad():  # every rank runs the forward: TP (and ZeRO-3) layers communicate
         logits = engine.module(input_ids=eval_batch()).logits.float()
