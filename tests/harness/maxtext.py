@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepspeed_ext.checkpoint.families import get_family
 from deepspeed_ext.checkpoint.maxtext import ModelDims, partition_spec, plan_leaves, write_maxtext
+from deepspeed_ext.checkpoint.tensor import persistent_buffers
 from harness.maxtext_reference import ReferenceConfig
 
 MESH_SHAPE = {"fsdp": 2, "tensor": 2}
@@ -97,7 +98,7 @@ def convert(model, family, out, scan_layers=True, dtype="float32", mesh=None):
     """HF parameters (deduplicated, as a universal checkpoint holds them) and persistent buffers -> MaxText, as
     to-maxtext does."""
     params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
-    params.update((name, b.detach().float().numpy()) for name, b in model.named_buffers() if name in model.state_dict())
+    params.update((name, b.detach().float().numpy()) for name, b in persistent_buffers(model).items())
     config = json.loads(model.config.to_json_string(use_diff=False))
     family = get_family(base_family(family)) if isinstance(family, str) else family
     dims = ModelDims.from_config(config)
@@ -159,7 +160,7 @@ def base_family(name: str) -> str:
 
 
 def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharded: bool = False,
-                   family_for_settings: str | None = None, tokens=None) -> np.ndarray:
+                   tokens=None) -> np.ndarray:
     """MaxText's own forward (its model code and its checkpoint loader, in .venv-maxtext) on TOKENS.
 
     ``sharded``: restored onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2); most arrays
@@ -172,7 +173,7 @@ def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharde
     np.save(tokens_file, np.array([TOKENS if tokens is None else list(tokens)], dtype=np.int32))
     cmd = [str(python), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--items", str(items),
            "--tokens", str(tokens_file), "--logits", str(logits), "--output-dir", str(Path(workdir) / "maxtext_out")]
-    for setting in maxtext_settings(model, family_for_settings or family, scan_layers):
+    for setting in maxtext_settings(model, family, scan_layers):
         cmd += ["--setting", setting]
     if sharded:
         cmd.append("--sharded")
