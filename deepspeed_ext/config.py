@@ -9,6 +9,8 @@ deepspeed-ext::
         "restore": "deepspeed_ext"  # who loads universal checkpoints when checkpoint.load_universal is
                                     # true: "deepspeed_ext" (each rank reads only its slice, any TP/DP)
                                     # or "deepspeed" (upstream's loader)
+        "fingerprints": "error"   # record resume fingerprints at save and check them after every load:
+                                  # "error" (a mismatch raises), "warn" (it is logged), "off"
       }
     }
 """
@@ -23,12 +25,14 @@ from collections.abc import Mapping
 
 SECTION = "deepspeed_ext"
 RESTORE_CHOICES = ("deepspeed_ext", "deepspeed")
+FINGERPRINT_CHOICES = ("error", "warn", "off")
 
 
 @dataclass(frozen=True)
 class UniversalCheckpointConfig:
     enabled: bool = False
     restore: str = "deepspeed_ext"
+    fingerprints: str = "error"
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class ExtConfig:
         uc = section.get("universal_checkpoint") or {}
         if not isinstance(uc, Mapping):
             raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint' must be an object")
-        _reject_unknown(uc, {"enabled", "restore"}, f"{SECTION}.universal_checkpoint")
+        _reject_unknown(uc, {"enabled", "restore", "fingerprints"}, f"{SECTION}.universal_checkpoint")
         enabled = uc.get("enabled", False)
         if not isinstance(enabled, bool):
             raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint.enabled' must be true or false")
@@ -52,7 +56,12 @@ class ExtConfig:
         if restore not in RESTORE_CHOICES:
             raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint.restore' must be one of "
                              f"{RESTORE_CHOICES}, got {restore!r}")
-        return cls(universal_checkpoint=UniversalCheckpointConfig(enabled=enabled, restore=restore))
+        fingerprints = uc.get("fingerprints", "error")
+        if fingerprints not in FINGERPRINT_CHOICES:
+            raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint.fingerprints' must be one of "
+                             f"{FINGERPRINT_CHOICES}, got {fingerprints!r}")
+        return cls(universal_checkpoint=UniversalCheckpointConfig(enabled=enabled, restore=restore,
+                                                                  fingerprints=fingerprints))
 
 
 def _reject_unknown(section: Mapping[str, Any], allowed: set[str], where: str) -> None:

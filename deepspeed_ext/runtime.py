@@ -14,6 +14,7 @@ import inspect
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,12 @@ from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, 
 
 ENGINE_ATTR = "deepspeed_ext_uc_info"
 logger = logging.getLogger("deepspeed_ext")
+if not logger.handlers:  # the training log shows our lines beside DeepSpeed's; configurable by name as usual
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[deepspeed-ext] %(levelname)s: %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _ds_config_of_call(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -135,9 +142,9 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
         logger.warning("AutoTP left %d weight matrices whole on every TP rank (the tensor-parallel config does not "
                        "split them, or the layer cannot be split); checkpoints hold them as replicated: %s",
                        len(matrices), ", ".join(name_patterns(matrices)))
-    _hook_save(engine, info)
-    if ext.universal_checkpoint.restore == "deepspeed_ext":
-        _hook_load(engine)
+    _hook_save(engine, info, ext.universal_checkpoint.fingerprints)
+    _hook_load(engine, reshard=ext.universal_checkpoint.restore == "deepspeed_ext",
+               fingerprints=ext.universal_checkpoint.fingerprints)
     return info
 
 
@@ -159,7 +166,7 @@ def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
                 "a shard")
 
 
-def _hook_save(engine: Any, info: UCInfo) -> None:
+def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
     original = engine.save_checkpoint
 
     @functools.wraps(original)
@@ -167,6 +174,8 @@ def _hook_save(engine: Any, info: UCInfo) -> None:
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit
         tag = str(tag)
+        if fingerprints != "off":  # collective: every rank saves
+            info.fingerprints = _save_fingerprints(engine)
         if engine.global_rank == 0:
             info.optimizer_param_names = _stage0_optimizer_param_names(engine)
             # Written before DeepSpeed's files and its 'latest' pointer, so a tag that 'latest'
@@ -190,28 +199,94 @@ def _stage0_optimizer_param_names(engine: Any) -> list[list[str]] | None:
     return [[names[id(param)] for param in group] for group in zero0.live_param_groups(optimizer)]
 
 
-def _hook_load(engine: Any) -> None:
+def _save_fingerprints(engine: Any) -> Any:
+    from deepspeed_ext.checkpoint.fingerprint import engine_fingerprints
+    found, problems = engine_fingerprints(engine)
+    if problems and engine.global_rank == 0:
+        logger.warning("saving a training state that is not consistent across ranks: %s", "; ".join(problems))
+    return found
+
+
+def _hook_load(engine: Any, reshard: bool, fingerprints: str) -> None:
+    """``load_checkpoint`` through our restore where it reshards (``reshard``), and checked against the
+    checkpoint's resume fingerprints afterwards whoever loaded it (unless ``fingerprints`` is "off")."""
     original = engine.load_checkpoint
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
-    def load_checkpoint(*args, **kwargs):
+    def load(*args: Any, **kwargs: Any) -> Any:
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = call.arguments
-        if options.get("custom_load_fn") is not None:
-            return original(*args, **kwargs)
-        route = _load_route(engine, options["load_dir"], options.get("tag"))
-        if route is None:
-            return original(*args, **kwargs)
+        route = _load_route(engine, options["load_dir"], options.get("tag")) if reshard else None
+        if options.get("custom_load_fn") is not None or route is None:
+            return original(*args, **kwargs), options
         return route(engine,
                      options["load_dir"],
                      options.get("tag"),
                      load_optimizer_states=options.get("load_optimizer_states", True),
                      load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
-                     load_module_only=options.get("load_module_only", False))
+                     load_module_only=options.get("load_module_only", False)), options
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        result, options = load(*args, **kwargs)
+        if fingerprints != "off":
+            check_resume_fingerprints(engine, result[0] if result else None,
+                                      with_optimizer=(bool(options.get("load_optimizer_states", True))
+                                                      and not options.get("load_module_only", False)),
+                                      on_mismatch=fingerprints)
+        return result
 
     engine.load_checkpoint = load_checkpoint
+
+
+def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | None, *, with_optimizer: bool = True,
+                              on_mismatch: str = "error") -> bool | None:
+    """Compare the live engine's training state with the fingerprints recorded in the checkpoint it loaded from
+    (``load_path``: the tag directory or a file in it, as ``load_checkpoint`` returns it).
+
+    Collective: every rank calls it, and every rank reaches the same verdict. Returns True on a match, False
+    on a mismatch logged as a warning (``on_mismatch="warn"``), None when nothing could be checked; raises
+    :class:`~deepspeed_ext.errors.CheckpointError` naming the parameters and states on a mismatch otherwise.
+    """
+    from deepspeed_ext.checkpoint.fingerprint import compare, engine_fingerprints, mismatch_message
+    from deepspeed_ext.checkpoint.metadata import read_uc_info
+    from deepspeed_ext.errors import CheckpointError
+    if load_path is None:
+        return None
+    directory = Path(load_path)
+    directory = directory if directory.is_dir() else directory.parent
+    info = read_uc_info(directory)
+    recorded = info.fingerprints if info is not None else None
+    rank0 = engine.global_rank == 0
+    if recorded is None:
+        if rank0:
+            logger.info("%s records no resume fingerprints; the restored state is not checked", directory)
+        return None
+    if not with_optimizer:
+        # Without the optimizer's states DeepSpeed rebuilds the fp32 masters from the low-precision weights:
+        # nothing saved is there to compare.
+        if rank0:
+            logger.info("optimizer states not loaded from %s; resume fingerprints not checked", directory)
+        return None
+    started = time.perf_counter()
+    recorded_states = {state for states in recorded.tensors.values() for state in states}
+    found, problems = engine_fingerprints(engine, with_moments=len(recorded_states) > 1)
+    checked, mismatches = compare(recorded, found)
+    elapsed = time.perf_counter() - started
+    if not mismatches and not problems:
+        if rank0:
+            logger.info("resume fingerprints match: %d states of %d parameters and the steps, from %s (%.2f s)",
+                        checked, len(recorded.tensors), directory, elapsed)
+        return True
+    message = mismatch_message(str(directory), mismatches, checked)
+    if problems:
+        message = f"{message}; {'; '.join(problems)}" if mismatches else f"{directory}: {'; '.join(problems)}"
+    if on_mismatch == "error":
+        raise CheckpointError(message)
+    if rank0:
+        logger.warning("%s", message)
+    return False
 
 
 def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
+from deepspeed_ext.checkpoint.fingerprint import FINGERPRINTS_KEY, Fingerprints
 from deepspeed_ext.errors import CheckpointError, LayoutError
 from deepspeed_ext.module_inject.layout import TPLayout, layouts_from_json, layouts_to_json
 
@@ -35,6 +36,8 @@ class UCInfo:
     #: Without ZeRO, DeepSpeed's optimizer state does not name its parameters: their names per param
     #: group, in the optimizer's order, recorded at save time.
     optimizer_param_names: list[list[str]] | None = None
+    #: The resume fingerprints of the state saved with it (:mod:`deepspeed_ext.checkpoint.fingerprint`).
+    fingerprints: Fingerprints | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -47,6 +50,7 @@ class UCInfo:
             "model_config": self.model_config,
             "params": layouts_to_json(self.layouts),
             **({"optimizer_param_names": self.optimizer_param_names} if self.optimizer_param_names else {}),
+            **({FINGERPRINTS_KEY: self.fingerprints.to_json()} if self.fingerprints is not None else {}),
         }
 
     @classmethod
@@ -62,7 +66,9 @@ class UCInfo:
                    model_class=data.get("model_class"),
                    versions=dict(data.get("versions") or {}),
                    kind=data.get("kind", "deepspeed"),
-                   optimizer_param_names=data.get("optimizer_param_names"))
+                   optimizer_param_names=data.get("optimizer_param_names"),
+                   fingerprints=(Fingerprints.from_json(data[FINGERPRINTS_KEY], source)
+                                 if data.get(FINGERPRINTS_KEY) is not None else None))
 
 
 def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:

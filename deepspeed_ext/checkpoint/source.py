@@ -23,6 +23,7 @@ ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP = "step"
 
 if TYPE_CHECKING:  # torch-free at import: reshard-orbax and the CLI's help need no torch
+    from deepspeed_ext.checkpoint.fingerprint import Fingerprints
     from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
     from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -57,6 +58,8 @@ class SourceInfo:
     versions: Mapping[str, str] = field(default_factory=dict)
     #: Where the TP layouts come from (``deepspeed_ext``, ``deepspeed``, ``none``).
     metadata: str = "none"
+    #: The resume fingerprints recorded with the checkpoint, of the tensors as this reader yields them.
+    fingerprints: Fingerprints | None = None
 
     @property
     def has_optimizer(self) -> bool:

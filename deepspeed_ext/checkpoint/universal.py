@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint, keys, resolve_tag_dir
+from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints, compare, mismatch_message
 from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
@@ -121,8 +122,9 @@ def write(source: CheckpointSource, out: str | Path | None = None,
             _write_distributed(source, universal, bar, finite)
         else:
             manifest = ManifestRecorder(universal)
-            _write_tensors(source, list(info.layouts), universal, bar, manifest,
-                           first=lambda: _write_summary(source, universal), finite=finite)
+            written = _write_tensors(source, list(info.layouts), universal, bar, manifest,
+                                     first=lambda: _write_summary(source, universal), finite=finite)
+            _write_uc_info(source, universal, written)
             manifest.write()
     if options.distributed:
         import torch.distributed as dist
@@ -165,29 +167,44 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: str 
     mine = shares_by_size(dict(source.info.layouts), world)[rank]
     summary = (lambda: _write_summary(source, universal)) if rank == 0 else None
     manifest = ManifestRecorder(universal)
-    error = attempt(lambda: _write_tensors(source, mine, universal, progress if rank == 0 else None, manifest,
-                                           first=summary, finite=finite))
+    written = Fingerprints()
+
+    def write_share() -> None:
+        written.merge(_write_tensors(source, mine, universal, progress if rank == 0 else None, manifest,
+                                     first=summary, finite=finite))
+
+    error = attempt(write_share)
     if error is None and rank != 0:
         error = attempt(lambda: manifest.write_rank_part(rank))
     failed = torch.tensor([0 if error is None else 1])
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         raise error or CheckpointError(f"{universal}: another rank failed; its error is in its output")
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, written.to_json())
     if rank == 0:  # every rank's files are in place: the manifest is the output's last file
+        for share in shares:
+            written.merge(Fingerprints.from_json(share))
+        _write_uc_info(source, universal, written)
         manifest.merge_rank_parts(world)
         manifest.write()
 
 
 def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, progress: str | None,
                    manifest: ManifestRecorder, first: Callable[[], None] | None = None,
-                   finite: FiniteCheck | None = None) -> None:
+                   finite: FiniteCheck | None = None) -> Fingerprints:
     """The per-parameter files of ``names``, each recorded in ``manifest`` by the thread that wrote it;
     ``first`` (the summary files) runs on a writer thread meanwhile. ``progress``: the progress bar's label, or
-    None for no bar."""
+    None for no bar. Returns the fingerprints of what was written, checked against the source's record."""
+    written = Fingerprints(global_steps=source.info.global_step)
 
     def save(value: Any, path: Path) -> None:
         serialization.save(value, path)
         manifest.add(path)  # hashed while its pages are still in the page cache
+
+    def fingerprint_and_save(name: str, state: str, value: torch.Tensor, layout: TPLayout, path: Path) -> None:
+        written.add(name, state, Fingerprint.of(value))  # while its pages are in the cache, on a writer thread
+        save(_entry(value, layout), path)
 
     zero = partial / ZERO_DIR
     wanted = set(names)
@@ -204,15 +221,32 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
             # no moment files, and the resuming optimizer starts fresh.
             for state in TENSOR_STATES:
                 if state in tensor.states:
-                    writer.submit(save, _entry(tensor.load(state), tensor.layout), param_dir / f"{state}.pt")
+                    writer.submit(fingerprint_and_save, tensor.name, state, tensor.load_tensor(state), tensor.layout,
+                                  param_dir / f"{state}.pt")
             if STEP in tensor.states:
-                writer.submit(save, tensor.load(STEP), param_dir / f"{STEP}.pt")
+                step = tensor.load(STEP)
+                written.step = _as_int(step) if written.step is None else written.step
+                writer.submit(save, step, param_dir / f"{STEP}.pt")
     if finite is not None:
         finite.raise_if_any()
+    check_against_record(source.info, written, names)
+    return written
+
+
+def check_against_record(info: SourceInfo, written: Fingerprints, names: list[str]) -> None:
+    """Refuse to publish tensors that disagree with the fingerprints their source recorded: the source was
+    damaged after it was saved, or read wrongly. Nothing to check where the source recorded none."""
+    recorded = info.fingerprints
+    if recorded is None:
+        return
+    checked, mismatches = compare(recorded.subset(names), written, check_step=False)
+    if mismatches:
+        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked,
+                                               "the source does not hold what was saved; nothing was written"))
 
 
 def _write_summary(source: CheckpointSource, partial: Path) -> None:
-    """Everything but the per-parameter files: optimizer summary, model states, our UC info.
+    """Everything but the per-parameter files and our UC info: optimizer summary, model states.
 
     A DeepSpeed source has its own (copied); a source that never ran in DeepSpeed gets a fresh optimizer
     summary and a model-states file at TP=1, DP=1 that records its step."""
@@ -223,6 +257,14 @@ def _write_summary(source: CheckpointSource, partial: Path) -> None:
     else:
         serialization.save({keys.PARAM_GROUPS: []}, partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
         write_fresh_model_states(partial, info.global_step)
+
+
+def _write_uc_info(source: CheckpointSource, partial: Path, written: Fingerprints) -> None:
+    """Our UC info, with the fingerprints of the tensors written (the step: the source's record, else the
+    optimizer step of the files)."""
+    info = source.info
+    if info.fingerprints is not None and info.fingerprints.step is not None:
+        written.step = info.fingerprints.step
     write_uc_info(
         partial,
         UCInfo(tp_size=info.tp_degree,
@@ -230,7 +272,8 @@ def _write_summary(source: CheckpointSource, partial: Path) -> None:
                model_config=dict(info.model_config) if info.model_config is not None else None,
                model_class=info.model_class,
                versions=dict(info.versions),
-               kind="universal"))
+               kind="universal",
+               fingerprints=written))
 
 
 def write_fresh_model_states(directory: Path, global_steps: int) -> None:
@@ -372,7 +415,8 @@ class UniversalCheckpoint:
                           model_config=self._model_config or (recorded.model_config if recorded else None),
                           model_class=recorded.model_class if recorded else None,
                           versions=dict(recorded.versions) if recorded else {},
-                          metadata="deepspeed_ext" if recorded else "none")
+                          metadata="deepspeed_ext" if recorded else "none",
+                          fingerprints=recorded.fingerprints if recorded else None)
 
     def tensors(self) -> Iterator[LogicalTensor]:
         for name, layout in self.layouts.items():

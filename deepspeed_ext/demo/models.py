@@ -135,8 +135,11 @@ def ds_config(*,
               grad_accum_dtype: str | None = None,
               fused_adam: bool = False,
               lr: float = 1e-2,
-              kv_heads: int = 4) -> dict[str, Any]:
-    """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section."""
+              kv_heads: int = 4,
+              restore: str = "deepspeed_ext",
+              fingerprints: str = "error") -> dict[str, Any]:
+    """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
+    ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
@@ -149,7 +152,8 @@ def ds_config(*,
         "tensor_parallel": tensor_parallel_section(family, tp, kv_heads),
     }
     if ext:
-        config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}}
+        config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True, "restore": restore,
+                                                            "fingerprints": fingerprints}}
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     if grad_accum_dtype is not None:

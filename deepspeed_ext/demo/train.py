@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "other TP/DP degrees (read directly, resharded at load time)")
     p.add_argument("--load-universal", action=argparse.BooleanOptionalAction, default=True,
                    help="set checkpoint.load_universal in the DeepSpeed config when --load-dir is given")
+    p.add_argument("--restore", default="deepspeed_ext", choices=["deepspeed_ext", "deepspeed"],
+                   help="who restores a universal checkpoint: deepspeed-ext, or DeepSpeed's own loader")
+    p.add_argument("--fingerprints", default="error", choices=["error", "warn", "off"],
+                   help="what a resume whose state disagrees with the saved fingerprints does")
     p.add_argument("--timing", help="write this rank's load and first-step wall time and bytes read (JSON) to "
                    "TIMING.rank<R>.json")
     p.add_argument("--plain", action="store_true",
@@ -101,7 +105,9 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        load_universal=args.load_dir is not None and args.load_universal,
                        grad_accum_dtype=args.grad_accum_dtype,
                        fused_adam=args.fused_adam,
-                       kv_heads=args.kv_heads)
+                       kv_heads=args.kv_heads,
+                       restore=args.restore,
+                       fingerprints=args.fingerprints)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
 

@@ -55,11 +55,12 @@ def _failure_tail(output: str, lines: int = 40) -> str:
     return "\n".join(kept[-lines:])
 
 
-def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.executable) -> None:
+def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.executable,
+                   check: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node N workers/train.py ARGS`` (the demo's training script with the
-    tests' probes; gloo on CPU) in ``python``'s environment."""
-    run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                str(TRAIN_WORKER), *args], log)
+    tests' probes; gloo on CPU) in ``python``'s environment; ``check=False`` returns a failed run."""
+    return run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       str(TRAIN_WORKER), *args], log, check=check)
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:

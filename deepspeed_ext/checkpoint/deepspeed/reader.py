@@ -116,7 +116,8 @@ class DeepSpeedCheckpoint:
                                         or self._trainer_model_config()),
                           model_class=recorded.model_class if recorded else None,
                           versions=dict(recorded.versions) if recorded else {},
-                          metadata=self.metadata_source)
+                          metadata=self.metadata_source,
+                          fingerprints=recorded.fingerprints if recorded else None)
 
     def _trainer_model_config(self) -> dict[str, Any] | None:
         """The model's ``config.json`` in the Hugging Face Trainer ``checkpoint-N`` folder that holds this tag

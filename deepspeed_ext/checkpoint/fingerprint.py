@@ -1,0 +1,314 @@
+"""Resume fingerprints: a few float64 numbers per parameter state that catch a resume gone quietly wrong.
+
+A fingerprint of a tensor is its element count, the sum, the sum of squares and the sum of absolute values of
+its elements, accumulated in float64. At ``save_checkpoint`` every rank sums the part of each fp32 master and
+Adam moment it owns (its TP slice's DP partition) and one all-reduce adds them up: no full tensor is gathered.
+Writers record the fingerprints of what they write (universal, HF, MaxText); at ``load_checkpoint`` the live
+engine's fingerprints are recomputed the same way and compared with the ones the checkpoint recorded.
+
+What they catch: swapped or zeroed moments, one TP rank's slice loaded in place of another's, a tied tensor
+read from the wrong shard, a wrong step, a state that never arrived. What they do not: a permutation of the
+elements inside one tensor (sums do not see order), or a change smaller than float rounding of the sums.
+
+Two fingerprints agree when every sum differs by no more than float64 rounding of summing in another order
+(``SUMMATION_RTOL`` of the sum of absolute values), or, for values that went through one rounding in a
+lower precision on the way (MaxText's scaled queries, ``1 + w`` norms), by that rounding as well.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from deepspeed_ext.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+#: The key of the fingerprints in ``deepspeed_ext.json``, in MaxText's custom metadata and in safetensors'
+#: ``__metadata__``.
+FINGERPRINTS_KEY = "fingerprints"
+FINGERPRINT_FORMAT = 1
+#: Summing the same float64 values in another order (another TP/DP split, pairwise vs. chunked) moves the
+#: sum by a few units of 2**-53 of the sum of absolute values times log2(count); 1e-9 leaves room for 1e6
+#: elements per chunk and all-reduce trees many times over.
+SUMMATION_RTOL = 1e-9
+#: Elements summed per float64 chunk: bounds the temporary memory at 128 MiB whatever the tensor's size.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The sums of one tensor in float64."""
+
+    numel: int
+    total: float
+    total_sq: float
+    total_abs: float
+
+    def to_json(self) -> list[float | int]:
+        return [self.numel, self.total, self.total_sq, self.total_abs]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Fingerprint:
+        numel, total, total_sq, total_abs = data
+        return cls(int(numel), float(total), float(total_sq), float(total_abs))
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Fingerprint:
+        """The fingerprint of a whole tensor."""
+        numel, total, total_sq, total_abs = partial_sums(tensor)
+        return cls(int(numel), total, total_sq, total_abs)
+
+    def describe(self) -> str:
+        return f"sum={self.total:.9g} sum_sq={self.total_sq:.9g} ({self.numel} elements)"
+
+    def agrees(self, other: Fingerprint, rounding: float = 0.0) -> bool:
+        """Equal up to the float64 rounding of summation order, plus ``rounding``: the largest relative
+        change of any element on the way (the unit roundoff of a precision the values passed through)."""
+        if self.numel != other.numel:
+            return False
+        scale_abs = max(self.total_abs, other.total_abs)
+        scale_sq = max(self.total_sq, other.total_sq)
+        if not all(math.isfinite(v) for v in (self.total, self.total_sq, other.total, other.total_sq)):
+            return (self.total, self.total_sq) == (other.total, other.total_sq) or _same_nan(self, other)
+        return (abs(self.total - other.total) <= (SUMMATION_RTOL + 2 * rounding) * scale_abs
+                and abs(self.total_sq - other.total_sq) <= (SUMMATION_RTOL + 4 * rounding) * scale_sq
+                and abs(self.total_abs - other.total_abs) <= (SUMMATION_RTOL + 2 * rounding) * scale_abs)
+
+
+def _same_nan(a: Fingerprint, b: Fingerprint) -> bool:
+    return all(math.isnan(x) == math.isnan(y) for x, y in ((a.total, b.total), (a.total_sq, b.total_sq)))
+
+
+def partial_sums(tensor: torch.Tensor) -> tuple[int, float, float, float]:
+    """``(numel, sum, sum of squares, sum of |x|)`` of ``tensor`` in float64, a chunk at a time."""
+    import torch
+    flat = tensor.detach().reshape(-1)
+    sums = torch.zeros(3, dtype=torch.float64)
+    for chunk in torch.split(flat, CHUNK_ELEMENTS):
+        wide = chunk.to(torch.float64)
+        sums[0] += wide.sum()
+        sums[1] += torch.dot(wide, wide)
+        sums[2] += wide.abs().sum()
+    return flat.numel(), float(sums[0]), float(sums[1]), float(sums[2])
+
+
+@dataclass
+class Fingerprints:
+    """The fingerprints of a checkpoint: per parameter, per state (``fp32``, ``exp_avg``, ``exp_avg_sq``), plus
+    the optimizer step and the engine's step counter where known."""
+
+    tensors: dict[str, dict[str, Fingerprint]] = field(default_factory=dict)
+    step: int | None = None
+    global_steps: int | None = None
+    #: The unit roundoff of a precision the recorded values went through after they were fingerprinted
+    #: (0: they are exactly what was summed); see :meth:`Fingerprint.agrees`.
+    rounding: float = 0.0
+
+    def add(self, name: str, state: str, fingerprint: Fingerprint) -> None:
+        self.tensors.setdefault(name, {})[state] = fingerprint
+
+    def get(self, name: str, state: str) -> Fingerprint | None:
+        return self.tensors.get(name, {}).get(state)
+
+    def subset(self, names: Iterable[str]) -> Fingerprints:
+        """The fingerprints of ``names`` only (with the steps)."""
+        return Fingerprints({name: self.tensors[name] for name in names if name in self.tensors},
+                            self.step, self.global_steps, self.rounding)
+
+    def merge(self, other: Fingerprints) -> None:
+        for name, states in other.tensors.items():
+            for state, fingerprint in states.items():
+                self.add(name, state, fingerprint)
+        self.step = self.step if other.step is None else other.step
+        self.global_steps = self.global_steps if other.global_steps is None else other.global_steps
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": FINGERPRINT_FORMAT,
+            "sums": "numel, sum, sum_sq, sum_abs (float64)",
+            "step": self.step,
+            "global_steps": self.global_steps,
+            "tensors": {name: {state: fp.to_json() for state, fp in states.items()}
+                        for name, states in self.tensors.items()},
+        }
+        if self.rounding:
+            data["rounding"] = self.rounding
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], source: str = "") -> Fingerprints:
+        try:
+            if int(data.get("format", 0)) > FINGERPRINT_FORMAT:
+                raise CheckpointError(f"{source}: fingerprint format {data['format']} is newer than this "
+                                      "deepspeed-ext understands; upgrade deepspeed-ext")
+            step, global_steps = data.get("step"), data.get("global_steps")
+            return cls(tensors={str(name): {str(state): Fingerprint.from_json(fp) for state, fp in states.items()}
+                                for name, states in data["tensors"].items()},
+                       step=None if step is None else int(step),
+                       global_steps=None if global_steps is None else int(global_steps),
+                       rounding=float(data.get("rounding", 0.0)))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{source}: malformed fingerprints: {exc!r}") from exc
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One disagreement between the recorded fingerprints and the ones computed now."""
+
+    name: str
+    state: str
+    recorded: str
+    found: str
+
+    def describe(self) -> str:
+        return f"{self.name!r} {self.state}: saved {self.recorded}, loaded {self.found}"
+
+
+def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] | None = None,
+            check_step: bool = True) -> tuple[int, list[Mismatch]]:
+    """``(checked, mismatches)``: every (tensor, state) both sides have (of ``states``, or all), and the steps.
+
+    A tensor or state the live side lacks is a mismatch (it was recorded, so it should have been loaded);
+    one the record lacks is not checked (an older checkpoint, a parameter frozen when it was saved).
+    """
+    wanted = set(states) if states is not None else None
+    checked, mismatches = 0, []
+    for name, saved_states in recorded.tensors.items():
+        for state, saved in saved_states.items():
+            if wanted is not None and state not in wanted:
+                continue
+            live = found.get(name, state)
+            checked += 1
+            if live is None:
+                mismatches.append(Mismatch(name, state, saved.describe(), "nothing"))
+            elif not saved.agrees(live, rounding=max(recorded.rounding, found.rounding)):
+                mismatches.append(Mismatch(name, state, saved.describe(), live.describe()))
+    if check_step:
+        for key in ("step", "global_steps"):
+            saved_step, live_step = getattr(recorded, key), getattr(found, key)
+            if saved_step is not None and live_step is not None:
+                checked += 1
+                if saved_step != live_step:
+                    mismatches.append(Mismatch("optimizer" if key == "step" else "engine", key, str(saved_step),
+                                               str(live_step)))
+    return checked, mismatches
+
+
+RESTORED_WRONG = "the restored training state is not the one that was saved"
+
+
+def mismatch_message(where: str, mismatches: list[Mismatch], checked: int, meaning: str = RESTORED_WRONG) -> str:
+    """One line: how many of the checked fingerprints disagree, the first few named with both values, and
+    what that means."""
+    shown = "; ".join(m.describe() for m in mismatches[:3])
+    more = f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else ""
+    return (f"{where}: resume fingerprints disagree for {len(mismatches)} of {checked} checked states: {shown}"
+            f"{more}: {meaning}")
+
+
+# --------------------------------------------------------------------------- a live engine
+def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerprints, list[str]]:
+    """The fingerprints of a live DeepSpeed engine's training state, and any problem found on the way.
+
+    Collective: every rank of the engine calls it. Each rank sums what it owns (its TP slice, or TP rank 0 for
+    a replicated tensor; its ZeRO partition, or DP rank 0 without ZeRO), then one all-reduce over all ranks
+    adds the sums up; the full tensors are never assembled.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from deepspeed_ext.checkpoint.deepspeed import zero0
+    from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
+    from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tp_group_info
+
+    _, tp_rank = tp_group_info()
+    states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
+    params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
+    optimizer = getattr(engine, "optimizer", None)
+    stage0 = zero0.live_slots(optimizer) if optimizer is not None and not engine.zero_optimization() else {}
+    base = zero0.wrapped_optimizer(optimizer) if optimizer is not None else None
+    distributed = dist.is_available() and dist.is_initialized()
+    dp_group = getattr(engine, "data_parallel_group", None)
+    dp_rank = dist.get_rank(group=dp_group) if distributed else 0
+
+    sums = torch.zeros(len(params), len(states), 4, dtype=torch.float64)
+    for i, (_, param) in enumerate(params):
+        layout = getattr(param, LAYOUT_ATTR, None)
+        if (layout is None or layout.is_replicated) and tp_rank != 0:
+            continue  # every TP rank holds it whole: TP rank 0 speaks for it
+        for j, state in enumerate(states):
+            local = _owned_state(param, state, stage0, base, dp_rank)
+            if local is not None and local.numel():
+                sums[i, j] = torch.tensor(partial_sums(local), dtype=torch.float64)
+    steps = _live_steps(engine, base)
+    # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
+    spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
+    if distributed:
+        dist.all_reduce(sums)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    found, problems = Fingerprints(), []
+    for i, (name, _) in enumerate(params):
+        for j, state in enumerate(states):
+            numel, total, total_sq, total_abs = sums[i, j].tolist()
+            if numel:
+                found.add(name, state, Fingerprint(int(numel), total, total_sq, total_abs))
+    for index, key in ((0, "step"), (2, "global_steps")):
+        high, low = spread[index].item(), -spread[index + 1].item()
+        if high != low:
+            problems.append(f"the {key} differs between ranks ({int(low)}..{int(high)})")
+        elif high >= 0:
+            setattr(found, key, int(high))
+    return found, problems
+
+
+def _owned_state(param: Any, state: str, stage0: Mapping[Any, Any], base: Any, dp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s ``state`` this rank owns: its ZeRO partition, the whole tensor on DP rank 0
+    without ZeRO, or None (another rank's, or the state does not exist yet)."""
+    import torch.distributed as dist
+
+    from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS
+    master = state == MASTER_WEIGHTS
+    slot = stage0.get(param)
+    if slot is not None:
+        if dp_rank != 0:
+            return None
+        try:
+            whole: torch.Tensor = slot.master_of() if master else slot.moment_of(base, state)
+        except KeyError:
+            return None
+        return whole
+    if hasattr(param, "ds_id"):  # ZeRO-3: the flat partition is padded to equal sizes; keep the real part
+        try:
+            local: torch.Tensor | None = param._z3_optimizer.get_local_fp32_param(param, None if master else state)
+        except KeyError:
+            return None
+        if local is None:
+            return None
+        size: int = param.ds_tensor.ds_numel
+        rank = dist.get_rank(group=param.ds_process_group)
+        return local.reshape(-1)[:max(0, min(size, int(param.ds_numel) - rank * size))]
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    try:
+        fragment: torch.Tensor = mapping.get_hp_fragment() if master else mapping.get_optim_state_fragment(state)
+    except ValueError:
+        return None
+    return fragment
+
+
+def _live_steps(engine: Any, base: Any) -> tuple[int, int, int]:
+    """(the lowest and the highest step of the optimizer's states, the engine's step counter); -1 where there
+    is none."""
+    import torch
+    steps = set()
+    for state in (base.state.values() if base is not None else ()):
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if step is not None:
+            steps.add(int(step.item()) if torch.is_tensor(step) else int(step))
+    low, high = (min(steps), max(steps)) if steps else (-1, -1)
+    return low, high, int(getattr(engine, "global_steps", -1))
