@@ -448,6 +448,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"deepspeed-ext: error: {exc}", file=sys.stderr)
         return 2
+    except (KeyError, TypeError, AttributeError, IndexError, AssertionError) as exc:
+        # A structure no reader check anticipated: still one line, naming the input, never a traceback.
+        if args.debug:
+            raise
+        inputs = [str(getattr(args, name)) for name in ("source", "checkpoint", "input_folder", "a", "b")
+                  if getattr(args, name, None) is not None]
+        where = ", ".join(dict.fromkeys(inputs)) or args.command
+        print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}); the checkpoint is "
+              "damaged or in a layout deepspeed-ext does not know (--debug shows where)", file=sys.stderr)
+        return 2
 
 
 def _interrupted() -> int:

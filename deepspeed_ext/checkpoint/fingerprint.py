@@ -225,7 +225,7 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
     from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
     from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tp_group_info
 
-    _, tp_rank = tp_group_info()
+    tp_size, tp_rank = tp_group_info()
     states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
     params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
     optimizer = getattr(engine, "optimizer", None)
@@ -235,11 +235,16 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
     dp_group = getattr(engine, "data_parallel_group", None)
     dp_rank = dist.get_rank(group=dp_group) if distributed else 0
 
+    dp_size = (dist.get_world_size() // tp_size) if distributed else 1
     sums = torch.zeros(len(params), len(states), 4, dtype=torch.float64)
     for i, (_, param) in enumerate(params):
         layout = getattr(param, LAYOUT_ATTR, None)
-        if (layout is None or layout.is_replicated) and tp_rank != 0:
-            continue  # every TP rank holds it whole: TP rank 0 speaks for it
+        # A tensor every TP rank holds whole: TP rank 0 speaks for it. Unless ZeRO-3 partitioned it over the TP
+        # ranks too (a model built under zero.Init before AutoTP ran, as the HF Trainer does): then the ranks'
+        # partitions cover it once between them.
+        over_tp = hasattr(param, "ds_id") and dist.get_world_size(group=param.ds_process_group) > dp_size
+        if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
+            continue
         for j, state in enumerate(states):
             local = _owned_state(param, state, stage0, base, dp_rank)
             if local is not None and local.numel():

@@ -92,15 +92,16 @@ def prepare(out: str | os.PathLike[str], sources: Iterable[str | os.PathLike[str
 def staged(out: Path, pointer: tuple[Path, str] | None = None) -> Iterator[Path]:
     """Build an output under ``<out>.partial``; publish it as ``out`` only when the block completes.
 
-    A stale ``.partial`` from an earlier interrupted run is cleared first. On failure or interrupt the
-    ``.partial`` is removed and an existing ``out`` is left as it was; on success it is replaced (the
-    caller checked ``--overwrite`` in :func:`prepare`). ``pointer``: ``(file, text)`` written atomically right
-    after publishing (``latest_universal`` beside a tag), in the same uninterruptible step.
+    The ``.partial`` directory is the output's lock: the run that builds it holds an exclusive ``flock`` on it
+    until it is published or removed, so a second run into the same output refuses in one line instead of
+    clearing the first one's work. A stale ``.partial`` (an earlier run that was killed: nobody holds its lock)
+    is cleared first. On failure or interrupt the ``.partial`` is removed and an existing ``out`` is left as it
+    was; on success it is replaced (the caller checked ``--overwrite`` in :func:`prepare`). ``pointer``:
+    ``(file, text)`` written atomically right after publishing (``latest_universal`` beside a tag), in the same
+    uninterruptible step.
     """
     partial = staging_path(out)
-    if partial.exists() or partial.is_symlink():
-        _remove(partial)
-    partial.mkdir(parents=True)
+    lock = _claim(partial, out)
     _in_flight.add(partial)
     try:
         yield partial
@@ -118,6 +119,46 @@ def staged(out: Path, pointer: tuple[Path, str] | None = None) -> Iterator[Path]
         shutil.rmtree(partial, ignore_errors=True)
         _in_flight.discard(partial)
         raise
+    finally:
+        os.close(lock)
+
+
+def _claim(partial: Path, out: Path) -> int:
+    """Create ``partial`` and lock it; returns the locked descriptor. Refuses while another process holds
+    the lock of an existing ``partial`` (it is building the same output right now)."""
+    if partial.is_dir() and not partial.is_symlink():
+        held = _try_lock(partial)
+        if held is None:
+            raise CheckpointError(f"{out}: another deepspeed-ext run is writing this output right now (its staging "
+                                  f"directory {partial} is locked); wait for it to finish or choose another output")
+        try:
+            _remove(partial)  # stale: left by a run that was killed
+        finally:
+            os.close(held)
+    elif partial.exists() or partial.is_symlink():
+        _remove(partial)
+    try:
+        partial.mkdir(parents=True)
+    except FileExistsError:
+        raise CheckpointError(f"{out}: another deepspeed-ext run started writing this output at the same moment; "
+                              "wait for it to finish or choose another output") from None
+    lock = _try_lock(partial)
+    if lock is None:  # another run locked it between our mkdir and our lock
+        raise CheckpointError(f"{out}: another deepspeed-ext run is writing this output right now; wait for it to "
+                              "finish or choose another output")
+    return lock
+
+
+def _try_lock(directory: Path) -> int | None:
+    """An exclusive, non-blocking ``flock`` on ``directory``: its descriptor, or None if another holds it."""
+    import fcntl
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -93,31 +93,29 @@ def write(source: CheckpointSource, out: str | Path | None = None,
     Streams one parameter and one state at a time: memory stays at about one full tensor.
     """
     info = source.info
-    if info.format == "universal":
-        raise CheckpointError(f"{info.given}: {ALREADY_UNIVERSAL}")
-    name = universal_name(info)
-    if out is None:  # beside the tag: adds a directory and the pointer, replaces no file of the checkpoint
-        if info.tag is None:
-            raise CheckpointError(f"{info.given}: a {info.format} checkpoint has no save directory to write "
-                                  "beside: give an output")
-        publish, inner = output.prepare(info.path.parent / name, source.read_paths, overwrite=options.overwrite), None
-    elif options.tag_directory:
-        publish, inner = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), None
-    else:
-        publish, inner = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), name
-    finite = finite_check(source, options)
-    bar = (options.progress_label or "to-universal") if options.progress else None
     rank = _rank() if options.distributed else 0
-    # Beside the tag (or as a tag directory of its own), the pointer goes into the directory above once the
-    # output is published.
-    pointer = (publish.parent / LATEST_UNIVERSAL, publish.name) if inner is None else None
-    staged = output.staged(publish, pointer) if rank == 0 else contextlib.nullcontext(output.staging_path(publish))
-    with staged as partial:
-        universal = partial / inner if inner else partial
-        if rank == 0:
-            (universal / ZERO_DIR).mkdir(parents=True)
-            if inner:
-                (partial / LATEST_UNIVERSAL).write_text(inner)
+    with contextlib.ExitStack() as stack:
+        refusal: Exception | None = None
+        try:
+            publish, inner = _prepare(source, out, options)
+            # Beside the tag (or as a tag directory of its own), the pointer goes into the directory above once
+            # the output is published.
+            pointer = (publish.parent / LATEST_UNIVERSAL, publish.name) if inner is None else None
+            partial = stack.enter_context(output.staged(publish, pointer) if rank == 0 else
+                                          contextlib.nullcontext(output.staging_path(publish)))
+            universal = partial / inner if inner else partial
+            if rank == 0:
+                (universal / ZERO_DIR).mkdir(parents=True)
+                if inner:
+                    (partial / LATEST_UNIVERSAL).write_text(inner)
+        except Exception as exc:  # under --distributed every rank must hear of it (below)
+            refusal = exc
+        if options.distributed:
+            _all_ranks_agree(refusal, f"{info.given}: another rank refused the conversion; its message says why")
+        elif refusal is not None:
+            raise refusal
+        finite = finite_check(source, options)
+        bar = (options.progress_label or "to-universal") if options.progress else None
         if options.distributed:
             _write_distributed(source, universal, bar, finite)
         else:
@@ -130,6 +128,32 @@ def write(source: CheckpointSource, out: str | Path | None = None,
         import torch.distributed as dist
         dist.barrier()  # nobody returns before the output and its pointer are in place
     return publish / inner if inner else publish
+
+
+def _prepare(source: CheckpointSource, out: str | Path | None, options: UniversalOptions) -> tuple[Path, str | None]:
+    """The directory to publish and, for a save directory of its own, the universal directory's name in it."""
+    info = source.info
+    if info.format == "universal":
+        raise CheckpointError(f"{info.given}: {ALREADY_UNIVERSAL}")
+    name = universal_name(info)
+    if out is None:  # beside the tag: adds a directory and the pointer, replaces no file of the checkpoint
+        if info.tag is None:
+            raise CheckpointError(f"{info.given}: a {info.format} checkpoint has no save directory to write "
+                                  "beside: give an output")
+        return output.prepare(info.path.parent / name, source.read_paths, overwrite=options.overwrite), None
+    if options.tag_directory:
+        return output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), None
+    return output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), name
+
+
+def _all_ranks_agree(error: BaseException | None, elsewhere: str) -> None:
+    """Collective: raise on every rank if any rank failed (its own error there, ``elsewhere`` on the others),
+    so no rank is left waiting for one that gave up."""
+    import torch.distributed as dist
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise error or CheckpointError(elsewhere)
 
 
 def _rank() -> int:
@@ -163,7 +187,6 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: str 
             return exc
         return None
 
-    dist.barrier()  # rank 0 has created the staging directory
     mine = shares_by_size(dict(source.info.layouts), world)[rank]
     summary = (lambda: _write_summary(source, universal)) if rank == 0 else None
     manifest = ManifestRecorder(universal)
@@ -176,10 +199,7 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: str 
     error = attempt(write_share)
     if error is None and rank != 0:
         error = attempt(lambda: manifest.write_rank_part(rank))
-    failed = torch.tensor([0 if error is None else 1])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise error or CheckpointError(f"{universal}: another rank failed; its error is in its output")
+    _all_ranks_agree(error, f"{universal}: another rank failed; its error is in its output")
     shares: list[Any] = [None] * world
     dist.all_gather_object(shares, written.to_json())
     if rank == 0:  # every rank's files are in place: the manifest is the output's last file

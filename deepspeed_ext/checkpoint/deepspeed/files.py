@@ -85,3 +85,23 @@ class TagFiles:
                 raise CheckpointError(f"{path}: no optimizer_state_dict")
             self._optim_states[key] = state
         return self._optim_states[key]
+
+
+def indexed_state(base: Any, path: Path) -> dict[str, Any]:
+    """A torch optimizer state dict as the layouts read it: ``state`` a dict from parameter index to that
+    parameter's dict of tensors. torch and DeepSpeed write ``state`` as a dict; a list (one entry per index)
+    is read as the same thing. Anything else is refused naming ``path``."""
+    if not isinstance(base, dict):
+        raise CheckpointError(f"{path}: the wrapped optimizer's state dict is a {type(base).__name__}, not a dict")
+    state = base.get(keys.STATE)
+    if state is None:
+        return base
+    if isinstance(state, list | tuple):
+        state = dict(enumerate(state))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: the optimizer's 'state' is a {type(state).__name__}, not a dict or a list")
+    for index, entry in state.items():
+        if not isinstance(entry, dict):
+            raise CheckpointError(f"{path}: optimizer state entry {index!r} is a {type(entry).__name__}, not a dict "
+                                  "of tensors")
+    return {**base, keys.STATE: state} if state is not base[keys.STATE] else base

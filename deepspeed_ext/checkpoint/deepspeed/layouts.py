@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint.deepspeed import keys
-from deepspeed_ext.checkpoint.deepspeed.files import TagFiles
+from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, indexed_state
 from deepspeed_ext.checkpoint.deepspeed.zero0 import SavedStage0
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP
 from deepspeed_ext.errors import CheckpointError
@@ -177,8 +177,7 @@ class _PartitionedLayout(OptimizerLayout):
         return int(self.wrapper_state(0, 0).get(keys.ZERO_STAGE, 1))
 
     def base_state(self, tp: int, dp: int) -> dict[str, Any]:
-        base: dict[str, Any] = self.wrapper_state(tp, dp)[self.base_state_key]
-        return base
+        return indexed_state(self.wrapper_state(tp, dp).get(self.base_state_key), self.files.optim_files[(tp, dp)])
 
     def check(self) -> None:
         """Every optimizer file must be of this layout and hold this checkpoint's DP partitioning and step."""

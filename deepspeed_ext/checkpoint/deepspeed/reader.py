@@ -58,13 +58,33 @@ class DeepSpeedCheckpoint:
         if missing:
             raise CheckpointError(f"{self.tag_dir}: TP degree is {self.tp_degree} but mp_rank files for TP ranks "
                                   f"{missing} are missing")
-        self.dp_degree = int(first.get(keys.DP_WORLD_SIZE) or 1)
+        self.dp_degree = self._dp_degree(first, model_files[min(model_files)])
         self._check_model_states_agree(first)
         self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
                                                         self._recorded_optimizer_names)
         # Memory-mapped optimizer-file pieces the last tensor read, released before the next one.
         self._in_flight: list[tuple[Path, torch.Tensor]] = []
         self._mappings: dict[Path, list[tuple[int, int]]] = {}
+
+    def _dp_degree(self, first: dict[str, Any], reference: Path) -> int:
+        """The DP degree: as the model states record it, checked against the optimizer files present (one per
+        DP rank under ZeRO); without a record, the number of those files."""
+        recorded = first.get(keys.DP_WORLD_SIZE)
+        ranks = sorted({dp for _, dp in self.files.optim_files})
+        if recorded is None:
+            if ranks and ranks != list(range(len(ranks))):
+                raise CheckpointError(f"{self.tag_dir}: optimizer files for DP ranks {ranks}: some are missing, and "
+                                      f"{reference.name} records no dp_world_size")
+            return len(ranks) or 1
+        try:
+            degree = int(recorded)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{reference}: dp_world_size is {recorded!r}, not a number") from None
+        if ranks and len(ranks) != degree and max(ranks) >= degree:
+            raise CheckpointError(f"{self.tag_dir}: {reference.name} says DP={degree}, but there are optimizer files "
+                                  f"for {len(ranks)} DP ranks ({ranks[0]}..{ranks[-1]}): files of two checkpoints are "
+                                  "mixed, or the model states are wrong")
+        return degree
 
     def _check_model_states_agree(self, first: dict[str, Any]) -> None:
         """Every TP rank's model states must come from the same save: same step, same TP and DP degrees."""

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.files import indexed_state
 from deepspeed_ext.errors import CheckpointError
 
 FP16_OPTIMIZER = "FP16_Optimizer"
@@ -170,6 +171,7 @@ class SavedStage0:
                     slots[name] = SavedSlot(key, 0, tuple(master.shape))
                     key += 1
         elif keys.STATE in optimizer and keys.PARAM_GROUPS in optimizer:
+            optimizer = indexed_state(optimizer, source)
             kind, base = TORCH_OPTIMIZER, optimizer
             for group in optimizer[keys.PARAM_GROUPS]:
                 for name, key in zip(take(len(group[keys.PARAMS])), group[keys.PARAMS], strict=True):
@@ -182,6 +184,7 @@ class SavedStage0:
                                   f"{sorted(optimizer)[:8]})")
         if not isinstance(base, dict) or keys.STATE not in base:
             raise CheckpointError(f"{source}: {kind} state has no wrapped optimizer state dict")
+        base = indexed_state(base, source)
         for name, slot in slots.items():
             master = masters[slot.key]
             if master.dtype != torch.float32:
