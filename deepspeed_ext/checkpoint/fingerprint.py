@@ -165,7 +165,7 @@ class Mismatch:
     found: str
 
     def describe(self) -> str:
-        return f"{self.name!r} {self.state}: saved {self.recorded}, loaded {self.found}"
+        return f"{self.name!r} {self.state}: recorded {self.recorded}, found {self.found}"
 
 
 def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] | None = None,
@@ -201,12 +201,16 @@ def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] |
 RESTORED_WRONG = "the restored training state is not the one that was saved"
 
 
+SOURCE_WRONG = "the source does not hold what was written into it; nothing was written"
+
+
 def mismatch_message(where: str, mismatches: list[Mismatch], checked: int, meaning: str = RESTORED_WRONG) -> str:
     """One line: how many of the checked fingerprints disagree, the first few named with both values, and
-    what that means."""
+    what that means (a resume gone wrong, or a damaged source)."""
     shown = "; ".join(m.describe() for m in mismatches[:3])
     more = f"; and {len(mismatches) - 3} more" if len(mismatches) > 3 else ""
-    return (f"{where}: resume fingerprints disagree for {len(mismatches)} of {checked} checked states: {shown}"
+    subject = "resume fingerprints" if meaning == RESTORED_WRONG else "recorded fingerprints"
+    return (f"{where}: {subject} disagree for {len(mismatches)} of {checked} checked states: {shown}"
             f"{more}: {meaning}")
 
 

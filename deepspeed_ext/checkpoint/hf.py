@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint import output, serialization
+from deepspeed_ext.checkpoint.fingerprint import FINGERPRINTS_KEY, Fingerprint, Fingerprints
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
@@ -53,6 +54,8 @@ GENERATION_CONFIG = "generation_config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FILENAME_PATTERN = "model{suffix}.safetensors"
+#: The safetensors ``__metadata__`` entry holding the fingerprints of the weights whose first piece is in the file.
+METADATA_FINGERPRINTS = f"deepspeed_ext.{FINGERPRINTS_KEY}"
 DTYPES = ("source", "bfloat16", "float32")
 #: The parameter a tied output projection shares (all supported families).
 TIED_PAIR = ("lm_head.weight", "model.embed_tokens.weight")
@@ -179,8 +182,10 @@ def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
 
 
 # --------------------------------------------------------------------------- sink
-def _header(entries: list[FileTensor], metadata: Mapping[str, str]) -> bytes:
-    """A safetensors header: u64 little-endian length, then JSON padded with spaces to 8 bytes."""
+def _header(entries: list[FileTensor], metadata: Mapping[str, str], reserve: int = 0, length: int | None = None
+            ) -> bytes:
+    """A safetensors header: u64 little-endian length, then JSON padded with spaces to 8 bytes, after at least
+    ``reserve`` spaces (room for metadata added once the data is written), or to exactly ``length`` bytes."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for entry in entries:
@@ -188,8 +193,28 @@ def _header(entries: list[FileTensor], metadata: Mapping[str, str]) -> bytes:
                               "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    if length is not None:
+        if len(text) > length:
+            raise CheckpointError(f"safetensors header of {len(text)} bytes does not fit its reserved {length}")
+        text += b" " * (length - len(text))
+    else:
+        text += b" " * reserve
+        text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
+
+
+def _fingerprints_text(fingerprints: Fingerprints) -> str:
+    return json.dumps(fingerprints.to_json(), separators=(",", ":"))
+
+
+def _fingerprints_room(names: Iterable[str]) -> int:
+    """The most bytes the fingerprints of ``names`` can take in a header (JSON-escaped inside a string): every
+    number at its longest repr."""
+    widest = Fingerprints()
+    for name in names:
+        widest.add(name, MASTER_WEIGHTS, Fingerprint(-(10**19), -1.2345678901234567e-308, -1.2345678901234567e-308,
+                                                     -1.2345678901234567e-308))
+    return len(json.dumps(METADATA_FINGERPRINTS)) + len(json.dumps(_fingerprints_text(widest))) + 2
 
 
 def causal_lm_class(model_type: str) -> str | None:
@@ -356,16 +381,24 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                   params: list[LogicalTensor], pieces: Mapping[str, list[FileTensor]], progress: bool) -> None:
     """Create every shard with its header, then write each parameter's pieces at their offsets, in stream order.
 
-    Positional writes run on writer threads while the next parameter is read and cast."""
+    Positional writes run on writer threads while the next parameter is read and cast. The fingerprints of the
+    weights as written go into the ``__metadata__`` of the file holding each one's first piece: the headers are
+    written with room for them and rewritten, same length, once the data is in."""
     from tqdm import tqdm
     bar = tqdm(total=sum(entry.nbytes for entry in plan.values()), desc="to-hf", unit="B", unit_scale=True,
                disable=not progress)
     files: dict[str, int] = {}
     where: dict[str, tuple[str, int]] = {}  # file tensor -> (shard, absolute offset)
+    home = {pieces[t.name][0].name: t.name for t in params}  # a parameter's fingerprint goes with its first piece
+    recorded: dict[str, list[str]] = {filename: [home[name] for name in names if name in home]
+                                      for filename, names in shards.items()}
+    headers: dict[str, int] = {}
+    sums: list[tuple[str, tuple[int, float, float, float]]] = []  # appended by the writer threads
     try:
         for filename, names in shards.items():
             entries = [plan[name] for name in names]
-            header = _header(entries, {"format": "pt"})
+            header = _header(entries, {"format": "pt"}, reserve=_fingerprints_room(recorded[filename]))
+            headers[filename] = len(header) - 8
             files[filename] = fd = os.open(directory / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             _write_at(fd, header, 0, directory / filename)
             offset = len(header)
@@ -382,14 +415,34 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                 for entry in pieces[tensor.name]:
                     data = entry.cut(full).to(entry.dtype).contiguous()
                     filename, offset = where[entry.name]
-                    writer.submit(_write_at, files[filename], data.reshape(-1).view(torch.uint8).numpy().data,
-                                  offset, directory / filename)
+                    writer.submit(_write_piece, files[filename], data, offset, directory / filename, tensor.name, sums)
                     bar.update(entry.nbytes)
                 del full
+        totals: dict[str, list[float]] = {}
+        for name, piece in sums:
+            running = totals.setdefault(name, [0, 0.0, 0.0, 0.0])
+            for i, value in enumerate(piece):
+                running[i] += value
+        for filename, names in shards.items():
+            fingerprints = Fingerprints()
+            for name in recorded[filename]:
+                numel, total, total_sq, total_abs = totals[name]
+                fingerprints.add(name, MASTER_WEIGHTS, Fingerprint(int(numel), total, total_sq, total_abs))
+            metadata = {"format": "pt", METADATA_FINGERPRINTS: _fingerprints_text(fingerprints)}
+            header = _header([plan[name] for name in names], metadata, length=headers[filename])
+            _write_at(files[filename], header, 0, directory / filename)
     finally:
         for fd in files.values():
             os.close(fd)
         bar.close()
+
+
+def _write_piece(fd: int, data: torch.Tensor, offset: int, path: Path, name: str,
+                 sums: list[tuple[str, tuple[int, float, float, float]]]) -> None:
+    """One piece of a weight at its offset, and its share of the weight's fingerprint (on a writer thread)."""
+    from deepspeed_ext.checkpoint.fingerprint import partial_sums
+    sums.append((name, partial_sums(data)))
+    _write_at(fd, data.reshape(-1).view(torch.uint8).numpy().data, offset, path)
 
 
 def _write_at(fd: int, data: Any, offset: int, path: Path) -> None:
@@ -566,7 +619,29 @@ class HFCheckpoint:
         return SourceInfo(format="huggingface", given=self.path, path=self.path, layouts=self.layouts,
                           states=(MASTER_WEIGHTS, ), model_config=self.model_config,
                           model_class=(self.model_config.get("architectures") or [None])[0],
-                          versions={"source": "huggingface safetensors"})
+                          versions={"source": "huggingface safetensors"},
+                          fingerprints=self._fingerprints())
+
+    def _fingerprints(self) -> Fingerprints | None:
+        """The fingerprints deepspeed-ext wrote into the files' metadata, where every parameter has one and the
+        tensors are read in their file dtype or a wider one (a narrower ``dtype`` changes the values)."""
+        found = Fingerprints()
+        for file in sorted(set(self._file_of.values())):
+            with self._open(file) as handle:
+                text = (handle.metadata() or {}).get(METADATA_FINGERPRINTS)
+            if text is not None:
+                try:
+                    found.merge(Fingerprints.from_json(json.loads(text), f"{file} (__metadata__)"))
+                except ValueError as exc:
+                    raise CheckpointError(f"{file}: unreadable fingerprints in __metadata__: {exc}") from exc
+        if not found.tensors or set(found.tensors) != set(self.shapes):
+            return None
+        for name in self.shapes:
+            stored = self.file_dtype(name)
+            read = output_dtype(self.dtype_choice, stored)
+            if read.is_floating_point and torch.finfo(read).eps > torch.finfo(stored).eps:
+                return None
+        return found
 
     def tensors(self) -> Iterator[LogicalTensor]:
         if self._tied_head:

@@ -22,7 +22,9 @@ times the largest single tensor, not the model or a whole stack. bf16 is written
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepspeed_ext.checkpoint import output
+from deepspeed_ext.checkpoint.fingerprint import FINGERPRINTS_KEY, Fingerprint, Fingerprints
 from deepspeed_ext.checkpoint.formats import ORBAX_ITEM
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, LayerBlock, Rule
 from deepspeed_ext.checkpoint.source import (ADAM_STATES, MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions,
@@ -672,6 +675,11 @@ def write_maxtext(load: Callable[..., np.ndarray],
     states = STATES if with_optimizer else STATES[:1]
     if finite is not None:
         load = finite.loader(load)
+    # Fingerprints of the HF-named tensors as stored (weights in the output dtype), before MaxText's transforms;
+    # reading back undoes those with at most a rounding or two of the stored precision per element.
+    written = Fingerprints(step=optimizer_step if with_optimizer else None, global_steps=int(step),
+                           rounding=float(ml_dtypes.finfo(np_dtype).eps))
+    load = _fingerprinting(load, written, np_dtype)
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
     def lazy_leaf(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
@@ -729,12 +737,45 @@ def write_maxtext(load: Callable[..., np.ndarray],
 
     custom = {"scan_layers": scan_layers,
               METADATA_KEY: {"family": family.name, "model_config": dict(model_config or {})}}
+
+    def finish(partial: Path) -> None:
+        if finite is not None:
+            finite.raise_if_any()
+        _record_fingerprints(partial / STEP_DIR, written)
+
     try:
         with output.staged(out) as partial:
-            _save_items(partial, tree, custom, finish=finite.raise_if_any if finite else None)
+            _save_items(partial, tree, custom, finish=lambda: finish(partial))
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
+
+
+def _fingerprinting(load: Callable[..., np.ndarray], written: Fingerprints, weights_dtype: np.dtype
+                    ) -> Callable[..., np.ndarray]:
+    """``load`` that also records each tensor's fingerprint (weights as cast to ``weights_dtype``)."""
+    import torch
+
+    def recorded(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
+        array = load(name, state)
+        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        if state == MASTER_WEIGHTS and weights_dtype != np.float32:
+            tensor = tensor.to(torch.bfloat16)
+        written.add(name, state, Fingerprint.of(tensor))  # Orbax's threads: one dict store each, under the GIL
+        return array
+
+    return recorded
+
+
+def _record_fingerprints(step_dir: Path, written: Fingerprints) -> None:
+    """Add the fingerprints to our entry of the step's custom metadata, once every array is written (Orbax
+    takes the custom metadata before it writes the arrays, whose tensors are read lazily)."""
+    path = step_dir / "_CHECKPOINT_METADATA"
+    data = json.loads(path.read_text())
+    data.setdefault("custom_metadata", {}).setdefault(METADATA_KEY, {})[FINGERPRINTS_KEY] = written.to_json()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def _save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
@@ -820,7 +861,10 @@ def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
                                  "by deepspeed-ext); pass --config config.json (the model's HF config)")
     family_name = options.family or stored.get("family")
     family = get_family(family_name) if family_name else infer_family(config)
-    return MaxTextCheckpoint(items, family, config, given=path)
+    recorded = stored.get(FINGERPRINTS_KEY)
+    fingerprints = (Fingerprints.from_json(recorded, str(items.parent / "_CHECKPOINT_METADATA"))
+                    if isinstance(recorded, Mapping) else None)
+    return MaxTextCheckpoint(items, family, config, given=path, fingerprints=fingerprints)
 
 
 class MaxTextCheckpoint:
@@ -835,8 +879,10 @@ class MaxTextCheckpoint:
     """
 
     def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any],
-                 given: str | Path | None = None):
-        """``given``: the path the user named (the root, a step or the item directory); errors name it."""
+                 given: str | Path | None = None, fingerprints: Fingerprints | None = None):
+        """``given``: the path the user named (the root, a step or the item directory); errors name it.
+        ``fingerprints``: what to-maxtext recorded of the tensors it wrote."""
+        self.fingerprints = fingerprints
         import orbax.checkpoint as ocp
         self.items = Path(items).absolute()
         self.given = Path(given) if given is not None else self.items
@@ -965,7 +1011,7 @@ class MaxTextCheckpoint:
         states = (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer else (MASTER_WEIGHTS, )
         return SourceInfo(format="maxtext", given=self.given, path=self.items, layouts=self.layouts, states=states,
                           global_step=self.step, model_config=self.model_config,
-                          versions={"source": f"maxtext ({self.family.name})"})
+                          versions={"source": f"maxtext ({self.family.name})"}, fingerprints=self.fingerprints)
 
     def tensors(self) -> Iterator[LogicalTensor]:
         import torch

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint, keys, resolve_tag_dir
-from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints, compare, mismatch_message
+from deepspeed_ext.checkpoint.fingerprint import SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message
 from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
@@ -261,8 +261,7 @@ def check_against_record(info: SourceInfo, written: Fingerprints, names: list[st
         return
     checked, mismatches = compare(recorded.subset(names), written, check_step=False)
     if mismatches:
-        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked,
-                                               "the source does not hold what was saved; nothing was written"))
+        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked, SOURCE_WRONG))
 
 
 def _write_summary(source: CheckpointSource, partial: Path) -> None:

@@ -90,7 +90,7 @@ def _rank0_slice_into_rank1(universal: Path) -> str:
 def _step_off_by_one(universal: Path) -> str:
     for step_file in (universal / "zero").glob("*/step.pt"):
         _edit(step_file, lambda step: step + 1)
-    return "'optimizer' step: saved 3, loaded 4"
+    return "'optimizer' step: recorded 3, found 4"
 
 
 PLANTS = {"swapped moments": _swap_moments, "zeroed exp_avg": _zero_exp_avg,
@@ -105,7 +105,7 @@ def test_planted_failure_is_caught(saved, tmp_path, plant, loader):
     code, output = _resume(saved, tmp_path / "ckpt", tp=1, dp=2, log=tmp_path / "resume.log", loader=loader)
     assert code != 0
     error = _the_error(output)
-    assert named in error and "saved" in error and "loaded" in error, error
+    assert named in error and "recorded" in error and "found" in error, error
     assert str(universal) in error
 
 
@@ -135,7 +135,7 @@ def test_a_rank_that_read_another_ranks_files_is_caught_on_direct_load(saved, tm
     code, output = _resume(saved, ckpt, tp=1, dp=1, log=tmp_path / "resume.log")
     assert code != 0
     error = next(line for line in output.splitlines() if "Error:" in line and str(ckpt) in line)
-    assert DISAGREE in error and " fp32: saved" in error, error
+    assert DISAGREE in error and " fp32: recorded" in error, error
 
 
 def test_warn_mode_logs_and_trains_on(saved, tmp_path):

@@ -157,3 +157,77 @@ def test_a_family_that_does_not_fit_is_refused(sources, tmp_path):
     assert "family 'qwen3' expects 'model.layers.0.self_attn.q_norm.weight'" in lines[0]
     assert "wrong --family?" in lines[0]
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- fingerprints carried by the outputs
+def test_every_output_records_the_fingerprints_of_what_it_holds(sources, tmp_path):
+    """from-hf → universal → to-hf → to-maxtext → from-maxtext: each output's metadata holds a fingerprint per
+    tensor equal to the tensor it holds (MaxText's: the tensor before its layout transforms, read back within
+    the stored precision's rounding), and each conversion checked its source's record on the way."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    from deepspeed_ext.checkpoint.hf import METADATA_FINGERPRINTS
+
+    assert _run("from-hf", str(sources / "hf"), "-o", str(tmp_path / "uni")).returncode == 0
+    universal = universal_in(tmp_path / "uni")
+    recorded = Fingerprints.from_json(json.loads((universal / "deepspeed_ext.json").read_text())["fingerprints"])
+    names = sorted(p.name for p in (universal / "zero").iterdir() if p.is_dir())
+    assert sorted(recorded.tensors) == names
+    for name in names:
+        held = torch.load(universal / "zero" / name / "fp32.pt", weights_only=True)["param"]
+        assert recorded.get(name, "fp32") == Fingerprint.of(held), name
+
+    assert _run("to-hf", str(universal), "-o", str(tmp_path / "hf"), "--max-shard-size", "30KB").returncode == 0
+    found = Fingerprints()
+    for file in sorted((tmp_path / "hf").glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            found.merge(Fingerprints.from_json(json.loads(handle.metadata()[METADATA_FINGERPRINTS])))
+            for name in handle.keys():
+                if name in found.tensors:
+                    assert found.get(name, "fp32") == Fingerprint.of(handle.get_tensor(name)), name
+    assert sorted(found.tensors) == names
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")  # the metadata is invisible to transformers
+
+    assert _run("to-maxtext", str(tmp_path / "hf"), "-o", str(tmp_path / "mt")).returncode == 0
+    source = open_checkpoint(tmp_path / "mt")
+    assert source.info.fingerprints is not None and sorted(source.info.fingerprints.tensors) == names
+    assert source.info.fingerprints.rounding == 2.0**-7  # bf16 arrays
+    assert _run("from-maxtext", str(tmp_path / "mt"), "-o", str(tmp_path / "back")).returncode == 0
+
+
+def test_a_source_that_disagrees_with_its_record_is_refused(sources, tmp_path):
+    """A weight changed after it was written (HF), a record that no longer fits the arrays (MaxText): the
+    conversion names the tensor and both values, exit 2, nothing written."""
+    import json
+    import struct
+
+    assert _run("from-hf", str(sources / "hf"), "-o", str(tmp_path / "uni")).returncode == 0
+    assert _run("to-hf", str(universal_in(tmp_path / "uni")), "-o", str(tmp_path / "hf")).returncode == 0
+    target = tmp_path / "hf" / "model.safetensors"
+    data = bytearray(target.read_bytes())
+    size = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + size])
+    start, _ = header["model.norm.weight"]["data_offsets"]
+    data[8 + size + start:8 + size + start + 8] = bytes(8)
+    target.write_bytes(bytes(data))
+    proc = _run("from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "out"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "recorded fingerprints disagree" in lines[0] and "'model.norm.weight' fp32: recorded" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+    shutil.copytree(sources / "maxtext", tmp_path / "mt")
+    metadata = tmp_path / "mt" / "0" / "_CHECKPOINT_METADATA"
+    content = json.loads(metadata.read_text())
+    fingerprint = content["custom_metadata"]["deepspeed_ext"]["fingerprints"]["tensors"]["model.layers.1.mlp.up_proj.weight"]
+    fingerprint["fp32"][1] += fingerprint["fp32"][3] / 10  # a tenth of the sum of |w|: far beyond bf16 rounding
+    metadata.write_text(json.dumps(content))
+    proc = _run("from-maxtext", str(tmp_path / "mt"), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "'model.layers.1.mlp.up_proj.weight' fp32: recorded" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -189,3 +189,39 @@ def test_a_directory_with_two_formats_is_read_as_each_command_expects(formats, t
     assert code == 0 and json.loads(out)["kind"] == "universal"
     code, _, err = run(capsys, "to-universal", str(both))
     assert code == 2 and "already a universal checkpoint" in err
+
+
+def test_the_staging_directory_is_the_outputs_lock(tmp_path):
+    """While one writer builds ``out`` a second one refuses and leaves its work alone; a stale staging
+    directory (nobody holds its lock) is cleared."""
+    from deepspeed_ext.checkpoint import output
+    from deepspeed_ext.errors import CheckpointError
+    out = tmp_path / "out"
+    with output.staged(out) as partial:
+        (partial / "work").write_text("first")
+        with pytest.raises(CheckpointError, match="another deepspeed-ext run is writing this output"):
+            with output.staged(out):
+                pass
+        assert (partial / "work").read_text() == "first"
+    assert (out / "work").read_text() == "first"
+    stale = tmp_path / "other.partial"
+    stale.mkdir()
+    (stale / "leftover").write_text("killed run")
+    with output.staged(tmp_path / "other") as partial:
+        assert not (partial / "leftover").exists()
+    assert (tmp_path / "other").is_dir() and not stale.exists()
+
+
+def test_optimizer_state_lists_are_read_as_dicts_and_other_shapes_refused(tmp_path):
+    from deepspeed_ext.checkpoint.deepspeed.files import indexed_state
+    from deepspeed_ext.errors import CheckpointError
+    path = tmp_path / "optim.pt"
+    entry = {"step": 3, "exp_avg": 1}
+    assert indexed_state({"state": [entry], "param_groups": []}, path)["state"] == {0: entry}
+    base = {"state": {0: entry}}
+    assert indexed_state(base, path) is base
+    for bad, says in (([], "state dict is a list"), ({"state": 3}, "'state' is a int"),
+                      ({"state": {0: 3}}, "entry 0 is a int")):
+        with pytest.raises(CheckpointError, match=says) as info:
+            indexed_state(bad, path)
+        assert str(path) in str(info.value)

@@ -1,0 +1,110 @@
+"""Resume fingerprints: the sums, their tolerance, their JSON form, the comparison; the config switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspeed_ext.checkpoint import fingerprint
+from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints, compare, mismatch_message
+from deepspeed_ext.config import ExtConfig
+from deepspeed_ext.errors import CheckpointError
+
+
+def _tensor(seed: int, shape=(300, 70)) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_sums_are_float64_and_independent_of_chunking(monkeypatch):
+    x = _tensor(0)
+    whole = Fingerprint.of(x)
+    wide = x.double()
+    assert whole.numel == x.numel()
+    assert whole.total == pytest.approx(float(wide.sum()), rel=1e-12)
+    assert whole.total_sq == pytest.approx(float((wide * wide).sum()), rel=1e-12)
+    assert whole.total_abs == pytest.approx(float(wide.abs().sum()), rel=1e-12)
+    monkeypatch.setattr(fingerprint, "CHUNK_ELEMENTS", 7)
+    assert Fingerprint.of(x).agrees(whole)
+
+
+def test_slices_summed_in_any_split_agree_with_the_whole():
+    """What the all-reduce does: partial sums of TP slices and DP partitions, added in another order."""
+    x = _tensor(1)
+    parts = [fingerprint.partial_sums(piece) for piece in torch.split(x.reshape(-1), 997)]
+    added = Fingerprint(*[type(v)(sum(p[i] for p in reversed(parts))) for i, v in enumerate(parts[0])])
+    assert added.agrees(Fingerprint.of(x))
+
+
+@pytest.mark.parametrize("damage", ["another tensor", "zeroed", "one rank's slice twice", "one element changed"])
+def test_damage_is_seen(damage):
+    x = _tensor(2)
+    y = x.clone()
+    if damage == "another tensor":
+        y = _tensor(3)
+    elif damage == "zeroed":
+        y.zero_()
+    elif damage == "one rank's slice twice":
+        y[150:] = y[:150]
+    else:
+        y[7, 7] += 0.5
+    assert not Fingerprint.of(y).agrees(Fingerprint.of(x))
+
+
+def test_a_permutation_is_not_seen():
+    """Documented limit: sums do not see order."""
+    x = _tensor(4)
+    assert Fingerprint.of(x.flip(0)).agrees(Fingerprint.of(x))
+
+
+def test_one_rounding_in_a_lower_precision_is_within_the_declared_rounding_only():
+    x = _tensor(5).double()
+    rounded = (x * (1 + 2.0**-24)).float()  # every element moved by about one fp32 unit roundoff
+    exact, through = Fingerprint.of(x), Fingerprint.of(rounded)
+    assert not exact.agrees(through)
+    assert exact.agrees(through, rounding=2.0**-24)
+
+
+def test_different_counts_never_agree():
+    assert not Fingerprint(3, 0.0, 0.0, 0.0).agrees(Fingerprint(4, 0.0, 0.0, 0.0))
+
+
+def test_json_round_trip_and_malformed_input():
+    record = Fingerprints(step=7, global_steps=7)
+    record.add("w", "fp32", Fingerprint.of(_tensor(6)))
+    record.add("w", "exp_avg", Fingerprint.of(_tensor(7)))
+    again = Fingerprints.from_json(record.to_json())
+    assert again.tensors == record.tensors and (again.step, again.global_steps) == (7, 7)
+    for bad in ({"tensors": {"w": {"fp32": [1, 2]}}}, {"tensors": 3}, {"format": 99, "tensors": {}}):
+        with pytest.raises(CheckpointError, match="some.json"):
+            Fingerprints.from_json(bad, "some.json")
+
+
+def test_compare_names_the_parameter_the_state_and_both_values():
+    saved = Fingerprints(step=3, global_steps=3)
+    live = Fingerprints(step=4, global_steps=3)
+    for name in ("a", "b"):
+        for state, seed in (("fp32", 10), ("exp_avg", 11)):
+            saved.add(name, state, Fingerprint.of(_tensor(seed)))
+            live.add(name, state, Fingerprint.of(_tensor(seed)))
+    live.add("b", "exp_avg", Fingerprint.of(torch.zeros(300, 70)))
+    del live.tensors["a"]["fp32"]
+    checked, mismatches = compare(saved, live)
+    assert checked == 6
+    assert {(m.name, m.state) for m in mismatches} == {("a", "fp32"), ("b", "exp_avg"), ("optimizer", "step")}
+    message = mismatch_message("/ckpt/tag", mismatches, checked)
+    assert message.startswith("/ckpt/tag: resume fingerprints disagree for 3 of 6 checked states")
+    assert "'b' exp_avg: recorded sum=" in message and "found sum=0 " in message and "'a' fp32" in message
+    assert "'optimizer' step: recorded 3, found 4" in message
+    checked, mismatches = compare(saved.subset(["a"]), live, states=["exp_avg"], check_step=False)
+    assert (checked, mismatches) == (1, [])
+
+
+def test_config_switch():
+    section = {"deepspeed_ext": {"universal_checkpoint": {"enabled": True}}}
+    assert ExtConfig.from_ds_config(section).universal_checkpoint.fingerprints == "error"
+    for mode in ("warn", "off"):
+        section["deepspeed_ext"]["universal_checkpoint"]["fingerprints"] = mode
+        assert ExtConfig.from_ds_config(section).universal_checkpoint.fingerprints == mode
+    section["deepspeed_ext"]["universal_checkpoint"]["fingerprints"] = True
+    with pytest.raises(ValueError, match="fingerprints' must be one of"):
+        ExtConfig.from_ds_config(section)
