@@ -678,7 +678,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
     # Fingerprints of the HF-named tensors as stored (weights in the output dtype), before MaxText's transforms;
     # reading back undoes those with at most a rounding or two of the stored precision per element.
     written = Fingerprints(step=optimizer_step if with_optimizer else None, global_steps=int(step),
-                           rounding=float(ml_dtypes.finfo(np_dtype).eps))
+                           rounding=2.0**-7 if dtype == "bfloat16" else float(np.finfo(np.float32).eps))
     load = _fingerprinting(load, written, np_dtype)
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
