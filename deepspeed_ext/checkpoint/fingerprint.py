@@ -107,6 +107,9 @@ class Fingerprints:
     #: The unit roundoff of a precision the recorded values went through after they were fingerprinted
     #: (0: they are exactly what was summed); see :meth:`Fingerprint.agrees`.
     rounding: float = 0.0
+    #: Per tensor, a rounding of its own on top (a buffer the engine holds in bf16: the loaded value was
+    #: rounded to it); not stored.
+    roundings: dict[str, float] = field(default_factory=dict)
 
     def add(self, name: str, state: str, fingerprint: Fingerprint) -> None:
         self.tensors.setdefault(name, {})[state] = fingerprint
@@ -185,7 +188,7 @@ def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] |
             checked += 1
             if live is None:
                 mismatches.append(Mismatch(name, state, saved.describe(), "nothing"))
-            elif not saved.agrees(live, rounding=max(recorded.rounding, found.rounding)):
+            elif not saved.agrees(live, rounding=max(recorded.rounding, found.rounding, found.roundings.get(name, 0.0))):
                 mismatches.append(Mismatch(name, state, saved.describe(), live.describe()))
     if check_step:
         for key in ("step", "global_steps"):
@@ -227,6 +230,7 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
 
     from deepspeed_ext.checkpoint.deepspeed import zero0
     from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
+    from deepspeed_ext.checkpoint.tensor import persistent_buffers
     from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tp_group_info
 
     tp_size, tp_rank = tp_group_info()
@@ -253,11 +257,19 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
             local = _owned_state(param, state, stage0, base, dp_rank)
             if local is not None and local.numel():
                 sums[i, j] = torch.tensor(partial_sums(local), dtype=torch.float64)
+    # Persistent buffers (DeepSeek-V3's router bias) are checkpointed state too: whole on every rank.
+    buffers = [(name, buffer) for name, buffer in persistent_buffers(engine.module).items()
+               if name not in dict(params)]
+    buffer_sums = torch.zeros(len(buffers), 4, dtype=torch.float64)
+    if tp_rank == 0 and dp_rank == 0:
+        for i, (_, buffer) in enumerate(buffers):
+            buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
     steps = _live_steps(engine, base)
     # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
     spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
     if distributed:
         dist.all_reduce(sums)
+        dist.all_reduce(buffer_sums)
         dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     found, problems = Fingerprints(), []
     for i, (name, _) in enumerate(params):
@@ -265,6 +277,11 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
             numel, total, total_sq, total_abs = sums[i, j].tolist()
             if numel:
                 found.add(name, state, Fingerprint(int(numel), total, total_sq, total_abs))
+    for (name, buffer), row in zip(buffers, buffer_sums.tolist(), strict=True):
+        if row[0]:
+            found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
+            if buffer.dtype in (torch.bfloat16, torch.float16):
+                found.roundings[name] = float(torch.finfo(buffer.dtype).eps)
     for index, key in ((0, "step"), (2, "global_steps")):
         high, low = spread[index].item(), -spread[index + 1].item()
         if high != low:
