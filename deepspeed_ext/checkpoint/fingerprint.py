@@ -320,11 +320,18 @@ def _owned_state(param: Any, state: str, stage0: Mapping[Any, Any], base: Any, d
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:
         return None
-    try:
-        fragment: torch.Tensor = mapping.get_hp_fragment() if master else mapping.get_optim_state_fragment(state)
-    except ValueError:
+    if master:
+        fragment: torch.Tensor = mapping.get_hp_fragment()
+        return fragment
+    # DeepSpeed links the moment fragments lazily (at the next step after a load): read them from the flat
+    # partition's state, where the fragment sits at the same address as the master's.
+    flat = base.param_groups[mapping.param_group_index]["params"][0]
+    moment = base.state.get(flat, {}).get(state)
+    if moment is None:
         return None
-    return fragment
+    address = mapping.hp_fragment_address
+    narrowed: torch.Tensor = moment.narrow(0, address.start, address.numel)
+    return narrowed
 
 
 def _live_steps(engine: Any, base: Any) -> tuple[int, int, int]:
