@@ -194,6 +194,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from deepspeed_ext.checkpoint.compare import Tolerance, compare_sources, logits_report
+    if args.atol < 0 or args.rtol < 0 or args.ulp < 0:
+        raise ValueError("--atol, --rtol and --ulp must not be negative")
+    a = _open(args.a, config=args.config, family=args.family)
+    b = _open(args.b, config=args.config, family=args.family)
+    report = compare_sources(a, b, Tolerance(args.atol, args.rtol, args.ulp), progress=not args.quiet and not args.json)
+    if args.logits:
+        report.logits = logits_report(a, b)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
 def _global_options(p: argparse.ArgumentParser, subcommand: bool) -> None:
     """--debug and --quiet, accepted before the subcommand and after it (a subcommand's copy leaves the value
     alone unless given there)."""
@@ -383,6 +399,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="an HF config.json where the checkpoint has none (MaxText, HF)")
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_verify)
+
+    p = _command(sub, "compare", "compare two checkpoints of any formats, tensor by tensor", _paragraph("""
+        Lines both checkpoints' tensors up by their Hugging Face names (MaxText's through the family registry)
+        and, for each tensor and state both have (fp32 master, exp_avg, exp_avg_sq, step), reports shapes,
+        dtypes, the largest absolute and relative difference and the largest difference in ulps of the lower
+        of the two precisions. Names only one side has are listed. An element is within tolerance when it is
+        at most --ulp ulps away or |a-b| <= --atol + --rtol*|b|; the defaults ask for equality in the lower
+        precision. --logits also runs transformers' model of each side on fixed tokens. Exit status 0 within
+        tolerance, 1 otherwise."""), """
+        deepspeed-ext compare ckpt/ ckpt_universal/
+        deepspeed-ext compare ckpt/ hf/ --json
+        deepspeed-ext compare hf/ maxtext/ --ulp 2 --logits""")
+    p.add_argument("a", help="a checkpoint directory (any format)")
+    p.add_argument("b", help="another checkpoint directory (any format)")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance per element (default 0)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance per element (default 0)")
+    p.add_argument("--ulp", type=int, default=0,
+                   help="ulps of the lower precision an element may differ by (default 0: equal in it)")
+    p.add_argument("--logits", action="store_true",
+                   help="also compare transformers' logits of both on fixed tokens (per-token KL, argmax agreement)")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--config", help="an HF config.json for a side that has none (MaxText, HF)")
+    p.add_argument("--family", help="MaxText: " + family_help)
+    p.set_defaults(func=cmd_compare)
 
     p = _command(sub, "inspect", "describe a checkpoint (DeepSpeed, universal, HF or MaxText)", _paragraph("""
         Prints the format, step, TP x DP degree, ZeRO stage, dtypes, model config and every parameter's shape

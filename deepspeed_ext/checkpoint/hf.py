@@ -212,8 +212,7 @@ def _fingerprints_room(names: Iterable[str]) -> int:
     number at its longest repr."""
     widest = Fingerprints()
     for name in names:
-        widest.add(name, MASTER_WEIGHTS, Fingerprint(-(10**19), -1.2345678901234567e-308, -1.2345678901234567e-308,
-                                                     -1.2345678901234567e-308))
+        widest.add(name, MASTER_WEIGHTS, Fingerprint(-(10**19), -1.2345678901234567e-308, -1.2345678901234567e-308))
     return len(json.dumps(METADATA_FINGERPRINTS)) + len(json.dumps(_fingerprints_text(widest))) + 2
 
 
@@ -393,7 +392,7 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
     recorded: dict[str, list[str]] = {filename: [home[name] for name in names if name in home]
                                       for filename, names in shards.items()}
     headers: dict[str, int] = {}
-    sums: list[tuple[str, tuple[int, float, float, float]]] = []  # appended by the writer threads
+    sums: list[tuple[str, tuple[int, float, float]]] = []  # appended by the writer threads
     try:
         for filename, names in shards.items():
             entries = [plan[name] for name in names]
@@ -420,14 +419,14 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                 del full
         totals: dict[str, list[float]] = {}
         for name, piece in sums:
-            running = totals.setdefault(name, [0, 0.0, 0.0, 0.0])
+            running = totals.setdefault(name, [0, 0.0, 0.0])
             for i, value in enumerate(piece):
                 running[i] += value
         for filename, names in shards.items():
             fingerprints = Fingerprints()
             for name in recorded[filename]:
-                numel, total, total_sq, total_abs = totals[name]
-                fingerprints.add(name, MASTER_WEIGHTS, Fingerprint(int(numel), total, total_sq, total_abs))
+                numel, total, total_sq = totals[name]
+                fingerprints.add(name, MASTER_WEIGHTS, Fingerprint(int(numel), total, total_sq))
             metadata = {"format": "pt", METADATA_FINGERPRINTS: _fingerprints_text(fingerprints)}
             header = _header([plan[name] for name in names], metadata, length=headers[filename])
             _write_at(files[filename], header, 0, directory / filename)
@@ -438,7 +437,7 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
 
 
 def _write_piece(fd: int, data: torch.Tensor, offset: int, path: Path, name: str,
-                 sums: list[tuple[str, tuple[int, float, float, float]]]) -> None:
+                 sums: list[tuple[str, tuple[int, float, float]]]) -> None:
     """One piece of a weight at its offset, and its share of the weight's fingerprint (on a writer thread)."""
     from deepspeed_ext.checkpoint.fingerprint import partial_sums
     sums.append((name, partial_sums(data)))

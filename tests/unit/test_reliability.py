@@ -225,8 +225,9 @@ def test_a_source_that_disagrees_with_its_record_is_refused(sources, tmp_path):
     shutil.copytree(sources / "maxtext", tmp_path / "mt")
     metadata = tmp_path / "mt" / "0" / "_CHECKPOINT_METADATA"
     content = json.loads(metadata.read_text())
-    fingerprint = content["custom_metadata"]["deepspeed_ext"]["fingerprints"]["tensors"]["model.layers.1.mlp.up_proj.weight"]
-    fingerprint["fp32"][1] += fingerprint["fp32"][3] / 10  # a tenth of the sum of |w|: far beyond bf16 rounding
+    recorded = content["custom_metadata"]["deepspeed_ext"]["fingerprints"]["tensors"]
+    fingerprint = recorded["model.layers.1.mlp.up_proj.weight"]["fp32"]
+    fingerprint[2] *= 1.1  # the sum of squares 10% off: far beyond bf16 rounding
     metadata.write_text(json.dumps(content))
     proc = _run("from-maxtext", str(tmp_path / "mt"), "-o", str(tmp_path / "out"))
     assert proc.returncode == 2 and "'model.layers.1.mlp.up_proj.weight' fp32: recorded" in proc.stderr
