@@ -5,7 +5,7 @@ engine (torchrun, gloo, CPU).
 After one training step, ``--rounds`` rounds, alternating the order, of:
 
 * ``save_checkpoint`` as DeepSpeed alone does it (the engine's own method, unhooked) and with deepspeed-ext
-  (UC metadata + fingerprints: one all-reduce of 4 float64 numbers per parameter state);
+  (UC metadata + fingerprints: one all-reduce of 3 float64 numbers per parameter state);
 * the fingerprint computation alone (``engine_fingerprints``);
 * ``load_checkpoint`` of that save through the hook, which checks the fingerprints, and the check alone.
 
