@@ -28,7 +28,7 @@ def test_every_command_has_a_description_an_example_and_help_for_every_option():
     from deepspeed_ext.checkpoint.families import family_names
     commands = _subparsers()
     assert set(commands) == {"to-universal", "to-maxtext", "from-maxtext", "to-hf", "from-hf", "reshard-orbax",
-                             "verify", "inspect"}
+                             "verify", "inspect", "compare"}
     for name, parser in commands.items():
         text = parser.format_help()
         assert "examples:\n  deepspeed-ext " + name in text, name
