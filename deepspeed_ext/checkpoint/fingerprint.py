@@ -196,7 +196,8 @@ def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] |
             checked += 1
             if live is None:
                 mismatches.append(Mismatch(name, state, saved.describe(), "nothing"))
-            elif not saved.agrees(live, rounding=max(recorded.rounding, found.rounding, found.roundings.get(name, 0.0))):
+            elif not saved.agrees(live, rounding=max(recorded.rounding, found.rounding,
+                                                     found.roundings.get(name, 0.0))):
                 mismatches.append(Mismatch(name, state, saved.describe(), live.describe()))
     if check_step:
         for key in ("step", "global_steps"):

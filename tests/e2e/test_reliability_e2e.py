@@ -168,3 +168,27 @@ def test_a_missing_or_wrong_dp_world_size_is_named_as_such(scenarios, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert "DP=1" in lines[0] and "optimizer files for 2 DP ranks" in lines[0] and "sub_group_size" not in lines[0]
+
+
+def test_a_refusal_under_distributed_reaches_every_rank(scenarios, tmp_path):
+    """``to-universal --distributed`` into an output another run is building: rank 0 refuses in one line, and the
+    other rank, rather than waiting at the first collective for a rank that gave up, says why it stopped."""
+    import fcntl
+    saved = scenarios("tp2_zero1_bf16", tp=2)
+    out = tmp_path / "out"
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    holder = os.open(partial, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                   "deepspeed_ext", "to-universal", str(saved.save_dir), "-o", str(out), "--distributed", "-q"]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    finally:
+        os.close(holder)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("deepspeed-ext: error:")]
+    assert proc.returncode != 0 and len(errors) == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert any("another deepspeed-ext run is writing this output" in line for line in errors), errors
+    assert any("another rank refused the conversion" in line for line in errors), errors
+    assert partial.is_dir() and not out.exists()

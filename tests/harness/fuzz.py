@@ -28,8 +28,17 @@ def damage(draw):
     return kind, draw(st.integers(0, 10**9)), draw(st.integers(0, 7)), draw(st.sampled_from(KEYS))
 
 
+#: Orbax's files a reader parses: its metadata (JSON), the OCDBT manifests and the data files.
+ORBAX_FILES = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt")
+
+
+def _readable(path: Path) -> bool:
+    return (path.suffix in (".pt", ".safetensors", ".json") or path.name in ORBAX_FILES
+            or (path.parent.name == "d" and "ocdbt" in path.parent.parent.name))
+
+
 def _damage(root: Path, choice: int, spec) -> Path:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".pt", ".safetensors", ".json"))
+    files = sorted(p for p in root.rglob("*") if p.is_file() and _readable(p))
     target = files[choice % len(files)]
     kind, where, bit, key = spec
     data = bytearray(target.read_bytes())

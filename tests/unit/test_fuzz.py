@@ -43,3 +43,20 @@ def test_damaged_hf_files_raise_only_our_errors(hf_and_universal, tmp_path, choi
 @given(choice=st.integers(0, 10**6), spec=damage())
 def test_damaged_universal_files_raise_only_our_errors(hf_and_universal, tmp_path, choice, spec):
     _fuzz(hf_and_universal[1], tmp_path / "universal", choice, spec)
+
+
+@pytest.fixture(scope="module")
+def maxtext(hf_and_universal, tmp_path_factory) -> Path:
+    """A MaxText (Orbax, OCDBT + zarr3) checkpoint, from the universal one."""
+    from deepspeed_ext.cli import main
+    root = tmp_path_factory.mktemp("fuzz_maxtext") / "maxtext"
+    assert main(["to-maxtext", str(hf_and_universal[1]), "-o", str(root), "-q"]) == 0
+    return root
+
+
+@FUZZ
+@given(choice=st.integers(0, 10**6), spec=damage())
+def test_damaged_orbax_files_raise_only_our_errors(maxtext, tmp_path, choice, spec):
+    """Truncated or bit-flipped ``_METADATA``, step metadata, OCDBT manifests and data files."""
+    _fuzz(maxtext, tmp_path / "maxtext", choice, spec)
+

@@ -232,3 +232,31 @@ def test_a_source_that_disagrees_with_its_record_is_refused(sources, tmp_path):
     proc = _run("from-maxtext", str(tmp_path / "mt"), "-o", str(tmp_path / "out"))
     assert proc.returncode == 2 and "'model.layers.1.mlp.up_proj.weight' fp32: recorded" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated array file", "stray file"])
+def test_verify_names_damage_to_a_maxtext_output(sources, tmp_path, damage):
+    """A flipped byte or a truncated OCDBT data file is named against the manifest (exit 1); a stray file is
+    reported as not covered by it (exit 0; --strict: exit 1)."""
+    root = tmp_path / "maxtext"
+    shutil.copytree(sources / "maxtext", root)
+    data = sorted((root / "0" / "items").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)[-1]
+    if damage == "flipped byte":
+        content = bytearray(data.read_bytes())
+        content[len(content) // 2] ^= 0x10
+        data.write_bytes(bytes(content))
+    elif damage == "truncated array file":
+        data.write_bytes(data.read_bytes()[:data.stat().st_size // 3])
+    else:
+        (root / "0" / "items" / "stray.bin").write_bytes(b"x")
+    for path in (root, root / "0" / "items"):
+        proc = cli_result("verify", str(path))
+        if damage == "stray file":
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert f"{root / '0' / 'items' / 'stray.bin'}: not covered by the manifest" in proc.stdout
+            assert cli_result("verify", str(path), "--strict").returncode == 1
+        else:
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            said = "contents differ from the manifest" if damage == "flipped byte" else "bytes, the manifest says"
+            named = [line for line in proc.stdout.splitlines() if line.startswith(f"{data}: ")]
+            assert named and said in named[0], proc.stdout
