@@ -68,6 +68,8 @@ def test_trainer_resumes_from_checkpoint_n_at_another_tp(trainer_runs, zero, tp,
     resumed = read(tmp_path / "resumed.json")
     assert resumed["global_step"] == 6
     assert_losses_continue(resumed, baseline)
+    # The Trainer's own load_checkpoint call went through the resume-fingerprint check.
+    assert (tmp_path / "resumed.log").read_text().count("resume fingerprints match") == 1
     for step in ("4", "5", "6"):  # the LR schedule continues where it was (warmup 2, linear decay over 6)
         assert resumed["learning_rates"][step] == pytest.approx(baseline["learning_rates"][step])
 
@@ -85,6 +87,7 @@ def test_trainer_resumes_through_to_universal(trainer_runs, zero, tmp_path):
                                   "--load-universal", "--result", str(tmp_path / "resumed.json")],
              tmp_path / "resumed.log")
     assert_losses_continue(read(tmp_path / "resumed.json"), baseline)
+    assert (tmp_path / "resumed.log").read_text().count("resume fingerprints match") == 1
 
 
 def test_commands_take_the_trainer_output_dir_and_pick_the_newest_checkpoint(trainer_runs, tmp_path):
