@@ -291,6 +291,9 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
             found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
             if buffer.dtype in (torch.bfloat16, torch.float16):
                 found.roundings[name] = float(torch.finfo(buffer.dtype).eps)
+            if with_moments:  # no optimizer steps a buffer: checkpoints carry its moments as zeros
+                for state in ADAM_STATES:
+                    found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
     for index, key in ((0, "step"), (2, "global_steps")):
         high, low = spread[index].item(), -spread[index + 1].item()
         if high != low:
