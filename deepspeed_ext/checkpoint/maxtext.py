@@ -879,10 +879,8 @@ class MaxTextCheckpoint:
     """
 
     def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any],
-                 given: str | Path | None = None, fingerprints: Fingerprints | None = None):
-        """``given``: the path the user named (the root, a step or the item directory); errors name it.
-        ``fingerprints``: what to-maxtext recorded of the tensors it wrote."""
-        self.fingerprints = fingerprints
+                 given: str | Path | None = None):
+        """``given``: the path the user named (the root, a step or the item directory); errors name it."""
         import orbax.checkpoint as ocp
         self.items = Path(items).absolute()
         self.given = Path(given) if given is not None else self.items
@@ -1011,7 +1009,7 @@ class MaxTextCheckpoint:
         states = (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer else (MASTER_WEIGHTS, )
         return SourceInfo(format="maxtext", given=self.given, path=self.items, layouts=self.layouts, states=states,
                           global_step=self.step, model_config=self.model_config,
-                          versions={"source": f"maxtext ({self.family.name})"}, fingerprints=self.fingerprints)
+                          versions={"source": f"maxtext ({self.family.name})"})
 
     def tensors(self) -> Iterator[LogicalTensor]:
         import torch
