@@ -13,8 +13,9 @@ elements inside one tensor (sums do not see order), or a change smaller than the
 
 Two fingerprints agree when the sum of squares differs by at most ``SUMMATION_RTOL`` of itself and the sum by
 at most ``SUMMATION_RTOL`` of ``sqrt(count * sum of squares)`` (which bounds the sum of absolute values), plus, for
-values that went through one rounding in a lower precision on the way (MaxText's scaled queries, ``1 + w``
-norms), that rounding.
+values that went through one rounding in a lower precision after they were summed (a buffer the live engine
+holds in bf16), that rounding. Writers fingerprint what a read of their output returns, so a reader checks
+exactly: to-maxtext sums each array as stored, undone from MaxText's layout in fp32 as from-maxtext does.
 """
 
 from __future__ import annotations

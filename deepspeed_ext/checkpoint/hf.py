@@ -40,7 +40,7 @@ from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
                                              protected_paths, required_model_config)
-from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor, record_check
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -305,7 +305,11 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
     given = out
     out = output.prepare(out, protected_paths(source, options), overwrite=options.overwrite)
     finite = finite_check(source, options)
-    tensors = {tensor.name: tensor for tensor in (finite.stream(source.tensors()) if finite else source.tensors())}
+    recorded = record_check(source.info)
+    stream = source.tensors()
+    for check in (finite, recorded):
+        stream = check.stream(stream) if check is not None else stream
+    tensors = {tensor.name: tensor for tensor in stream}
     tied = bool(model_config.get("tie_word_embeddings", False))
     dropped_tied = tied and all(name in tensors for name in TIED_PAIR)
     params = [tensor for name, tensor in tensors.items() if not (dropped_tied and name == TIED_PAIR[0])]
@@ -328,6 +332,8 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
         _write_shards(partial, split.filename_to_tensors, plan, params, pieces, options.progress)
         if finite is not None:
             finite.raise_if_any()
+        if recorded is not None:
+            recorded.raise_if_wrong()
         config.save_pretrained(partial)
         for name, companion in companions.items():
             shutil.copyfile(companion, partial / name)

@@ -43,7 +43,7 @@ from deepspeed_ext.checkpoint.source import (ADAM_STATES, MASTER_WEIGHTS, STEP, 
 from deepspeed_ext.errors import CheckpointError, MissingConfigError, first_line
 
 if TYPE_CHECKING:  # torch only where tensors are handed over: reshard-orbax needs none
-    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck
     from deepspeed_ext.module_inject.layout import TPLayout
 
 ITEM = ORBAX_ITEM
@@ -588,6 +588,7 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     ``load_parameters_path``). One tensor is read when Orbax writes the leaf that needs it."""
     from deepspeed_ext.checkpoint.families import get_family, infer_family
     from deepspeed_ext.checkpoint.hf import check_fits_config
+    from deepspeed_ext.checkpoint.tensor import record_check
     info = source.info
     label = str(info.given)
     config = required_model_config(info)
@@ -621,6 +622,7 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                          with_optimizer=options.with_optimizer,
                          optimizer_step=optimizer_step,
                          finite=finite_check(source, options),
+                         recorded=record_check(info),
                          protect=protected_paths(source, options))
 
 
@@ -641,6 +643,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
                   with_optimizer: bool = False,
                   optimizer_step: int | None = None,
                   finite: FiniteCheck | None = None,
+                  recorded: RecordCheck | None = None,
                   protect: Iterable[str | Path] = ()) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
@@ -661,6 +664,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
     ``load(name, state)`` returns one full fp32 tensor (``state``: ``fp32``, ``exp_avg`` or ``exp_avg_sq``) as
     numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it. ``finite``: check
     every tensor for NaN/Inf; if any has them, the written checkpoint is removed and nothing is left.
+    ``recorded``: likewise, check what ``load`` returns against the fingerprints the source recorded.
     ``protect``: the source's paths, which the output may not touch; the output is built aside and published
     whole (:mod:`deepspeed_ext.checkpoint.output`).
     """
@@ -673,13 +677,12 @@ def write_maxtext(load: Callable[..., np.ndarray],
     out = output.prepare(out, protect, overwrite=overwrite)  # absolute: OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, scan_layers, source)  # validates before anything is written
     states = STATES if with_optimizer else STATES[:1]
-    if finite is not None:
-        load = finite.loader(load)
-    # Fingerprints of the HF-named tensors as stored (weights in the output dtype), before MaxText's transforms;
-    # reading back undoes those with at most a rounding or two of the stored precision per element.
-    written = Fingerprints(step=optimizer_step if with_optimizer else None, global_steps=int(step),
-                           rounding=2.0**-7 if dtype == "bfloat16" else float(np.finfo(np.float32).eps))
-    load = _fingerprinting(load, written, np_dtype)
+    for check in (finite, recorded):
+        load = check.loader(load) if check is not None else load
+    # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
+    # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
+    # fingerprint per part (a fused tensor's halves sit in two leaves), added up once every array is written.
+    read_back = _ReadBackFingerprints()
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
     def lazy_leaf(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
@@ -688,7 +691,9 @@ def write_maxtext(load: Callable[..., np.ndarray],
 
         def one(name: str) -> np.ndarray:
             array = np.asarray(load(name, state), dtype=np.float32)
-            return np.ascontiguousarray(to_maxtext(rule.kind, array, dims, family, state), dtype=leaf_dtype)
+            stored = np.ascontiguousarray(to_maxtext(rule.kind, array, dims, family, state), dtype=leaf_dtype)
+            read_back.add(name, state, rule, from_maxtext(rule.kind, stored.astype(np.float32), dims, family, state))
+            return stored
 
         def layer_of_stack(index: int) -> np.ndarray:
             assert leaf.layers is not None  # a stack holds layers
@@ -741,7 +746,10 @@ def write_maxtext(load: Callable[..., np.ndarray],
     def finish(partial: Path) -> None:
         if finite is not None:
             finite.raise_if_any()
-        _record_fingerprints(partial / STEP_DIR, written)
+        if recorded is not None:
+            recorded.raise_if_wrong()
+        _record_fingerprints(partial / STEP_DIR, read_back.total(step=optimizer_step if with_optimizer else None,
+                                                                  global_steps=int(step)))
 
     try:
         with output.staged(out) as partial:
@@ -751,20 +759,29 @@ def write_maxtext(load: Callable[..., np.ndarray],
     return out / STEP_DIR / ITEM
 
 
-def _fingerprinting(load: Callable[..., np.ndarray], written: Fingerprints, weights_dtype: np.dtype
-                    ) -> Callable[..., np.ndarray]:
-    """``load`` that also records each tensor's fingerprint (weights as cast to ``weights_dtype``)."""
-    import torch
+class _ReadBackFingerprints:
+    """Per HF tensor and state, the fingerprints of its parts as a read returns them (:meth:`add` runs on Orbax's
+    writer threads: one dict store each, under the GIL); a part produced twice is counted once."""
 
-    def recorded(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
-        array = load(name, state)
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        if state == MASTER_WEIGHTS and weights_dtype != np.float32:
-            tensor = tensor.to(torch.bfloat16)
-        written.add(name, state, Fingerprint.of(tensor))  # Orbax's threads: one dict store each, under the GIL
-        return array
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str], dict[tuple[str, str], Fingerprint]] = {}
 
-    return recorded
+    def add(self, name: str, state: str, rule: Rule, read: np.ndarray) -> None:
+        import torch
+
+        # Sums do not see order: the elements as laid out in memory, with no copy for a transposed view.
+        flat = np.ravel(read, order="K")
+        self._parts.setdefault((name, state), {})[(rule.collection, rule.path)] = Fingerprint.of(
+            torch.from_numpy(flat))
+
+    def total(self, step: int | None, global_steps: int) -> Fingerprints:
+        """The fingerprints of the whole tensors: a joined tensor's sums are its parts' sums added up."""
+        found = Fingerprints(step=step, global_steps=global_steps)
+        for (name, state), parts in sorted(self._parts.items()):
+            found.add(name, state, Fingerprint(sum(p.numel for p in parts.values()),
+                                               math.fsum(p.total for p in parts.values()),
+                                               math.fsum(p.total_sq for p in parts.values())))
+        return found
 
 
 def _record_fingerprints(step_dir: Path, written: Fingerprints) -> None:
@@ -861,10 +878,13 @@ def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
                                  "by deepspeed-ext); pass --config config.json (the model's HF config)")
     family_name = options.family or stored.get("family")
     family = get_family(family_name) if family_name else infer_family(config)
-    # The fingerprints to-maxtext recorded describe the tensors before MaxText's layout transforms. Reading
-    # back undoes them in fp32, and a shifted transform (``1 + w`` norms) rounds relative to 1, not to w: the
-    # record is kept in the metadata but not enforced on read until it describes what a read returns.
-    return MaxTextCheckpoint(items, family, config, given=path)
+    # The fingerprints to-maxtext recorded describe what a read returns with the recorded config and family;
+    # another config (--config, --family) reads the arrays differently, so the record does not apply.
+    recorded = stored.get(FINGERPRINTS_KEY)
+    as_written = config == stored.get("model_config") and family.name == stored.get("family")
+    fingerprints = (Fingerprints.from_json(recorded, f"{items.parent / '_CHECKPOINT_METADATA'} (custom_metadata)")
+                    if recorded is not None and as_written else None)
+    return MaxTextCheckpoint(items, family, config, given=path, fingerprints=fingerprints)
 
 
 class MaxTextCheckpoint:
@@ -879,8 +899,9 @@ class MaxTextCheckpoint:
     """
 
     def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any],
-                 given: str | Path | None = None):
-        """``given``: the path the user named (the root, a step or the item directory); errors name it."""
+                 given: str | Path | None = None, fingerprints: Fingerprints | None = None):
+        """``given``: the path the user named (the root, a step or the item directory); errors name it.
+        ``fingerprints``: what to-maxtext recorded of the tensors a read returns, checked by the writers."""
         import orbax.checkpoint as ocp
         self.items = Path(items).absolute()
         self.given = Path(given) if given is not None else self.items
@@ -888,6 +909,7 @@ class MaxTextCheckpoint:
             hint = " (point at <root>/0/items)" if (self.items / STEP_DIR / ITEM / "_METADATA").is_file() else ""
             raise CheckpointError(f"{self.items}: not an Orbax checkpoint item directory (no _METADATA){hint}")
         self.tag_dir = self.items
+        self.fingerprints = fingerprints
         self.family = family
         self.model_config = dict(model_config)
         self.dims = ModelDims.from_config(model_config, source="--config")
@@ -1009,7 +1031,7 @@ class MaxTextCheckpoint:
         states = (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer else (MASTER_WEIGHTS, )
         return SourceInfo(format="maxtext", given=self.given, path=self.items, layouts=self.layouts, states=states,
                           global_step=self.step, model_config=self.model_config,
-                          versions={"source": f"maxtext ({self.family.name})"})
+                          versions={"source": f"maxtext ({self.family.name})"}, fingerprints=self.fingerprints)
 
     def tensors(self) -> Iterator[LogicalTensor]:
         import torch

@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 # Re-exported (``X as X``: explicitly, for type checkers).
+from deepspeed_ext.checkpoint.fingerprint import SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message
 from deepspeed_ext.checkpoint.source import ADAM_STATES as ADAM_STATES
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS as MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.source import STEP as STEP
+from deepspeed_ext.checkpoint.source import SourceInfo
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -96,6 +98,63 @@ class FiniteCheck:
             more = f" and {len(self.offenders) - 5} more" if len(self.offenders) > 5 else ""
             raise CheckpointError(f"{self.source}: NaN/Inf in {len(self.offenders)} parameter(s): {listed}{more}; "
                                   "nothing was written")
+
+
+class RecordCheck:
+    """The source states a writer reads, fingerprinted as they stream past and checked against the fingerprints
+    the source recorded before anything is published (``to-hf``, ``to-maxtext``: they write cast or transformed
+    arrays, so what they write cannot be compared with the source's record; what they read can).
+
+    A state read twice (a fused tensor split into several MaxText leaves) is summed once; loads may run on
+    Orbax's threads (one dict store each, under the GIL).
+    """
+
+    def __init__(self, info: SourceInfo):
+        self.info = info
+        self.found = Fingerprints()
+
+    def check(self, name: str, state: str, value: _T) -> _T:
+        if state != STEP and self.found.get(name, state) is None and self.info.fingerprints is not None \
+                and self.info.fingerprints.get(name, state) is not None:
+            if isinstance(value, torch.Tensor):
+                self.found.add(name, state, Fingerprint.of(value))
+            elif isinstance(value, np.ndarray):  # sums do not see order: as laid out, with no copy
+                self.found.add(name, state, Fingerprint.of(torch.from_numpy(np.ravel(value, order="K"))))
+        return value
+
+    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
+        for tensor in tensors:
+            yield replace(tensor, loader=self._checked_loader(tensor))
+
+    def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
+        return lambda state: self.check(tensor.name, state, tensor.loader(state))
+
+    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+        """``load(name, state)`` with every result fingerprinted."""
+        return lambda name, state: self.check(name, state, load(name, state))
+
+    def raise_if_wrong(self) -> None:
+        """Refuse to publish where a state read disagrees with the source's record."""
+        check_against_record(self.info, self.found, list(self.found.tensors),
+                             states={state for states in self.found.tensors.values() for state in states})
+
+
+def check_against_record(info: SourceInfo, found: Fingerprints, names: list[str],
+                         states: Iterable[str] | None = None) -> None:
+    """Refuse to publish tensors that disagree with the fingerprints their source recorded: the source was
+    damaged after it was saved, or read wrongly. ``names`` (and ``states``): what was read, so what is checked.
+    Nothing to check where the source recorded none."""
+    recorded = info.fingerprints
+    if recorded is None:
+        return
+    checked, mismatches = compare(recorded.subset(names), found, states=states, check_step=False)
+    if mismatches:
+        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked, SOURCE_WRONG))
+
+
+def record_check(info: SourceInfo) -> RecordCheck | None:
+    """The check of what a writer reads against the source's record, where the source has one."""
+    return RecordCheck(info) if info.fingerprints is not None else None
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -37,7 +37,8 @@ from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
                                              protected_paths)
-from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
+from deepspeed_ext.checkpoint.tensor import (ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor,
+                                           check_against_record)
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -251,17 +252,6 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
         finite.raise_if_any()
     check_against_record(source.info, written, names)
     return written
-
-
-def check_against_record(info: SourceInfo, written: Fingerprints, names: list[str]) -> None:
-    """Refuse to publish tensors that disagree with the fingerprints their source recorded: the source was
-    damaged after it was saved, or read wrongly. Nothing to check where the source recorded none."""
-    recorded = info.fingerprints
-    if recorded is None:
-        return
-    checked, mismatches = compare(recorded.subset(names), written, check_step=False)
-    if mismatches:
-        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked, SOURCE_WRONG))
 
 
 def _write_summary(source: CheckpointSource, partial: Path) -> None:

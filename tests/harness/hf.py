@@ -92,6 +92,9 @@ def assert_to_hf_matches_live(scenario, tmp_path: Path, caplog) -> float:
         assert difference <= 1e-5
         assert torch.equal(logits.argmax(-1), live.argmax(-1))
     else:
-        assert difference <= 2 * 2**-7 * live.abs().max().item()  # two bf16 ulps at the largest logit
+        # The same bf16 weights, computed whole here and in TP slices there: the roundings differ per layer and
+        # with the CPU's bf16 kernels (an MoE's router mixes them in once more: 2.5 ulps on an AMX machine).
+        # Four bf16 ulps at the largest logit; a wrong slice moves the logits by their own size.
+        assert difference <= 4 * 2**-7 * live.abs().max().item()
         assert (logits.argmax(-1) == live.argmax(-1)).float().mean() >= 0.9
     return difference

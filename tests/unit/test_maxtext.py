@@ -113,6 +113,7 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers)
                if assert_round_trip(family, name, source.hf_tensor(name), want)]
     if get_family(family).query_scaled:
         assert inexact, "the query kernel should have met a rounding (else this test proves less than it says)"
+    assert_fingerprints_are_what_a_read_returns(tmp_path / "out", sorted(original), with_moments=False)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mixtral", "gemma3", "gpt-oss", "deepseek-v3"])
@@ -134,16 +135,39 @@ def test_adam_moments_round_trip_for_every_family(tmp_path, family):
         return tensor.detach().numpy().copy()
 
     shapes = {n: tuple(p.shape) for n, p in [*params.items(), *buffers.items()]}
-    for scan_layers in (True, False):
+    for scan_layers, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16")):
         items = write_maxtext(load, shapes, get_family(family),
-                              ModelDims.from_config(config), tmp_path / f"out_{scan_layers}", dtype="float32",
+                              ModelDims.from_config(config), tmp_path / f"out_{scan_layers}_{dtype}", dtype=dtype,
                               progress=False, model_config=config, with_optimizer=True, optimizer_step=2,
                               scan_layers=scan_layers)
         source = MaxTextCheckpoint(items, get_family(family), config)
         assert source.has_optimizer and source.optimizer_step == 2
-        for name in shapes:
-            for state in ("fp32", "exp_avg", "exp_avg_sq"):
-                assert_round_trip(family, name, source.hf_tensor(name, state), load(name, state), state)
+        if dtype == "float32":
+            for name in shapes:
+                for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                    assert_round_trip(family, name, source.hf_tensor(name, state), load(name, state), state)
+        assert_fingerprints_are_what_a_read_returns(items.parent.parent, sorted(shapes), with_moments=True)
+
+
+def assert_fingerprints_are_what_a_read_returns(root, names, with_moments) -> None:
+    """The fingerprints to-maxtext recorded are those of the tensors a read returns (after every transform and
+    the stored dtype's rounding), to summation order: the reader hands them on to be enforced."""
+    from deepspeed_ext.checkpoint.fingerprint import Fingerprint
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    source = open_checkpoint(root)
+    recorded = source.info.fingerprints
+    assert recorded is not None and sorted(recorded.tensors) == names and recorded.rounding == 0.0
+    checked = 0
+    for tensor in source.tensors():
+        for state in ("fp32", "exp_avg", "exp_avg_sq") if with_moments else ("fp32", ):
+            saved = recorded.get(tensor.name, state)
+            if saved is None:  # a buffer outside the optimizer (DeepSeek's router bias): no moments written
+                assert state != "fp32" and tensor.name.endswith(".e_score_correction_bias"), (tensor.name, state)
+                continue
+            found = Fingerprint.of(tensor.load(state))
+            assert saved.agrees(found), (tensor.name, state, saved, found)
+            checked += 1
+    assert checked >= len(names)
 
 
 def test_orbax_internals_we_rely_on_are_still_there():
@@ -253,5 +277,7 @@ def test_with_optimizer_momentum_continues_on_the_jax_side(tmp_path, family):
             continue
         expected = [to_maxtext(leaf.rule.kind, params[n].detach().numpy(), dims, fam) for n in per_layer]
         expected = np.stack(expected, 1) if leaf.stacked else expected[0]
-        np.testing.assert_allclose(np.asarray(jax_new[leaf.name]), expected, rtol=1e-5, atol=1e-6,
+        # Adam divides by sqrt(v): where a gradient is tiny, the fp32 difference between the two forwards (CPU
+        # kernel dependent) shows as up to ~1e-4 of the step; a moment in the wrong place moves it by the step.
+        np.testing.assert_allclose(np.asarray(jax_new[leaf.name]), expected, rtol=1e-5, atol=1e-3 * 1e-2,
                                    err_msg=leaf.name)

@@ -197,14 +197,18 @@ def test_every_output_records_the_fingerprints_of_what_it_holds(sources, tmp_pat
     assert _run("to-maxtext", str(tmp_path / "hf"), "-o", str(tmp_path / "mt")).returncode == 0
     recorded_mt = json.loads((tmp_path / "mt" / "0" / "_CHECKPOINT_METADATA").read_text())
     mt_fingerprints = Fingerprints.from_json(recorded_mt["custom_metadata"]["deepspeed_ext"]["fingerprints"])
-    assert sorted(mt_fingerprints.tensors) == names and mt_fingerprints.rounding == 2.0**-7  # bf16 arrays
-    assert open_checkpoint(tmp_path / "mt").info.fingerprints is None  # recorded, not enforced on read (yet)
+    assert sorted(mt_fingerprints.tensors) == names and mt_fingerprints.rounding == 0.0  # what a read returns
+    read_mt = open_checkpoint(tmp_path / "mt")
+    assert read_mt.info.fingerprints is not None
+    for tensor in read_mt.tensors():  # the record is exact: the arrays undone from MaxText's layout in fp32
+        found = Fingerprint.of(tensor.load("fp32"))
+        assert read_mt.info.fingerprints.get(tensor.name, "fp32").agrees(found), tensor.name
     assert _run("from-maxtext", str(tmp_path / "mt"), "-o", str(tmp_path / "back")).returncode == 0
 
 
 def test_a_source_that_disagrees_with_its_record_is_refused(sources, tmp_path):
-    """A weight changed after it was written (HF): the conversion names the tensor and both values, exit 2,
-    nothing written."""
+    """A weight changed after it was written (HF), a record that no longer fits the arrays (MaxText): every
+    conversion from it (to universal, HF and MaxText) names the tensor and both values, exit 2, nothing written."""
     import json
     import struct
 
@@ -217,11 +221,24 @@ def test_a_source_that_disagrees_with_its_record_is_refused(sources, tmp_path):
     start, _ = header["model.norm.weight"]["data_offsets"]
     data[8 + size + start:8 + size + start + 8] = bytes(8)
     target.write_bytes(bytes(data))
-    proc = _run("from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "out"))
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "recorded fingerprints disagree" in lines[0] and "'model.norm.weight' fp32: recorded" in lines[0]
-    assert not (tmp_path / "out").exists()
+    for command in ("from-hf", "to-hf", "to-maxtext"):
+        proc = _run(command, str(tmp_path / "hf"), "-o", str(tmp_path / "out"))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (command, proc.stderr)
+        assert "recorded fingerprints disagree" in lines[0] and "'model.norm.weight' fp32: recorded" in lines[0]
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists(), command
+
+    shutil.copytree(sources / "maxtext", tmp_path / "mt")
+    metadata = tmp_path / "mt" / "0" / "_CHECKPOINT_METADATA"
+    content = json.loads(metadata.read_text())
+    recorded = content["custom_metadata"]["deepspeed_ext"]["fingerprints"]["tensors"]
+    fingerprint = recorded["model.layers.1.mlp.up_proj.weight"]["fp32"]
+    fingerprint[2] *= 1 + 1e-4  # the sum of squares off by far less than one bf16 rounding: still found
+    metadata.write_text(json.dumps(content))
+    for command in ("from-maxtext", "to-hf"):
+        proc = _run(command, str(tmp_path / "mt"), "-o", str(tmp_path / "out"))
+        assert proc.returncode == 2 and "'model.layers.1.mlp.up_proj.weight' fp32: recorded" in proc.stderr, command
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists(), command
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated array file", "stray file"])
