@@ -5,8 +5,9 @@ engine (torchrun, gloo, CPU).
 After one training step, ``--rounds`` rounds, alternating the order, of:
 
 * ``save_checkpoint`` as DeepSpeed alone does it (the engine's own method, unhooked) and with deepspeed-ext
-  (UC metadata + fingerprints: one all-reduce of 3 float64 numbers per parameter state);
-* the fingerprint computation alone (``engine_fingerprints``);
+  (UC metadata + fingerprints: each rank's sums on a thread while DeepSpeed writes, then one all-reduce of 3
+  float64 numbers per parameter state);
+* the fingerprint computation alone, not overlapped with anything (``engine_fingerprints``);
 * ``load_checkpoint`` of that save through the hook, which checks the fingerprints, and the check alone.
 
 Every number is the slowest rank's wall time; medians are reported with the ratios, measured in this one run.
@@ -110,7 +111,7 @@ def main() -> None:
     print(f"{'save_checkpoint, DeepSpeed alone':42} {median['save_plain']:8.3f}")
     print(f"{'save_checkpoint, with deepspeed-ext':42} {median['save_ext']:8.3f}   "
           f"{median['save_ext'] / median['save_plain'] - 1:+.1%}")
-    print(f"{'  of which the fingerprints':42} {median['fingerprints']:8.3f}   "
+    print(f"{'the fingerprints alone (overlapped in a save)':42} {median['fingerprints']:8.3f}   "
           f"{median['fingerprints'] / median['save_plain']:.1%} of the save")
     print(f"{'load_checkpoint, checked':42} {median['load_checked']:8.3f}")
     print(f"{'  of which the fingerprint check':42} {median['check']:8.3f}   "

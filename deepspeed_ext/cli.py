@@ -77,9 +77,15 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         if "RANK" not in os.environ:
             raise ValueError("--distributed runs under torchrun (torchrun --nproc_per_node K -m deepspeed_ext "
                              "to-universal --distributed ...)")
+        from deepspeed_ext.checkpoint.universal import RefusedOnEveryRank
         dist.init_process_group("gloo")
         try:
             out = _write(source, output, "universal", args, distributed=True, **options)
+        except RefusedOnEveryRank as exc:
+            # torchrun stops the other ranks as soon as one exits with an error: each says why, then all exit.
+            _say_error(str(exc))
+            dist.barrier()
+            return 2
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
@@ -118,12 +124,9 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
 
 
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
-    from deepspeed_ext.checkpoint.hf import check_fits_config
     source = _open(args.source, None, args.config, args.family, accept=_FROM_MAXTEXT_READS)
     info = source.info
-    check_fits_config(info.model_config, {name: layout.shape for name, layout in info.layouts.items()},
-                      str(args.source))
-    out = _write(source, args.output, "universal", args, progress_label="from-maxtext")
+    out = _write(source, args.output, "universal", args, progress_label="from-maxtext", check_config_fit=True)
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if info.has_optimizer else
                      "fresh optimizer state")
@@ -486,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DeepSpeedExtError, ValueError, OSError) as exc:
         if args.debug:
             raise
-        print(f"deepspeed-ext: error: {exc}", file=sys.stderr)
+        _say_error(str(exc))
         return 2
     except (KeyError, TypeError, AttributeError, IndexError, AssertionError) as exc:
         # A structure no reader check anticipated: still one line, naming the input, never a traceback.
@@ -498,6 +501,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}); the checkpoint is "
               "damaged or in a layout deepspeed-ext does not know (--debug shows where)", file=sys.stderr)
         return 2
+
+
+def _say_error(message: str) -> None:
+    """``deepspeed-ext: error: MESSAGE`` on stderr in one write, so the ranks of a torchrun (unbuffered, one
+    pipe) never run their lines together."""
+    sys.stderr.write(f"deepspeed-ext: error: {message}\n")
+    sys.stderr.flush()
 
 
 def _interrupted() -> int:

@@ -167,23 +167,94 @@ def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
 
 
 def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
+    """``save_checkpoint`` that also writes our UC info (layouts, model config, fingerprints) into the tag.
+
+    The fingerprints' sums run on a thread while DeepSpeed writes its files (a save waits on the disk, and
+    the sums only read what it writes), then one all-reduce adds the ranks' sums up. The UC info goes in
+    before the ``latest`` pointer, so a tag that ``latest`` names always has it: DeepSpeed is asked not to
+    write ``latest`` and it is written here, after. A checkpoint engine that commits later (decoupled,
+    asynchronous) writes ``latest`` at its commit: there the sums run first and the UC info is written before
+    DeepSpeed's files, as without fingerprints."""
     original = engine.save_checkpoint
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit
-        tag = str(tag)
-        if fingerprints != "off":  # collective: every rank saves
-            info.fingerprints = _save_fingerprints(engine)
-        if engine.global_rank == 0:
-            info.optimizer_param_names = _stage0_optimizer_param_names(engine)
-            # Written before DeepSpeed's files and its 'latest' pointer, so a tag that 'latest'
-            # names always has its UC info.
-            write_uc_info(os.path.join(save_dir, tag), info)
-        return original(save_dir, tag, *args, **kwargs)
+        call = signature.bind(save_dir, str(tag), *args, **kwargs)
+        tag_dir = os.path.join(save_dir, str(tag))
+        checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+        decoupled = checkpoint_engine is not None and checkpoint_engine.is_decoupled()
+        if fingerprints == "off" or decoupled:
+            if fingerprints != "off":  # collective: every rank saves
+                info.fingerprints = _save_fingerprints(engine, _local_sums(engine))
+            _write_info(engine, info, tag_dir)
+            return original(*call.args, **call.kwargs)
+        save_latest = call.arguments.get("save_latest", True)
+        call.arguments["save_latest"] = False
+        sums = _SumsThread(engine)
+        try:
+            result = original(*call.args, **call.kwargs)
+        except BaseException:
+            sums.join()  # DeepSpeed's error is the one to see
+            raise
+        local = sums.result()
+        info.fingerprints = _save_fingerprints(engine, local)
+        _write_info(engine, info, tag_dir)
+        if save_latest and engine.global_rank == 0:
+            _write_latest(save_dir, str(tag))
+        _barrier()
+        return result
 
     engine.save_checkpoint = save_checkpoint
+
+
+def _write_info(engine: Any, info: UCInfo, tag_dir: str) -> None:
+    if engine.global_rank == 0:
+        info.optimizer_param_names = _stage0_optimizer_param_names(engine)
+        write_uc_info(tag_dir, info)
+
+
+def _write_latest(save_dir: str, tag: str) -> None:
+    """DeepSpeed's ``latest`` pointer (the tag's name), replaced whole."""
+    latest = os.path.join(save_dir, "latest")
+    with open(latest + ".tmp", "w") as handle:
+        handle.write(tag)
+    os.replace(latest + ".tmp", latest)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class _SumsThread:
+    """This rank's fingerprint sums, computed on a thread (torch's kernels release the GIL)."""
+
+    def __init__(self, engine: Any):
+        import threading
+        self._local: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(engine, ), name="deepspeed-ext-fingerprints",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, engine: Any) -> None:
+        try:
+            self._local = _local_sums(engine)
+        except BaseException as exc:  # handed to the caller, which re-raises it on its own thread
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._local
 
 
 def _stage0_optimizer_param_names(engine: Any) -> list[list[str]] | None:
@@ -199,9 +270,15 @@ def _stage0_optimizer_param_names(engine: Any) -> list[list[str]] | None:
     return [[names[id(param)] for param in group] for group in zero0.live_param_groups(optimizer)]
 
 
-def _save_fingerprints(engine: Any) -> Any:
-    from deepspeed_ext.checkpoint.fingerprint import engine_fingerprints
-    found, problems = engine_fingerprints(engine)
+def _local_sums(engine: Any) -> Any:
+    from deepspeed_ext.checkpoint.fingerprint import local_engine_sums
+    return local_engine_sums(engine)
+
+
+def _save_fingerprints(engine: Any, local: Any) -> Any:
+    """The fingerprints from this rank's sums (collective: every rank saves)."""
+    from deepspeed_ext.checkpoint.fingerprint import reduce_engine_sums
+    found, problems = reduce_engine_sums(local)
     if problems and engine.global_rank == 0:
         logger.warning("saving a training state that is not consistent across ranks: %s", "; ".join(problems))
     return found

@@ -235,6 +235,25 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
     a replicated tensor; its ZeRO partition, or DP rank 0 without ZeRO), then one all-reduce over all ranks
     adds the sums up; the full tensors are never assembled.
     """
+    return reduce_engine_sums(local_engine_sums(engine, with_moments))
+
+
+@dataclass
+class LocalSums:
+    """One rank's share of an engine's fingerprints, before the all-reduce that adds the ranks' shares up."""
+
+    params: list[str]
+    states: tuple[str, ...]
+    sums: torch.Tensor  # [param, state, (numel, sum, sum of squares)], float64
+    buffers: list[tuple[str, torch.dtype]]
+    buffer_sums: torch.Tensor  # [buffer, (numel, sum, sum of squares)]
+    spread: torch.Tensor  # (max step, -min step, max global steps, -min global steps)
+    with_moments: bool
+
+
+def local_engine_sums(engine: Any, with_moments: bool = True) -> LocalSums:
+    """This rank's share of :func:`engine_fingerprints`: no collective, so it can run on a thread while the
+    engine saves (nothing it reads changes during a save)."""
     import torch
     import torch.distributed as dist
 
@@ -277,24 +296,36 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
     steps = _live_steps(engine, base)
     # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
     spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
-    if distributed:
-        dist.all_reduce(sums)
-        dist.all_reduce(buffer_sums)
-        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return LocalSums([name for name, _ in params], states, sums, [(name, buffer.dtype) for name, buffer in buffers],
+                     buffer_sums, spread, with_moments)
+
+
+def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
+    """The engine's fingerprints from every rank's :class:`LocalSums` (collective: one all-reduce each of the
+    sums and the steps), and any disagreement between the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(local.sums)
+        dist.all_reduce(local.buffer_sums)
+        dist.all_reduce(local.spread, op=dist.ReduceOp.MAX)
     found, problems = Fingerprints(), []
-    for i, (name, _) in enumerate(params):
-        for j, state in enumerate(states):
-            numel, total, total_sq = sums[i, j].tolist()
+    for i, name in enumerate(local.params):
+        for j, state in enumerate(local.states):
+            numel, total, total_sq = local.sums[i, j].tolist()
             if numel:
                 found.add(name, state, Fingerprint(int(numel), total, total_sq))
-    for (name, buffer), row in zip(buffers, buffer_sums.tolist(), strict=True):
+    for (name, dtype), row in zip(local.buffers, local.buffer_sums.tolist(), strict=True):
         if row[0]:
             found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
-            if buffer.dtype in (torch.bfloat16, torch.float16):
-                found.roundings[name] = float(torch.finfo(buffer.dtype).eps)
-            if with_moments:  # no optimizer steps a buffer: checkpoints carry its moments as zeros
+            if dtype in (torch.bfloat16, torch.float16):
+                found.roundings[name] = float(torch.finfo(dtype).eps)
+            if local.with_moments:  # no optimizer steps a buffer: checkpoints carry its moments as zeros
                 for state in ADAM_STATES:
                     found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
+    spread = local.spread
     for index, key in ((0, "step"), (2, "global_steps")):
         high, low = spread[index].item(), -spread[index + 1].item()
         if high != low:

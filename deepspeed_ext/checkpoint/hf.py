@@ -21,13 +21,14 @@ read back by ``safetensors.safe_open`` in the tests. Reading uses ``safe_open`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,67 @@ def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: 
         raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
 
 
+class ConfigFit:
+    """Whether a checkpoint's parameters fit transformers' model for its config, found on a thread.
+
+    Importing transformers' config and model code and building the model on the meta device takes 2-4 s of a
+    command's start; a writer starts this first and streams tensors meanwhile (torch's kernels and file I/O
+    release the GIL). Each tensor read polls it (:meth:`stream`, :meth:`loader`), so a wrong config still
+    stops the conversion within seconds of its start, and the writer takes :meth:`result` (transformers'
+    config) before it publishes anything.
+    """
+
+    def __init__(self, model_config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str,
+                 dtype: torch.dtype | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+        executor = ThreadPoolExecutor(1, thread_name_prefix="deepspeed-ext-config-check")
+        self._future = executor.submit(self._check, dict(model_config), dict(shapes), source, dtype)
+        executor.shutdown(wait=False)
+
+    @staticmethod
+    def _check(model_config: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str,
+               dtype: torch.dtype | None) -> Any:
+        config = hf_config(model_config, dtype, source)
+        check_fits_config(config, shapes, source)
+        return config
+
+    def poll(self) -> None:
+        """Raise the check's error if it has found one by now."""
+        if self._future.done():
+            self._future.result()
+
+    def result(self) -> Any:
+        """transformers' config, once the parameters are known to fit it (or the error saying why not)."""
+        return self._future.result()
+
+    @contextlib.contextmanager
+    def first(self) -> Iterator[None]:
+        """A conversion error raised inside waits for this check and gives way to its error: a config that does
+        not fit the parameters is the cause to name, not what went wrong downstream of it."""
+        try:
+            yield
+        except CheckpointError:
+            self.result()
+            raise
+
+    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
+        for tensor in tensors:
+            yield replace(tensor, loader=self._polling_loader(tensor))
+
+    def _polling_loader(self, tensor: LogicalTensor) -> Callable[[str], Any]:
+        def load(state: str) -> Any:
+            self.poll()
+            return tensor.loader(state)
+        return load
+
+    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+        """``load(name, state)`` that polls first."""
+        def polled(name: str, state: str) -> Any:
+            self.poll()
+            return load(name, state)
+        return polled
+
+
 @dataclass(frozen=True)
 class HFOptions(WriteOptions):
     """``dtype``: of the weights written (``source``: the dtype the source model had); ``max_shard_size``: the
@@ -317,36 +379,39 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
         raise CheckpointError(f"{label}: no parameters to write")
     out_dtypes = {t.name: output_dtype(dtype, t.dtype) for t in params}
     weights_dtype = max(out_dtypes.values(), key=list(out_dtypes.values()).count)
-    config = hf_config(model_config, weights_dtype, label)
-    check_fits_config(config, {t.name: tuple(t.shape) for t in params}, label)
-
-    splits = hf_expert_splits(model_config.get("model_type"))
-    pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
-    plan = {entry.name: entry for entries in pieces.values() for entry in entries}
-    split = split_state_dict_into_shards_factory(plan, get_storage_size=lambda entry: entry.nbytes,
-                                                 filename_pattern=FILENAME_PATTERN,
-                                                 max_shard_size=options.max_shard_size)
-    if dropped_tied:
-        _check_tied(tensors, label)
-    with output.staged(out) as partial:
-        _write_shards(partial, split.filename_to_tensors, plan, params, pieces, options.progress)
-        if finite is not None:
-            finite.raise_if_any()
-        if recorded is not None:
-            recorded.raise_if_wrong()
-        config.save_pretrained(partial)
-        for name, companion in companions.items():
-            shutil.copyfile(companion, partial / name)
-        if GENERATION_CONFIG not in companions:
-            _write_generation_config(config, partial)
-        if split.is_sharded:  # the index comes after every shard: without it a multi-shard output does not load
-            index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
-                                  "total_size": split.metadata["total_size"]},
-                     "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-            tmp = partial / (INDEX_FILE + ".tmp")
-            tmp.write_text(json.dumps(index, indent=2) + "\n")
-            os.replace(tmp, partial / INDEX_FILE)
-        ManifestRecorder(partial).write()
+    fit = ConfigFit(model_config, {t.name: tuple(t.shape) for t in params}, label, weights_dtype)
+    params = list(fit.stream(params))
+    tensors = {**tensors, **{t.name: t for t in params}}
+    with fit.first():
+        splits = hf_expert_splits(model_config.get("model_type"))
+        pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
+        plan = {entry.name: entry for entries in pieces.values() for entry in entries}
+        split = split_state_dict_into_shards_factory(plan, get_storage_size=lambda entry: entry.nbytes,
+                                                     filename_pattern=FILENAME_PATTERN,
+                                                     max_shard_size=options.max_shard_size)
+        if dropped_tied:
+            _check_tied(tensors, label)
+        with output.staged(out) as partial:
+            _write_shards(partial, split.filename_to_tensors, plan, params, pieces, options.progress)
+            if finite is not None:
+                finite.raise_if_any()
+            if recorded is not None:
+                recorded.raise_if_wrong()
+            config = fit.result()
+            config.save_pretrained(partial)
+            for name, companion in companions.items():
+                shutil.copyfile(companion, partial / name)
+            if GENERATION_CONFIG not in companions:
+                _write_generation_config(config, partial)
+            # The index comes after every shard: without it a multi-shard output does not load.
+            if split.is_sharded:
+                index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
+                                      "total_size": split.metadata["total_size"]},
+                         "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+                tmp = partial / (INDEX_FILE + ".tmp")
+                tmp.write_text(json.dumps(index, indent=2) + "\n")
+                os.replace(tmp, partial / INDEX_FILE)
+            ManifestRecorder(partial).write()
     return Path(given)
 
 

@@ -43,6 +43,7 @@ from deepspeed_ext.checkpoint.source import (ADAM_STATES, MASTER_WEIGHTS, STEP, 
 from deepspeed_ext.errors import CheckpointError, MissingConfigError, first_line
 
 if TYPE_CHECKING:  # torch only where tensors are handed over: reshard-orbax needs none
+    from deepspeed_ext.checkpoint.hf import ConfigFit
     from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck
     from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -587,43 +588,45 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     """Write ``source`` as a MaxText Orbax checkpoint at ``out``; returns ``out/0/items`` (MaxText's
     ``load_parameters_path``). One tensor is read when Orbax writes the leaf that needs it."""
     from deepspeed_ext.checkpoint.families import get_family, infer_family
-    from deepspeed_ext.checkpoint.hf import check_fits_config
+    from deepspeed_ext.checkpoint.hf import ConfigFit
     from deepspeed_ext.checkpoint.tensor import record_check
     info = source.info
     label = str(info.given)
     config = required_model_config(info)
     family = get_family(options.family) if options.family else infer_family(config)
     tensors = {tensor.name: tensor for tensor in source.tensors()}
-    check_fits_config(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
+    fit = ConfigFit(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
 
     def load(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
         return tensors[name].load_tensor(state).detach().float().numpy()
 
-    optimizer_step = None
-    if options.with_optimizer:
-        first = next(iter(tensors.values()))
-        if STEP not in first.states:
-            raise CheckpointError(f"{label}: no optimizer step to carry (--with-optimizer)")
-        value = first.load(STEP)
-        optimizer_step = int(value.item() if hasattr(value, "item") else value)
-    mesh = parse_mesh(options.mesh) if isinstance(options.mesh, str) else options.mesh
-    return write_maxtext(load, {name: t.shape for name, t in tensors.items()},
-                         family,
-                         ModelDims.from_config(config),
-                         out,
-                         scan_layers=options.scan_layers,
-                         dtype=options.dtype,
-                         overwrite=options.overwrite,
-                         progress=options.progress,
-                         source=label,
-                         model_config=config,
-                         step=info.global_step,
-                         mesh=mesh,
-                         with_optimizer=options.with_optimizer,
-                         optimizer_step=optimizer_step,
-                         finite=finite_check(source, options),
-                         recorded=record_check(info),
-                         protect=protected_paths(source, options))
+    with fit.first():  # a config that does not fit is named before what follows from it
+        optimizer_step = None
+        if options.with_optimizer:
+            first = next(iter(tensors.values()))
+            if STEP not in first.states:
+                raise CheckpointError(f"{label}: no optimizer step to carry (--with-optimizer)")
+            value = first.load(STEP)
+            optimizer_step = int(value.item() if hasattr(value, "item") else value)
+        mesh = parse_mesh(options.mesh) if isinstance(options.mesh, str) else options.mesh
+        return write_maxtext(load, {name: t.shape for name, t in tensors.items()},
+                             family,
+                             ModelDims.from_config(config),
+                             out,
+                             scan_layers=options.scan_layers,
+                             dtype=options.dtype,
+                             overwrite=options.overwrite,
+                             progress=options.progress,
+                             source=label,
+                             model_config=config,
+                             step=info.global_step,
+                             mesh=mesh,
+                             with_optimizer=options.with_optimizer,
+                             optimizer_step=optimizer_step,
+                             finite=finite_check(source, options),
+                             recorded=record_check(info),
+                             fit=fit,
+                             protect=protected_paths(source, options))
 
 
 def write_maxtext(load: Callable[..., np.ndarray],
@@ -644,6 +647,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
                   optimizer_step: int | None = None,
                   finite: FiniteCheck | None = None,
                   recorded: RecordCheck | None = None,
+                  fit: ConfigFit | None = None,
                   protect: Iterable[str | Path] = ()) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
@@ -665,6 +669,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
     numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it. ``finite``: check
     every tensor for NaN/Inf; if any has them, the written checkpoint is removed and nothing is left.
     ``recorded``: likewise, check what ``load`` returns against the fingerprints the source recorded.
+    ``fit``: the check that the tensors fit transformers' model for the config, running on a thread: polled
+    at each load, and its answer awaited before anything is published.
     ``protect``: the source's paths, which the output may not touch; the output is built aside and published
     whole (:mod:`deepspeed_ext.checkpoint.output`).
     """
@@ -677,7 +683,7 @@ def write_maxtext(load: Callable[..., np.ndarray],
     out = output.prepare(out, protect, overwrite=overwrite)  # absolute: OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, scan_layers, source)  # validates before anything is written
     states = STATES if with_optimizer else STATES[:1]
-    for check in (finite, recorded):
+    for check in (finite, recorded, fit):
         load = check.loader(load) if check is not None else load
     # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
     # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
@@ -748,6 +754,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
             finite.raise_if_any()
         if recorded is not None:
             recorded.raise_if_wrong()
+        if fit is not None:
+            fit.result()
         _record_fingerprints(partial / STEP_DIR, read_back.total(step=optimizer_step if with_optimizer else None,
                                                                   global_steps=int(step)))
 

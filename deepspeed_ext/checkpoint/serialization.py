@@ -26,24 +26,89 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
 
-def _allowed_globals() -> list[Any]:
-    """DeepSpeed classes found in optimizer and universal files (plain data classes and an IntEnum)."""
-    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, SubparamShape, collections.OrderedDict]
+#: The DeepSpeed classes its checkpoint files legitimately contain (plain data classes and an IntEnum), by the
+#: name their pickles give.
+DEEPSPEED_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.checkpoint.universal_checkpoint.SubparamShape",
+)
 
 
-_ALLOWED: list[Any] | None = None
-_LOAD_LOCK = threading.Lock()
+class DeepSpeedStandIn:
+    """A DeepSpeed data object read without importing DeepSpeed (half a second of a command's start): the
+    fields its pickle set, readable as attributes like the real object's. :func:`save` writes the real class
+    back, so nothing we write differs from what DeepSpeed wrote."""
+
+    deepspeed_class: str = ""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
+        return f"{self.deepspeed_class.rsplit('.', 1)[-1]}({fields})"
+
+    def to_deepspeed(self) -> Any:
+        cls = _deepspeed_class(self.deepspeed_class)
+        obj = cls.__new__(cls)
+        obj.__dict__.update(vars(self))
+        return obj
+
+
+class ZeroStageStandIn(int):
+    """DeepSpeed's ``ZeroStageEnum`` (an IntEnum) read without DeepSpeed: the stage as an int."""
+
+    deepspeed_class = "deepspeed.runtime.zero.config.ZeroStageEnum"
+
+    def to_deepspeed(self) -> Any:
+        return _deepspeed_class(self.deepspeed_class)(int(self))
+
+
+def _stand_in(name: str) -> type:
+    if name.endswith(".ZeroStageEnum"):
+        return ZeroStageStandIn
+    return type(name.rsplit(".", 1)[-1], (DeepSpeedStandIn, ), {"deepspeed_class": name,
+                                                                 "__module__": __name__})
+
+
+_STAND_INS = {name: _stand_in(name) for name in DEEPSPEED_CLASSES}
+
+
+def _deepspeed_class(name: str) -> Any:
+    import importlib
+    module, _, attr = name.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
 
 
 def allowed_globals() -> list[Any]:
-    global _ALLOWED
-    if _ALLOWED is None:
-        _ALLOWED = _allowed_globals()
-    return _ALLOWED
+    """What a checkpoint's pickles may name: DeepSpeed's classes where DeepSpeed is already imported (a live
+    engine: what it gets back is its own), else stand-ins, so a command that only reads does not import it."""
+    if "deepspeed" in sys.modules:
+        return [*(_deepspeed_class(name) for name in DEEPSPEED_CLASSES), collections.OrderedDict]
+    return [*((cls, name) for name, cls in _STAND_INS.items()), collections.OrderedDict]
+
+
+def with_real_classes(obj: Any) -> Any:
+    """``obj`` with every stand-in replaced by the DeepSpeed object it stands for (containers copied only where
+    they hold one)."""
+    if isinstance(obj, (DeepSpeedStandIn, ZeroStageStandIn)):
+        return obj.to_deepspeed()
+    if isinstance(obj, dict):
+        items = {key: with_real_classes(value) for key, value in obj.items()}
+        if any(items[key] is not value for key, value in obj.items()):
+            copy = obj.copy()
+            copy.update(items)
+            return copy
+        return obj
+    if isinstance(obj, (list, tuple)):
+        values = [with_real_classes(value) for value in obj]
+        if any(new is not old for new, old in zip(values, obj)):
+            return type(obj)(values) if type(obj) in (list, tuple) else type(obj)(*values)
+        return obj
+    return obj
+
+
+_LOAD_LOCK = threading.Lock()
 
 
 def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
@@ -72,7 +137,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with _without_crc32():
-            torch.save(obj, tmp)
+            torch.save(with_real_classes(obj), tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch reports a failed write (disk full, size limit) as RuntimeError
         tmp.unlink(missing_ok=True)

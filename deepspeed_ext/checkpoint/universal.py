@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable, Iterator
 
 import torch
@@ -36,11 +36,14 @@ from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
-                                             protected_paths)
+                                             protected_paths, required_model_config)
 from deepspeed_ext.checkpoint.tensor import (ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor,
                                            check_against_record)
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
+
+if TYPE_CHECKING:
+    from deepspeed_ext.checkpoint.hf import ConfigFit
 
 OPTIMIZER_STATE_FILE = keys.UNIVERSAL_OPTIMIZER_STATE_FILE
 TENSOR_STATES = (MASTER_WEIGHTS, *ADAM_STATES)
@@ -73,6 +76,9 @@ class UniversalOptions(WriteOptions):
     #: ``out`` is the universal tag directory itself, with ``latest_universal`` naming it in its parent (as
     #: upstream ``ds_to_universal --output_folder`` writes), rather than a save directory to write one into.
     tag_directory: bool = False
+    #: Check that the parameters fit transformers' model for the source's model config (from-maxtext, where the
+    #: config may come from --config), on a thread while the tensors stream; nothing is published if not.
+    check_config_fit: bool = False
 
 
 def universal_name(info: SourceInfo) -> str:
@@ -120,11 +126,19 @@ def write(source: CheckpointSource, out: str | Path | None = None,
         if options.distributed:
             _write_distributed(source, universal, bar, finite)
         else:
-            manifest = ManifestRecorder(universal)
-            written = _write_tensors(source, list(info.layouts), universal, bar, manifest,
-                                     first=lambda: _write_summary(source, universal), finite=finite)
-            _write_uc_info(source, universal, written)
-            manifest.write()
+            fit = None
+            if options.check_config_fit:
+                from deepspeed_ext.checkpoint.hf import ConfigFit
+                fit = ConfigFit(required_model_config(info), {name: layout.shape for name, layout in
+                                                              info.layouts.items()}, str(info.given))
+            with fit.first() if fit is not None else contextlib.nullcontext():
+                manifest = ManifestRecorder(universal)
+                written = _write_tensors(source, list(info.layouts), universal, bar, manifest,
+                                         first=lambda: _write_summary(source, universal), finite=finite, fit=fit)
+                if fit is not None:
+                    fit.result()
+                _write_uc_info(source, universal, written)
+                manifest.write()
     if options.distributed:
         import torch.distributed as dist
         dist.barrier()  # nobody returns before the output and its pointer are in place
@@ -147,6 +161,11 @@ def _prepare(source: CheckpointSource, out: str | Path | None, options: Universa
     return output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), name
 
 
+class RefusedOnEveryRank(CheckpointError):
+    """A ``--distributed`` conversion refused by every rank together (:func:`_all_ranks_agree`), each with its
+    own message: the ranks can still meet to exit together."""
+
+
 def _all_ranks_agree(error: BaseException | None, elsewhere: str) -> None:
     """Collective: raise on every rank if any rank failed (its own error there, ``elsewhere`` on the others),
     so no rank is left waiting for one that gave up."""
@@ -154,7 +173,7 @@ def _all_ranks_agree(error: BaseException | None, elsewhere: str) -> None:
     failed = torch.tensor([0 if error is None else 1])
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
-        raise error or CheckpointError(elsewhere)
+        raise RefusedOnEveryRank(str(error) if error is not None else elsewhere) from error
 
 
 def _rank() -> int:
@@ -213,7 +232,7 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: str 
 
 def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, progress: str | None,
                    manifest: ManifestRecorder, first: Callable[[], None] | None = None,
-                   finite: FiniteCheck | None = None) -> Fingerprints:
+                   finite: FiniteCheck | None = None, fit: ConfigFit | None = None) -> Fingerprints:
     """The per-parameter files of ``names``, each recorded in ``manifest`` by the thread that wrote it;
     ``first`` (the summary files) runs on a writer thread meanwhile. ``progress``: the progress bar's label, or
     None for no bar. Returns the fingerprints of what was written, checked against the source's record."""
@@ -233,8 +252,10 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
     with serialization.BackgroundWriter() as writer:
         if first is not None:
             writer.submit(first)
-        stream = (t for t in source.tensors() if t.name in wanted)
-        for tensor in tqdm(finite.stream(stream) if finite else stream, total=len(names), desc=progress,
+        stream: Iterator[LogicalTensor] = (t for t in source.tensors() if t.name in wanted)
+        for check in (finite, fit):
+            stream = check.stream(stream) if check is not None else stream
+        for tensor in tqdm(stream, total=len(names), desc=progress,
                            unit="param", disable=progress is None):
             param_dir = zero / tensor.name
             param_dir.mkdir()

@@ -168,3 +168,18 @@ def test_correct_resume_logs_one_match(scenarios, saved, tmp_path, loader, sourc
     assert len(matches) == 1, output[-3000:]
     recorded = json.loads(((saved.tag_dir if direct else saved.universal_dir) / "deepspeed_ext.json").read_text())
     assert f"{sum(len(s) for s in recorded['fingerprints']['tensors'].values()) + 2} states" in matches[0], matches
+
+
+def test_a_save_records_fingerprints_before_latest_and_keeps_save_latest_false(tmp_path):
+    """The fingerprints' sums overlap DeepSpeed's writes; the UC info (with them) still lands before the
+    ``latest`` pointer, which is written only where DeepSpeed would have (``save_latest=False``: none), and the
+    two saves of the same state record the same fingerprints."""
+    main, side = tmp_path / "main", tmp_path / "side"
+    torchrun_train(2, ["--tp", "2", "--zero", "1", "--dtype", "bf16", "--steps", "2", "--save-dir", str(main),
+                       "--save-at", "2", "--also-save-without-latest", str(side)], tmp_path / "train.log")
+    assert (main / "latest").read_text() == "global_step2" and not (side / "latest").exists()
+    assert not list(main.glob("latest*.tmp"))
+    recorded = [json.loads((root / "global_step2" / "deepspeed_ext.json").read_text())["fingerprints"]
+                for root in (main, side)]
+    assert recorded[0]["tensors"] and recorded[0] == recorded[1]
+    assert recorded[0]["step"] == 2 and recorded[0]["global_steps"] == 2

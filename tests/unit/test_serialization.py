@@ -57,3 +57,43 @@ def test_threads_loading_and_saving_keep_the_allow_list_and_the_crc_setting(tmp_
     for i in range(32):
         serialization.save(torch.full((1 << 18, ), float(i)), tmp_path / "main" / f"{i}.pt")
         assert (tmp_path / "main" / f"{i}.pt").read_bytes() == (tmp_path / f"{i}.pt").read_bytes(), i
+
+
+def test_deepspeed_objects_read_without_deepspeed_are_written_back_as_deepspeeds_own(tmp_path):
+    """A process that has not imported DeepSpeed reads its objects as stand-ins (no half-second import for a
+    command that only reads); what it saves holds DeepSpeed's own classes again, field for field, so the
+    files it writes are what DeepSpeed wrote."""
+    import subprocess
+    import sys
+
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1.0, delayed_shift=2,
+                               consecutive_hysteresis=False)
+    scaler.cur_iter, scaler.last_overflow_iter = 7, 3
+    saved = {"zero_stage": ZeroStageEnum.gradients, "loss_scaler": scaler,
+             "mappings": [{"w": fragment_address(numel=12, start=4)}],
+             "shape": SubparamShape(patterns=["x"], shape=(2, 3), partition_dim=0), "tensor": torch.arange(5.0)}
+    torch.save(saved, tmp_path / "optim.pt")
+    script = f"""
+import sys
+from deepspeed_ext.checkpoint import serialization
+state = serialization.load({str(tmp_path / "optim.pt")!r})
+assert "deepspeed" not in sys.modules, "reading imported DeepSpeed"
+assert state["zero_stage"] == 2 and state["zero_stage"] + 1 == 3
+assert state["loss_scaler"].cur_scale == 2.0**16 and state["loss_scaler"].cur_iter == 7
+assert state["mappings"][0]["w"].start == 4 and state["mappings"][0]["w"].numel == 12
+assert "fragment_address" in repr(state["mappings"][0]["w"])
+serialization.save(state, {str(tmp_path / "again.pt")!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again = serialization.load(tmp_path / "again.pt")
+    assert type(again["zero_stage"]) is ZeroStageEnum and again["zero_stage"] == ZeroStageEnum.gradients
+    assert type(again["loss_scaler"]) is DynamicLossScaler and vars(again["loss_scaler"]) == vars(scaler)
+    address = again["mappings"][0]["w"]
+    assert type(address) is fragment_address and (address.numel, address.start) == (12, 4)
+    assert type(again["shape"]) is SubparamShape and again["shape"] == saved["shape"]
+    assert torch.equal(again["tensor"], saved["tensor"])

@@ -4,6 +4,7 @@
                         and the logits of a fixed batch, into DIR/tp_rank_<r>.pt and DIR/logits_tp_rank_<r>.pt
     --dump-loaded DIR   the same, right after load_checkpoint
     --allow-cpu-fp16    let DeepSpeed's CPU accelerator run fp16 (see allow_cpu_fp16)
+    --also-save-without-latest DIR   at save time, first engine.save_checkpoint(DIR, save_latest=False)
 
 With ``--result``, the fp16 loss scale each step ended with is recorded under ``loss_scales``.
 """
@@ -92,13 +93,21 @@ def main() -> None:
     probes.add_argument("--dump")
     probes.add_argument("--dump-loaded")
     probes.add_argument("--allow-cpu-fp16", action="store_true")
+    probes.add_argument("--also-save-without-latest")
     args, rest = probes.parse_known_args()
     if args.allow_cpu_fp16:
         allow_cpu_fp16()
+
+    def before_save(engine: Any, tp_rank: int) -> None:
+        if args.dump:
+            dump_live_state(engine, Path(args.dump), tp_rank)
+        if args.also_save_without_latest:
+            engine.save_checkpoint(args.also_save_without_latest, save_latest=False)
+
     hooks = train.Hooks(
         after_load=(lambda engine, tp_rank: dump_live_state(engine, Path(args.dump_loaded), tp_rank))
         if args.dump_loaded else None,
-        before_save=(lambda engine, tp_rank: dump_live_state(engine, Path(args.dump), tp_rank)) if args.dump else None,
+        before_save=before_save if args.dump or args.also_save_without_latest else None,
         after_step=loss_scale,
         result_key="loss_scales")
     train.main(rest, hooks)

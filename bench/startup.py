@@ -1,0 +1,118 @@
+"""Startup: each command, whole, on the built-in tiny model, against ``python -c "import torch"``.
+
+The tiny checkpoint (95K parameters, TP=2, ZeRO-1, bf16, saved by the real engine) holds a few hundred
+kilobytes, so a command's wall time on it is its fixed cost: interpreter start, imports, metadata, writing
+the output's small files. That bounds from above the time from process start to the first tensor processed,
+which is what the targets name (1.5 s for ``to-universal``, ``inspect``, ``verify``; 3 s for ``to-hf``,
+``from-hf``, ``to-maxtext``, ``from-maxtext``). The page cache is warm (the Python environment and the
+checkpoint are read once before the rounds), as on a machine in use; commands alternate their order each
+round and each row is the median of ``--rounds``.
+
+    python bench/startup.py                  # 5 rounds (about 3 minutes)
+    python bench/startup.py --importtime     # also where each command's imports go (-X importtime, top 8)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import build_tiny_checkpoint  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGETS = {"to-universal": 1.5, "inspect": 1.5, "verify": 1.5, "to-hf": 3.0, "from-hf": 3.0, "to-maxtext": 3.0,
+           "from-maxtext": 3.0}
+ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"}
+
+
+def commands(tag_dir: Path, work: Path) -> dict[str, tuple[list[str], Path | None]]:
+    """Each command and the output it writes (removed before each run). The inputs of verify, from-hf and
+    from-maxtext are written once, before the rounds."""
+    ext = [sys.executable, "-m", "deepspeed_ext"]
+    return {
+        'python -c "import torch"': ([sys.executable, "-c", "import torch"], None),
+        "to-universal": ([*ext, "to-universal", str(tag_dir), "-o", str(work / "universal"), "-q"],
+                         work / "universal"),
+        "inspect": ([*ext, "inspect", str(tag_dir)], None),
+        "verify": ([*ext, "verify", str(work / "input_universal")], None),
+        "to-hf": ([*ext, "to-hf", str(tag_dir), "-o", str(work / "hf"), "-q"], work / "hf"),
+        "from-hf": ([*ext, "from-hf", str(work / "input_hf"), "-o", str(work / "from_hf"), "-q"], work / "from_hf"),
+        "to-maxtext": ([*ext, "to-maxtext", str(tag_dir), "-o", str(work / "maxtext"), "-q"], work / "maxtext"),
+        "from-maxtext": ([*ext, "from-maxtext", str(work / "input_maxtext"), "-o", str(work / "from_maxtext"), "-q"],
+                         work / "from_maxtext"),
+    }
+
+
+def run(cmd: list[str], out: Path | None) -> float:
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
+    took = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
+    return took
+
+
+def import_profile(cmd: list[str], out: Path | None, top: int) -> list[tuple[float, str]]:
+    """The slowest top-level imports of ``cmd`` (-X importtime), in seconds."""
+    if out is not None:
+        shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], capture_output=True, text=True, cwd=ROOT, env=ENV)
+    rows = []
+    for line in proc.stderr.splitlines():
+        match = re.match(r"import time:\s+\d+ \|\s+(\d+) \| (\S.*)$", line)  # depth 0: no indent after "| "
+        if match:
+            rows.append((int(match.group(1)) / 1e6, match.group(2)))
+    return sorted(rows, reverse=True)[:top]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="/tmp/deepspeed_ext_bench")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--importtime", action="store_true", help="also profile each command's imports")
+    args = p.parse_args()
+    tag_dir = build_tiny_checkpoint(Path(args.workdir) / "startup")
+    work = Path(args.workdir) / "startup_outputs"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    ext = [sys.executable, "-m", "deepspeed_ext"]
+    for prepare in (["to-universal", str(tag_dir), "-o", str(work / "input_universal"), "-q"],
+                    ["to-hf", str(tag_dir), "-o", str(work / "input_hf"), "-q"],
+                    ["to-maxtext", str(tag_dir), "-o", str(work / "input_maxtext"), "-q"]):
+        run([*ext, *prepare], None)
+    table = commands(tag_dir, work)
+    times: dict[str, list[float]] = {name: [] for name in table}
+    for name, (cmd, out) in table.items():  # warm the page cache
+        run(cmd, out)
+    for round_ in range(args.rounds):
+        order = list(table) if round_ % 2 == 0 else list(reversed(table))
+        for name in order:
+            times[name].append(run(*table[name]))
+    torch_s = statistics.median(times['python -c "import torch"'])
+    print(f"\nstartup on the tiny model ({tag_dir}), warm cache, median of {args.rounds} rounds\n")
+    print("| command | wall s | range | above import torch s | target s | met |")
+    print("|---|---|---|---|---|---|")
+    for name, values in times.items():
+        median = statistics.median(values)
+        target = TARGETS.get(name)
+        print(f"| {name} | {median:.2f} | {min(values):.2f}–{max(values):.2f} | {median - torch_s:+.2f} | "
+              f"{target if target else ''} | {'' if target is None else 'yes' if median <= target else 'no'} |")
+    if args.importtime:
+        for name, (cmd, out) in table.items():
+            print(f"\n{name}: slowest top-level imports (s)")
+            for seconds, module in import_profile(cmd, out, 8):
+                print(f"  {seconds:6.2f}  {module}")
+
+
+if __name__ == "__main__":
+    main()
