@@ -6,6 +6,7 @@ sink that handles one tensor at a time keeps memory at "one tensor" whatever the
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable, Iterable, Iterator
@@ -46,13 +47,31 @@ class LogicalTensor:
     def load(self, state: str = MASTER_WEIGHTS) -> torch.Tensor | int:
         if state not in self.states:
             raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
-        return self.loader(state)
+        value = self.loader(state)
+        if _FIRST_READ_PROBE:
+            _first_read()
+        return value
 
     def load_tensor(self, state: str = MASTER_WEIGHTS) -> torch.Tensor:
         """A state that is a tensor (every state but ``step``, which may be an int)."""
         value = self.load(state)
         assert isinstance(value, torch.Tensor), f"{self.name}: state {state!r} is not a tensor"
         return value
+
+
+#: ``DEEPSPEED_EXT_FIRST_READ_FILE``: where to write the wall-clock time (``time.time()``) the first tensor
+#: state was read, for ``bench/startup.py``'s time from process start to the first tensor.
+_FIRST_READ_PROBE = [path] if (path := os.environ.get("DEEPSPEED_EXT_FIRST_READ_FILE")) else []
+
+
+def _first_read() -> None:
+    import time
+    try:
+        path = _FIRST_READ_PROBE.pop()
+    except IndexError:  # another thread got there first
+        return
+    with open(path, "w") as handle:
+        handle.write(repr(time.time()))
 
 
 class FiniteCheck:
