@@ -28,10 +28,10 @@ import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,9 +41,11 @@ from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
                                              protected_paths, required_model_config)
-from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor, record_check
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor, StreamCheck, record_check
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
 from deepspeed_ext.module_inject.layout import TPLayout
+
+_T = TypeVar("_T")
 
 CONFIG_FILE = "config.json"
 #: What ``save_pretrained`` (model, generation config, tokenizer) writes beside the weights and config, copied
@@ -278,7 +280,7 @@ def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: 
         raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
 
 
-class ConfigFit:
+class ConfigFit(StreamCheck):
     """Whether a checkpoint's parameters fit transformers' model for its config, found on a thread.
 
     Importing transformers' config and model code and building the model on the meta device takes 2-4 s of a
@@ -292,11 +294,11 @@ class ConfigFit:
                  dtype: torch.dtype | None = None):
         from concurrent.futures import ThreadPoolExecutor
         executor = ThreadPoolExecutor(1, thread_name_prefix="deepspeed-ext-config-check")
-        self._future = executor.submit(self._check, dict(model_config), dict(shapes), source, dtype)
+        self._future = executor.submit(self._fits, dict(model_config), dict(shapes), source, dtype)
         executor.shutdown(wait=False)
 
     @staticmethod
-    def _check(model_config: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str,
+    def _fits(model_config: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str,
                dtype: torch.dtype | None) -> Any:
         config = hf_config(model_config, dtype, source)
         check_fits_config(config, shapes, source)
@@ -321,22 +323,9 @@ class ConfigFit:
             self.result()
             raise
 
-    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
-        for tensor in tensors:
-            yield replace(tensor, loader=self._polling_loader(tensor))
-
-    def _polling_loader(self, tensor: LogicalTensor) -> Callable[[str], Any]:
-        def load(state: str) -> Any:
-            self.poll()
-            return tensor.loader(state)
-        return load
-
-    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-        """``load(name, state)`` that polls first."""
-        def polled(name: str, state: str) -> Any:
-            self.poll()
-            return load(name, state)
-        return polled
+    def check(self, name: str, state: str, value: _T) -> _T:
+        self.poll()
+        return value
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,27 @@ def _first_read() -> None:
         handle.write(repr(time.time()))
 
 
-class FiniteCheck:
+class StreamCheck:
+    """A check a conversion runs on every tensor state it reads, as it streams past: :meth:`check` sees each
+    value; :meth:`stream` (logical tensors) and :meth:`loader` (a ``load(name, state)`` function) put it in the
+    way. Writers ask for the verdict before they publish."""
+
+    def check(self, name: str, state: str, value: _T) -> _T:
+        raise NotImplementedError
+
+    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
+        for tensor in tensors:
+            yield replace(tensor, loader=self._checked_loader(tensor))
+
+    def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
+        return lambda state: self.check(tensor.name, state, tensor.loader(state))
+
+    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+        """``load(name, state)`` with every result checked."""
+        return lambda name, state: self.check(name, state, load(name, state))
+
+
+class FiniteCheck(StreamCheck):
     """``--check-finite``: every tensor state a conversion reads is checked for NaN/Inf as it streams past.
 
     Offenders are collected (a diverged run usually has many) and :meth:`raise_if_any` reports them all at
@@ -100,17 +120,6 @@ class FiniteCheck:
                     states.append(state)
         return value
 
-    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
-        for tensor in tensors:
-            yield replace(tensor, loader=self._checked_loader(tensor))
-
-    def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
-        return lambda state: self.check(tensor.name, state, tensor.loader(state))
-
-    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-        """``load(name, state)`` with every result checked."""
-        return lambda name, state: self.check(name, state, load(name, state))
-
     def raise_if_any(self) -> None:
         if self.offenders:
             listed = ", ".join(f"{name} ({'/'.join(states)})" for name, states in sorted(self.offenders.items())[:5])
@@ -119,7 +128,7 @@ class FiniteCheck:
                                   "nothing was written")
 
 
-class RecordCheck:
+class RecordCheck(StreamCheck):
     """The source states a writer reads, fingerprinted as they stream past and checked against the fingerprints
     the source recorded before anything is published (``to-hf``, ``to-maxtext``: they write cast or transformed
     arrays, so what they write cannot be compared with the source's record; what they read can).
@@ -140,17 +149,6 @@ class RecordCheck:
             elif isinstance(value, np.ndarray):  # sums do not see order: as laid out, with no copy
                 self.found.add(name, state, Fingerprint.of(torch.from_numpy(np.ravel(value, order="K"))))
         return value
-
-    def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
-        for tensor in tensors:
-            yield replace(tensor, loader=self._checked_loader(tensor))
-
-    def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
-        return lambda state: self.check(tensor.name, state, tensor.loader(state))
-
-    def loader(self, load: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
-        """``load(name, state)`` with every result fingerprinted."""
-        return lambda name, state: self.check(name, state, load(name, state))
 
     def raise_if_wrong(self) -> None:
         """Refuse to publish where a state read disagrees with the source's record (only the states read: a
