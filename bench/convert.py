@@ -11,10 +11,11 @@ bf16 with the real engine (torchrun, gloo, CPU). Then, in one run:
    page cache (sync + posix_fadvise DONTNEED) and its time includes the final ``sync``, so every command
    pays for its own reads and writes. Wall time, peak RSS and bytes read + written (``/usr/bin/time -v``) are
    reported as medians, with throughput against cp's.
-2. Resume at TP=1 and TP=4 (DP=1) of (a) ``to-universal`` + ``load_checkpoint(universal)`` and (b) the direct
-   ``load_checkpoint(tag_dir)`` (load-time resharding): time to the end of the first step, and each rank's
-   bytes read from storage during ``load_checkpoint`` (``/proc/self/io``, cold cache) against its share (its
-   TP slice of fp32 + exp_avg + exp_avg_sq).
+2. Resume at TP=1 and TP=4 (DP=1, ZeRO-1) and into ZeRO-3 at TP=1 x DP=2 and TP=2 x DP=2 of (a)
+   ``to-universal`` + ``load_checkpoint(universal)`` and (b) the direct ``load_checkpoint(tag_dir)`` (load-time
+   resharding): time to the end of the first step, and each rank's bytes read from storage during
+   ``load_checkpoint`` (``/proc/self/io``, cold cache) against its share (fp32 + exp_avg + exp_avg_sq of its TP
+   slice, or under ZeRO-3 of its DP partition of that slice).
 
     python bench/convert.py                      # 246M, 3 rounds
     python bench/convert.py --layers 32 --rounds 1 --no-upstream --no-resume   # scaling: peak RSS vs layers
@@ -178,17 +179,19 @@ def conversions(args: argparse.Namespace, tag_dir: Path, work: Path) -> dict[str
     return medians
 
 
-def resume(args: argparse.Namespace, work: Path, tp: int, load_dir: Path, label: str) -> dict[str, float]:
-    """One resume at TP=tp: load ``load_dir``, train one step; per-rank timing from train.py --timing."""
-    timing = work / "timing" / f"{label}_tp{tp}"
+def resume(args: argparse.Namespace, work: Path, tp: int, dp: int, zero: int, load_dir: Path,
+           label: str) -> dict[str, float]:
+    """One resume at TP=tp x DP=dp under ZeRO ``zero``: load ``load_dir``, train one step; per-rank timing from
+    train.py --timing."""
+    timing = work / "timing" / f"{label}_tp{tp}_dp{dp}_zero{zero}"
     timing.parent.mkdir(exist_ok=True)
     for old in timing.parent.glob(f"{timing.name}.rank*.json"):
         old.unlink()
     evict(load_dir)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp), "-m",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp * dp), "-m",
            "deepspeed_ext.demo.train", "--tp", str(tp),
-           "--zero", "1", "--dtype", "bf16", "--steps", "2", "--load-dir", str(load_dir), "--timing", str(timing),
-           "--model-config", str(work / "config.json")]
+           "--zero", str(zero), "--dtype", "bf16", "--steps", "2", "--load-dir", str(load_dir), "--timing",
+           str(timing), "--model-config", str(work / "config.json")]
     # torchrun gives each of several ranks one OpenMP thread; a single rank keeps the machine's cores.
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     ranks = [json.loads(p.read_text()) for p in sorted(timing.parent.glob(f"{timing.name}.rank*.json"))]
@@ -197,27 +200,33 @@ def resume(args: argparse.Namespace, work: Path, tp: int, load_dir: Path, label:
             "share_per_rank": [r["share_bytes"] for r in ranks]}
 
 
+def resume_targets(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(TP, DP, ZeRO stage) of each resume row: --resume-tp at DP=1 under ZeRO-1, --resume-zero3 TPxDP."""
+    zero3 = [tuple(int(n) for n in spec.split("x")) for spec in args.resume_zero3]
+    return [(tp, 1, 1) for tp in args.resume_tp] + [(tp, dp, 3) for tp, dp in zero3]
+
+
 def resumes(args: argparse.Namespace, tag_dir: Path, work: Path) -> list[str]:
     python = sys.executable
     universal = work / "resume_universal"
-    lines = ["| resume | TP | convert s | load_checkpoint s | load + first step s | time to first step s | (b)/(a) | "
-             "(b)/(a) without the step | max read / share per rank | all ranks read / all shares |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for tp in args.resume_tp:
+    lines = ["| resume | TP | DP | ZeRO | convert s | load_checkpoint s | load + first step s | time to first step s | "
+             "(b)/(a) | (b)/(a) without the step | max read / share per rank | all ranks read / all shares |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for tp, dp, zero in resume_targets(args):
         shutil.rmtree(universal, ignore_errors=True)
         convert = timed([python, "-m", "deepspeed_ext", "to-universal", str(tag_dir), "-o", str(universal),
                          "--quiet"], cold=tag_dir)["wall"]
-        via_universal = resume(args, work, tp, universal, "universal")
-        direct = resume(args, work, tp, tag_dir, "direct")
+        via_universal = resume(args, work, tp, dp, zero, universal, "universal")
+        direct = resume(args, work, tp, dp, zero, tag_dir, "direct")
         total_a = convert + via_universal["first_step_s"]
         load_a = convert + via_universal["load_s"]
         for name, result, conv, total in (("(a) to-universal + load", via_universal, convert, total_a),
                                           ("(b) direct load", direct, 0.0, direct["first_step_s"])):
             reads, shares = result["read_per_rank"], result["share_per_rank"]
             worst = max(r / s for r, s in zip(reads, shares, strict=True))
-            lines.append(f"| {name} | {tp} | {conv:.1f} | {result['load_s']:.1f} | {result['first_step_s']:.1f} | "
-                         f"{total:.1f} | {total / total_a:.2f} | {(conv + result['load_s']) / load_a:.2f} | "
-                         f"{worst:.2f} | {sum(reads) / sum(shares):.2f} |")
+            lines.append(f"| {name} | {tp} | {dp} | {zero} | {conv:.1f} | {result['load_s']:.1f} | "
+                         f"{result['first_step_s']:.1f} | {total:.1f} | {total / total_a:.2f} | "
+                         f"{(conv + result['load_s']) / load_a:.2f} | {worst:.2f} | {sum(reads) / sum(shares):.2f} |")
             print(lines[-1], flush=True)
     shutil.rmtree(universal, ignore_errors=True)
     return lines
@@ -229,15 +238,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-upstream", action="store_true", help="skip upstream ds_to_universal (slow)")
     p.add_argument("--no-resume", action="store_true", help="skip the resume measurements")
-    p.add_argument("--resume-tp", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--resume-tp", type=int, nargs="*", default=[1, 4], help="ZeRO-1 resumes at these TP degrees")
+    p.add_argument("--resume-zero3", nargs="*", default=["1x2", "2x2"], metavar="TPxDP",
+                   help="ZeRO-3 resumes at these TP x DP degrees")
+    p.add_argument("--no-convert", action="store_true", help="skip the conversion table (resumes only)")
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
                    help="the input evicted from the page cache before each command (cold), or read into it (warm)")
     args = p.parse_args()
     work = Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{args.layers}_i{args.intermediate}"
     tag_dir = build_checkpoint(args, work)
-    medians = conversions(args, tag_dir, work)
+    medians = {} if args.no_convert else conversions(args, tag_dir, work)
     resume_lines = [] if args.no_resume else resumes(args, tag_dir, work)
+    if medians:
+        report_conversions(args, tag_dir, medians)
+    if resume_lines:
+        print()
+        print("\n".join(resume_lines))
 
+
+def report_conversions(args: argparse.Namespace, tag_dir: Path, medians: dict[str, dict[str, float]]) -> None:
+    """The conversion table, against cp -r, with the memory target's unit."""
     from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
     layouts = DeepSpeedCheckpoint(tag_dir).layouts
     largest = max(layouts, key=lambda n: layouts[n].numel)
@@ -267,9 +287,6 @@ def main() -> None:
         print()
     single, dist = medians["deepspeed-ext to-universal"], medians["to-universal --distributed (2 ranks)"]
     print(f"--distributed speed-up on 2 ranks: {single['wall'] / dist['wall']:.2f}x")
-    if resume_lines:
-        print()
-        print("\n".join(resume_lines))
 
 
 if __name__ == "__main__":

@@ -338,8 +338,6 @@ def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
 def _owned_state(param: Any, state: str, stage0: Mapping[Any, Any], base: Any, dp_rank: int) -> torch.Tensor | None:
     """The part of ``param``'s ``state`` this rank owns: its ZeRO partition, the whole tensor on DP rank 0
     without ZeRO, or None (another rank's, or the state does not exist yet)."""
-    import torch.distributed as dist
-
     from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS
     master = state == MASTER_WEIGHTS
     slot = stage0.get(param)
@@ -358,9 +356,9 @@ def _owned_state(param: Any, state: str, stage0: Mapping[Any, Any], base: Any, d
             return None
         if local is None:
             return None
-        size: int = param.ds_tensor.ds_numel
-        rank = dist.get_rank(group=param.ds_process_group)
-        return local.reshape(-1)[:max(0, min(size, int(param.ds_numel) - rank * size))]
+        from deepspeed_ext.checkpoint.restore import zero3_partition
+        start, stop, _ = zero3_partition(param)
+        return local.reshape(-1)[:stop - start]
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:
         return None

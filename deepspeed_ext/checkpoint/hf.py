@@ -290,6 +290,8 @@ class ConfigFit(StreamCheck):
     config) before it publishes anything.
     """
 
+    blockwise = True
+
     def __init__(self, model_config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str,
                  dtype: torch.dtype | None = None):
         from concurrent.futures import ThreadPoolExecutor

@@ -46,8 +46,9 @@ class ManifestRecorder:
         self.entries: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
-    def add(self, path: Path) -> None:
-        entry = {"size": path.stat().st_size, ALGORITHM: file_checksum(path)}
+    def add(self, path: Path, checksum: str | None = None) -> None:
+        """Record ``path``; ``checksum``: its CRC-32C where the writer computed it as it wrote."""
+        entry = {"size": path.stat().st_size, ALGORITHM: checksum or file_checksum(path)}
         with self._lock:
             self.entries[path.relative_to(self.root).as_posix()] = entry
 

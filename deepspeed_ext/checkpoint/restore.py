@@ -60,6 +60,34 @@ def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None
     return True
 
 
+def zero3_partition(param: Any) -> tuple[int, int, int]:
+    """This rank's ZeRO-3 partition of ``param``: ``(start, stop)`` of the elements it holds in the parameter
+    flattened, and the partition's size. Every rank's partition has that size; the last ones are padded past
+    the parameter's end, so ``stop - start`` may be smaller, even 0."""
+    import torch.distributed as dist
+    size, numel = int(param.ds_tensor.ds_numel), int(param.ds_numel)
+    start = min(dist.get_rank(group=param.ds_process_group) * size, numel)
+    return start, min(start + size, numel), size
+
+
+def _set_zero3_partition(param: Any, ckpt: ReshardingSource, name: str, state: str, layout: TPLayout,
+                         tp_rank: int) -> None:
+    """Restore ``state`` of a ZeRO-3 parameter from the elements of its TP slice that this DP rank keeps:
+    the rank reads its own partition, not the slice."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+    local_numel = math.prod(layout.local_shape(tp_rank))
+    if int(param.ds_numel) != local_numel:
+        raise CheckpointError(f"{ckpt.path}: {name!r} holds {int(param.ds_numel)} elements on TP rank {tp_rank}, "
+                              f"its TP layout {local_numel}")
+    start, stop, size = zero3_partition(param)
+    value = torch.zeros(size, dtype=torch.float32)  # the padding past the parameter's end stays 0
+    value[:stop - start].copy_(ckpt.resharded_range(name, state, layout, tp_rank, start, stop))
+    if state == MASTER_WEIGHTS:
+        safe_set_local_fp32_param(param, value)
+    else:
+        safe_set_local_optimizer_state(param, value, state)
+
+
 class ReshardingSource(Protocol):
     """What the restore needs from a checkpoint: each parameter's shard at the live TP layout."""
 
@@ -78,6 +106,9 @@ class ReshardingSource(Protocol):
     def has(self, name: str, state: str) -> bool: ...
 
     def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor: ...
+
+    def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
+                        high: int) -> torch.Tensor: ...
 
     def step(self, name: str) -> torch.Tensor | int | None: ...
 
@@ -145,6 +176,9 @@ def load_resharded(engine: Any,
             for state in states:
                 if state != MASTER_WEIGHTS and not ckpt.has(name, state):
                     raise CheckpointError(f"{ckpt.path}: no saved {state} for {name!r}")
+                if hasattr(param, "ds_id"):  # ZeRO-3: read only this DP rank's partition of the TP slice
+                    _set_zero3_partition(param, ckpt, name, state, layout, tp_rank)
+                    continue
                 local = ckpt.resharded(name, state, layout, tp_rank)
                 managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state, engine, stage0)
                 if state == MASTER_WEIGHTS and not zero3:

@@ -13,7 +13,7 @@ import os
 import pickle
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,6 +142,66 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     except (OSError, RuntimeError) as exc:  # torch reports a failed write (disk full, size limit) as RuntimeError
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"{path}: cannot write: {first_line(exc)} (disk full or file size limit?)") from exc
+
+
+def save_streamed(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Tensor],
+                  path: str | os.PathLike[str]) -> str:
+    """``torch.save(obj, path)`` where ``placeholder``, the one tensor in ``obj`` (uninitialized, never read),
+    stands for the concatenation of ``blocks``: the tensor is written block by block at its offset in the file,
+    never held whole. Returns the file's CRC-32C (8 hex digits), computed from the blocks as they are written.
+
+    torch writes the file with the tensor's bytes left out (``skip_data``); its storage record is then filled
+    with ``pwrite``. The result is the file ``torch.save`` writes of the whole tensor.
+    """
+    import google_crc32c
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    nbytes = placeholder.numel() * placeholder.element_size()
+    try:
+        with _without_crc32(), torch.serialization.skip_data():
+            torch.save(obj, tmp)
+        offset = _storage_offset(tmp, nbytes)
+        checksum = google_crc32c.Checksum()
+        with open(tmp, "r+b") as handle:
+            checksum.update(handle.read(offset))
+            position = offset
+            for block in blocks:
+                data: Any = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                checksum.update(data)  # takes the array itself (a read-only buffer), not a memoryview of it
+                view = memoryview(data)
+                while view:
+                    done = os.pwrite(handle.fileno(), view, position)
+                    view, position = view[done:], position + done
+            if position != offset + nbytes:
+                raise CheckpointError(f"{path}: the blocks hold {position - offset} bytes, the tensor {nbytes}")
+            handle.seek(position)
+            checksum.update(handle.read())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot write: {first_line(exc)} (disk full or file size limit?)") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    digest: bytes = checksum.hexdigest()
+    return digest.decode()
+
+
+def _storage_offset(path: Path, nbytes: int) -> int:
+    """Where the bytes of the one tensor storage of the torch file ``path`` begin (torch aligns them to 64)."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        records = [info for info in archive.infolist() if "/data/" in info.filename
+                   and info.filename.rsplit("/", 1)[-1].isdigit()]
+        if len(records) != 1 or records[0].file_size != nbytes:
+            raise CheckpointError(f"{path}: expected one tensor storage of {nbytes} bytes")
+        header = records[0].header_offset
+    with open(path, "rb") as handle:
+        handle.seek(header)
+        local = handle.read(30)
+    name_length, extra_length = struct.unpack("<HH", local[26:30])
+    return int(header + 30 + name_length + extra_length)
 
 
 @contextmanager

@@ -6,6 +6,7 @@ sink that handles one tensor at a time keeps memory at "one tensor" whatever the
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,10 @@ from deepspeed_ext.module_inject.layout import TPLayout
 
 _T = TypeVar("_T")
 
+#: Elements per block when a sink streams a tensor (:meth:`LogicalTensor.blocks`): 4 MiB of fp32,
+#: small enough to stay in the CPU's cache between the passes a writer makes over it (sums, checksum, write).
+BLOCK_ELEMENTS = 1 << 20
+
 
 @dataclass
 class LogicalTensor:
@@ -33,7 +38,9 @@ class LogicalTensor:
 
     ``layout`` is how the source had it split over TP ranks (kept so tools can show it); ``states``
     lists the states available; ``loader(state)`` returns the full tensor of that state (``step``
-    returns the optimizer step as a 0-d tensor or int).
+    returns the optimizer step as a 0-d tensor or int). ``range_loader(state, low, high)``, where the source
+    can, returns elements ``[low, high)`` of the full tensor flattened, reading only what holds them, so a
+    sink can stream a tensor of any size in blocks (:meth:`blocks`).
     """
 
     name: str
@@ -43,6 +50,7 @@ class LogicalTensor:
     loader: Callable[[str], torch.Tensor | int]
     dtype: torch.dtype = torch.float32
     extra: dict[str, Any] = field(default_factory=dict)
+    range_loader: Callable[[str, int, int], torch.Tensor] | None = None
 
     def load(self, state: str = MASTER_WEIGHTS) -> torch.Tensor | int:
         if state not in self.states:
@@ -57,6 +65,23 @@ class LogicalTensor:
         value = self.load(state)
         assert isinstance(value, torch.Tensor), f"{self.name}: state {state!r} is not a tensor"
         return value
+
+    def blocks(self, state: str, block_elements: int = BLOCK_ELEMENTS) -> Iterator[torch.Tensor]:
+        """The full tensor of ``state`` flattened, as consecutive blocks of whole rows (the slice of every
+        dimension after the first) of about ``block_elements``; one block, the whole tensor, where the source
+        cannot read ranges. A block may be a view into a memory-mapped file: consume it before the next."""
+        if state not in self.states:
+            raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
+        if self.range_loader is None:
+            yield self.load_tensor(state).reshape(-1)
+            return
+        numel = math.prod(self.shape)
+        row = math.prod(self.shape[1:]) or 1
+        step = max(1, block_elements // row) * row
+        for low in range(0, numel, step):
+            yield self.range_loader(state, low, min(numel, low + step))
+            if _FIRST_READ_PROBE:
+                _first_read()
 
 
 #: ``DEEPSPEED_EXT_FIRST_READ_FILE``: where to write the wall-clock time (``time.time()``) the first tensor
@@ -79,12 +104,25 @@ class StreamCheck:
     value; :meth:`stream` (logical tensors) and :meth:`loader` (a ``load(name, state)`` function) put it in the
     way. Writers ask for the verdict before they publish."""
 
+    #: Whether :meth:`check` may see a tensor in blocks (it has no whole-tensor verdict); if not, tensors pass
+    #: through it whole.
+    blockwise = False
+
     def check(self, name: str, state: str, value: _T) -> _T:
         raise NotImplementedError
 
     def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
         for tensor in tensors:
-            yield replace(tensor, loader=self._checked_loader(tensor))
+            range_loader = tensor.range_loader
+            if range_loader is not None and self.blockwise:
+                range_loader = self._checked_range_loader(tensor.name, range_loader)
+            elif range_loader is not None:
+                range_loader = None
+            yield replace(tensor, loader=self._checked_loader(tensor), range_loader=range_loader)
+
+    def _checked_range_loader(self, name: str, load: Callable[[str, int, int], torch.Tensor]
+                              ) -> Callable[[str, int, int], torch.Tensor]:
+        return lambda state, low, high: self.check(name, state, load(state, low, high))
 
     def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
         return lambda state: self.check(tensor.name, state, tensor.loader(state))
@@ -100,6 +138,8 @@ class FiniteCheck(StreamCheck):
     Offenders are collected (a diverged run usually has many) and :meth:`raise_if_any` reports them all at
     once; writers call it before they publish, so a failed check leaves no output.
     """
+
+    blockwise = True
 
     def __init__(self, source: str):
         self.source = source

@@ -20,6 +20,7 @@ Without ``-o`` the save directory is the source's (the universal directory goes 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +32,8 @@ from tqdm import tqdm
 
 from deepspeed_ext.checkpoint import output, serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint, keys, resolve_tag_dir
-from deepspeed_ext.checkpoint.fingerprint import SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message
+from deepspeed_ext.checkpoint.fingerprint import (SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message,
+                                                  partial_sums)
 from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
@@ -235,20 +237,39 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
                    finite: FiniteCheck | None = None, fit: ConfigFit | None = None) -> Fingerprints:
     """The per-parameter files of ``names``, each recorded in ``manifest`` by the thread that wrote it;
     ``first`` (the summary files) runs on a writer thread meanwhile. ``progress``: the progress bar's label, or
-    None for no bar. Returns the fingerprints of what was written, checked against the source's record."""
+    None for no bar. Returns the fingerprints of what was written, checked against the source's record.
+
+    Each state is streamed in blocks by a writer thread (:meth:`LogicalTensor.blocks`), so memory stays at a few
+    blocks whatever the tensor's size, where the source reads ranges (DeepSpeed checkpoints); other sources
+    hand over whole tensors."""
     written = Fingerprints(global_steps=source.info.global_step)
 
     def save(value: Any, path: Path) -> None:
         serialization.save(value, path)
         manifest.add(path)  # hashed while its pages are still in the page cache
 
-    def fingerprint_and_save(name: str, state: str, value: torch.Tensor, layout: TPLayout, path: Path) -> None:
-        written.add(name, state, Fingerprint.of(value))  # while its pages are in the cache, on a writer thread
-        save(_entry(value, layout), path)
+    def stream_state(tensor: LogicalTensor, state: str, path: Path, blocks: Iterator[torch.Tensor]) -> None:
+        """Read, fingerprint, checksum and write one state block by block on a writer thread: each block is
+        read from the source (the TP merge) and passed over while it is in the CPU's cache."""
+        first = next(blocks, None)
+        if first is None:  # an empty tensor: its dtype
+            first = tensor.load_tensor(state).reshape(-1)
+        sums = [0, 0.0, 0.0]
+
+        def summed(block: torch.Tensor) -> torch.Tensor:
+            for i, value in enumerate(partial_sums(block)):
+                sums[i] += value
+            return block
+
+        placeholder = torch.empty(tensor.shape, dtype=first.dtype)  # never touched: no memory
+        checksum = serialization.save_streamed(_entry(placeholder, tensor.layout), placeholder,
+                                               map(summed, itertools.chain([first], blocks)), path)
+        written.add(tensor.name, state, Fingerprint(int(sums[0]), sums[1], sums[2]))
+        manifest.add(path, checksum)
 
     zero = partial / ZERO_DIR
     wanted = set(names)
-    # Merging (reading the source) runs here while earlier tensors are written on the writer threads.
+    # Each state is read (merged) and written on a writer thread; this thread only walks the parameters.
     with serialization.BackgroundWriter() as writer:
         if first is not None:
             writer.submit(first)
@@ -263,8 +284,11 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
             # no moment files, and the resuming optimizer starts fresh.
             for state in TENSOR_STATES:
                 if state in tensor.states:
-                    writer.submit(fingerprint_and_save, tensor.name, state, tensor.load_tensor(state), tensor.layout,
-                                  param_dir / f"{state}.pt")
+                    # A source that reads ranges is read on the writer thread, block by block; others (HF,
+                    # MaxText: whole arrays) here, as before.
+                    blocks = (tensor.blocks(state) if tensor.range_loader is not None else
+                              iter([tensor.load_tensor(state).reshape(-1)]))
+                    writer.submit(stream_state, tensor, state, param_dir / f"{state}.pt", blocks)
             if STEP in tensor.states:
                 step = tensor.load(STEP)
                 written.step = _as_int(step) if written.step is None else written.step
@@ -367,14 +391,26 @@ class UniversalCheckpoint:
             raise CheckpointError(f"{path}: no tensor under 'param'")
         return tensor
 
-    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s shard of ``name`` under ``target``: a view of the memory-mapped full tensor
-        where the layout allows, so only the shard's pages are read."""
+    def _full_for(self, name: str, state: str, target: TPLayout) -> torch.Tensor:
+        """The memory-mapped full tensor, checked against the model's shape."""
         full = self.load(name, state)
         if tuple(full.shape) != target.shape:
             raise CheckpointError(f"{self.file(name, state)}: shape {tuple(full.shape)} does not match the model's "
                                   f"{name!r} {target.shape}")
-        return target.slice(full, rank)
+        return full
+
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``name`` under ``target``: a view of the memory-mapped full tensor
+        where the layout allows, so only the shard's pages are read."""
+        return target.slice(self._full_for(name, state, target), rank)
+
+    def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
+                        high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of :meth:`resharded`, flattened: only the pages that hold them are read
+        (a ZeRO-3 rank's partition of its TP slice)."""
+        flat = self._full_for(name, state, target).reshape(-1)
+        whole = TPLayout.replicated(target.shape, 1)  # the full tensor: a replicated source of one rank
+        return whole.reshard_range(target, rank, low, high, lambda _, start, stop: flat[start:stop])
 
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)

@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         engine.load_checkpoint(args.load_dir)
         timing["load_s"] = time.perf_counter() - start
         timing["load_read_bytes"] = _bytes_read() - io_before
-        # This rank's TP slice of the fp32 master and both Adam moments (ZeRO-1/2 at DP=1 load all of it).
-        timing["share_bytes"] = sum(p.numel() for p in engine.module.parameters()) * 4 * 3
+        timing["share_bytes"] = _share_bytes(engine)
         if hooks.after_load:
             hooks.after_load(engine, tp_rank)
 
@@ -152,6 +151,20 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses,
                                                 **({hooks.result_key: probed} if hooks.after_step else {})}))
     finish_distributed()
+
+
+def _share_bytes(engine: Any) -> int:
+    """This rank's share of the fp32 masters and both Adam moments: under ZeRO-3 its partition of its TP slice,
+    else its TP slice (what ZeRO-1/2 at DP=1 load)."""
+    from deepspeed_ext.checkpoint.restore import zero3_partition
+    elements = 0
+    for param in engine.module.parameters():
+        if hasattr(param, "ds_id"):
+            start, stop, _ = zero3_partition(param)
+            elements += stop - start
+        else:
+            elements += param.numel()
+    return elements * 4 * 3
 
 
 if __name__ == "__main__":

@@ -47,8 +47,22 @@ PARTITION_TYPES = ("column", "row", "replicated")
 ROLES = (None, "fused_qkv", "gate_up", "vocab", "embedding_hidden", "sub_params")
 
 
+#: ``read_flat(src_rank, start, stop)``: elements ``[start, stop)`` of a saved TP shard, flattened.
+FlatReader = Callable[[int, int, int], torch.Tensor]
+
+
 def _as_int_tuple(values: Iterable[Any]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
+
+
+def _window(read_flat: FlatReader, src: int, width: int, inner: int, first_outer: int, end_outer: int, offset: int,
+            size: int) -> torch.Tensor:
+    """``[first_outer:end_outer, offset:offset + size, :]`` of source shard ``src`` seen as
+    ``(outer, width, inner)``, reading only the flat span those elements lie in."""
+    start = (first_outer * width + offset) * inner
+    stop = ((end_outer - 1) * width + offset + size) * inner
+    flat = read_flat(src, start, stop).contiguous()  # a no-op for the readers' 1-D views
+    return flat.as_strided((end_outer - first_outer, size, inner), (width * inner, inner, 1), flat.storage_offset())
 
 
 @dataclass(frozen=True)
@@ -213,42 +227,83 @@ class TPLayout:
         view[self.partition_dim] = self.local_width(rank)
         return tuple(view)
 
-    def reshard(self, target: TPLayout, rank: int,
-                region: Callable[[int, int | None, int | None], torch.Tensor]) -> torch.Tensor:
+    def reshard(self, target: TPLayout, rank: int, read_flat: FlatReader) -> torch.Tensor:
         """Target rank ``rank``'s shard (under ``target``) built from this layout's shards, reading only
         the pieces that overlap it; the load-time resharding of a checkpoint saved at another TP degree.
+        ``read_flat`` is as for :meth:`reshard_range`."""
+        shape = target.local_shape(rank)
+        return self.reshard_range(target, rank, 0, math.prod(shape), read_flat).reshape(shape)
 
-        ``region(src_rank, offset, length)`` returns ``narrow(partition_dim, offset, length)`` of source
-        rank ``src_rank``'s shard in its :meth:`local_view_shape` (``offset=None``: the whole shard).
-        Replicated sources are read from TP rank 0 only.
+    def reshard_range(self, target: TPLayout, rank: int, low: int, high: int, read_flat: FlatReader) -> torch.Tensor:
+        """Elements ``[low, high)`` of target rank ``rank``'s shard, flattened (1-D), built from this
+        layout's shards: the part of a TP slice that one ZeRO-3 DP rank keeps.
+
+        Only the pieces of the saved shards that overlap the range are read, plus at most one row of the
+        split's view at either end (a row is the slice of every dimension after ``partition_dim``).
+        ``read_flat(src_rank, start, stop)`` returns elements ``[start, stop)`` of source TP rank
+        ``src_rank``'s flattened shard (its :meth:`local_shape`, row-major; a view into a memory-mapped file
+        is fine). Replicated sources are read from TP rank 0 only; a universal checkpoint's full tensor is a
+        replicated source of one rank.
         """
         if target.shape != self.shape:
             raise LayoutError(f"saved shape {self.shape} does not match the model's {target.shape}")
-        if self.is_replicated:
-            return target.slice(region(0, None, None).reshape(self.shape), rank)
-        dim = self.partition_dim
-        if target.is_replicated:
-            wanted = [(0, self.logical_shape[dim])]
-        elif target.partition_dim == dim and target.logical_shape == self.logical_shape:
-            wanted = target.rank_pieces(rank)
-        else:  # split along another view or dimension: assemble the whole tensor, then cut
-            full = self.merge([region(r, None, None) for r in range(self.tp_size)], check_replicas=False)
-            return target.slice(full, rank)
+        local_numel = math.prod(target.local_shape(rank))
+        if not 0 <= low <= high <= local_numel:
+            raise LayoutError(f"range [{low}, {high}) is outside TP rank {rank}'s {local_numel} elements")
+        if self.is_replicated and target.is_replicated:
+            return read_flat(0, low, high)
+        if not (self.is_replicated or target.is_replicated or
+                (target.partition_dim == self.partition_dim and target.logical_shape == self.logical_shape)):
+            # Split along another view or dimension: assemble the whole tensor, then cut.
+            shards = [read_flat(r, 0, math.prod(self.local_shape(r))).reshape(self.local_shape(r))
+                      for r in range(self.tp_size)]
+            full = self.merge(shards, check_replicas=False)
+            return target.slice(full, rank).reshape(-1)[low:high]
+        # Both sides in one grid: (outer, depth, inner) around the split dimension of whichever side is split.
+        split = target if self.is_replicated else self
+        dim = split.partition_dim
+        assert dim is not None
+        view = split.logical_shape
+        outer, depth, inner = math.prod(view[:dim]), view[dim], math.prod(view[dim + 1:])
+        wanted = [(0, depth)] if target.is_replicated else target.rank_pieces(rank)
+        width = sum(length for _, length in wanted)
+        row = width * inner  # elements of the target shard per outer index
+        if low == high or row == 0:
+            return read_flat(0, 0, 0)
+        # The outer indices the range spans; within a single one, only the rows along ``dim`` it spans.
+        first_outer, end_outer = low // row, -(-high // row)
+        if end_outer - first_outer == 1:
+            first_row = (low - first_outer * row) // inner
+            end_row = -(-(high - first_outer * row) // inner)
+        else:
+            first_row, end_row = 0, width
         parts = []
+        local = 0
         for start, length in wanted:
-            overlaps = []
-            for src in range(self.tp_size):
-                local_offset = 0
-                for piece_start, piece_length in self.rank_pieces(src):
-                    low, high = max(start, piece_start), min(start + length, piece_start + piece_length)
-                    if low < high:
-                        overlaps.append((low, src, local_offset + low - piece_start, high - low))
-                    local_offset += piece_length
-            parts += [region(src, offset, size) for _, src, offset, size in sorted(overlaps)]
-        if not parts:  # this rank holds none of the tensor (more ranks than KV heads)
-            parts = [region(0, 0, 0)]
-        local = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-        return local.reshape(target.local_shape(rank))
+            lo, hi = max(first_row, local), min(end_row, local + length)
+            if lo < hi:
+                for src, offset, size in self._overlaps(start + lo - local, hi - lo, depth):
+                    src_width = depth if self.is_replicated else self.local_width(src)
+                    parts.append(_window(read_flat, src, src_width, inner, first_outer, end_outer, offset, size))
+            local += length
+        block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        begin = first_outer * row + first_row * inner
+        return block.reshape(-1)[low - begin:high - begin]
+
+    def _overlaps(self, start: int, length: int, depth: int) -> list[tuple[int, int, int]]:
+        """``(src_rank, offset in its shard, size)`` of the saved pieces covering ``[start, start + length)``
+        along the split dimension, in order."""
+        if self.is_replicated:
+            return [(0, start, length)]
+        found = []
+        for src in range(self.tp_size):
+            local_offset = 0
+            for piece_start, piece_length in self.rank_pieces(src):
+                low, high = max(start, piece_start), min(start + length, piece_start + piece_length)
+                if low < high:
+                    found.append((low, src, local_offset + low - piece_start, high - low))
+                local_offset += piece_length
+        return [(src, offset, size) for _, src, offset, size in sorted(found)]
 
     # ----------------------------------------------------------------- serialization
     def to_json(self) -> dict[str, Any]:

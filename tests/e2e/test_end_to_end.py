@@ -422,3 +422,30 @@ def test_tp2_dp2_zero3_converts_and_resumes(scenarios, target):
         ]
     tp, dp, zero = target
     assert_losses_continue(zero3, zero3.resume(tp, dp=dp, zero=zero))
+
+
+#: A Llama of 7 heads (split 4 + 3 at TP=2) whose hidden size, 42, leaves the embedding, the head (101 x 42) and
+#: the norms (42) indivisible by 4: ZeRO-3 pads their last partitions at DP=4.
+PADDED_LLAMA = dict(model_type="llama", vocab_size=101, hidden_size=42, intermediate_size=160, num_hidden_layers=2,
+                    num_attention_heads=7, num_key_value_heads=7, max_position_embeddings=64,
+                    tie_word_embeddings=False)
+
+
+def test_zero3_targets_restore_by_partition_bit_identical_to_deepspeeds_loader(scenarios):
+    """Into ZeRO-3 at TP=1 x DP=4 from TP=2 x DP=2 ZeRO-3, with padded partitions: each rank reads only its
+    partition of its TP slice, and what it restores equals DeepSpeed's own ZeRO-3 universal loader bit for bit,
+    from the universal form and straight from the DeepSpeed checkpoint; training then goes on identically."""
+    saved = scenarios("tp2_dp2_zero3_7_heads", tp=2, dp=2, zero=3, model_config=PADDED_LLAMA)
+    assert_universal_matches_live(saved)
+    ours, ours_losses = saved.loaded(1, 4, saved.save_dir)
+    upstream, upstream_losses = saved.loaded(1, 4, saved.save_dir, extra=("--restore", "deepspeed"))
+    direct, direct_losses = saved.loaded(1, 4, saved.save_dir, load_universal=False)
+    assert ours[0]["model.embed_tokens.weight"]["fp32"].numel() % 4 == 2  # a padded partition
+    assert ours[0].keys() == upstream[0].keys() == direct[0].keys()
+    for name, states in upstream[0].items():
+        for state, value in states.items():
+            assert torch.equal(ours[0][name][state], value), (name, state)
+            assert torch.equal(direct[0][name][state], value), (name, state)
+    assert ours_losses == upstream_losses == direct_losses
+    step = saved.save_at + 1
+    assert ours_losses[step] == pytest.approx(saved.baseline[step], rel=1e-2)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ class Scenario:
     fused_adam: bool = False  # DeepSpeed's FusedAdam instead of torch's Adam
     kv_heads: int = 4  # 2: TP=3/4 ranks beyond the KV-head count hold empty attention shards
     python: str = sys.executable  # the environment (DeepSpeed version) that trains, converts and resumes
+    model_config: dict | None = None  # an HF config.json's values instead of the family's tiny config
     steps: int = 5
     save_at: int = 3
     baseline: dict[int, float] = field(default_factory=dict)
@@ -52,6 +54,13 @@ class Scenario:
         return self.root / "live"
 
     def common(self, tp: int) -> list[str]:
+        if self.model_config is not None:
+            path = self.root / "model_config.json"
+            path.write_text(json.dumps(self.model_config))
+            return self._common(tp) + ["--model-config", str(path)]
+        return self._common(tp)
+
+    def _common(self, tp: int) -> list[str]:
         return ["--tp", str(tp), "--zero", str(self.zero), "--dtype", self.dtype, "--steps", str(self.steps),
                 "--grad-accum", str(self.grad_accum), "--family", self.family, "--kv-heads", str(self.kv_heads)] + (
                     ["--grad-accum-dtype", self.grad_accum_dtype] if self.grad_accum_dtype else []) + (
@@ -97,14 +106,15 @@ class Scenario:
             self.loss_scales[key] = read_loss_scales(self.root / f"{name}.json")
         return self.resumed[key]
 
-    def loaded(self, tp: int, dp: int, load_dir: Path, load_universal: bool = True
+    def loaded(self, tp: int, dp: int, load_dir: Path, load_universal: bool = True, extra: tuple[str, ...] = ()
                ) -> tuple[list[dict[str, dict[str, torch.Tensor]]], dict[int, float]]:
-        """Load ``load_dir`` at TP×DP, dump every TP rank's state right after ``load_checkpoint``, train one
-        step: (per TP rank {param: {fp32, exp_avg, exp_avg_sq}}, {step: loss})."""
-        name = f"loaded_tp{tp}_dp{dp}_{load_dir.name}" + ("" if load_universal else "_native_config")
+        """Load ``load_dir`` at TP×DP (``extra``: more train.py arguments), dump every TP rank's state right after
+        ``load_checkpoint``, train one step: (per TP rank {param: {fp32, exp_avg, exp_avg_sq}}, {step: loss})."""
+        name = (f"loaded_tp{tp}_dp{dp}_{load_dir.name}" + ("" if load_universal else "_native_config") +
+                "".join(f"_{arg.strip('-')}" for arg in extra))
         dump = self.root / name
-        args = self.common(tp) + ["--load-dir", str(load_dir), "--dump-loaded", str(dump), "--steps",
-                                  str(self.save_at + 1), "--result", str(self.root / f"{name}.json")]
+        args = self.common(tp) + list(extra) + ["--load-dir", str(load_dir), "--dump-loaded", str(dump), "--steps",
+                                                str(self.save_at + 1), "--result", str(self.root / f"{name}.json")]
         torchrun_train(tp * dp, args + ([] if load_universal else ["--no-load-universal"]), self.root / f"{name}.log",
                        python=self.python)
         states = [torch.load(dump / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(tp)]

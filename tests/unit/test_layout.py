@@ -174,17 +174,23 @@ def test_json_round_trip(layout):
     assert again.to_json() == layout.to_json()
 
 
-def _recording_region(source: TPLayout, full: torch.Tensor, read: list[int]):
-    """``region`` for :meth:`TPLayout.reshard` over the saved shards of ``full``, recording each read's size."""
-    shards = [source.slice(full, r) for r in range(source.tp_size)]
+def _recording_reader(source: TPLayout, full: torch.Tensor, read: list[int]):
+    """``read_flat`` for :meth:`TPLayout.reshard` over the saved shards of ``full``, recording each read's span."""
+    shards = [source.slice(full, r).reshape(-1) for r in range(source.tp_size)]
 
-    def region(src, offset, length):
-        view = shards[src].reshape(source.local_view_shape(src))
-        piece = view if offset is None else view.narrow(source.partition_dim, offset, length)
-        read.append(piece.numel())
-        return piece
+    def read_flat(src, start, stop):
+        read.append(stop - start)
+        return shards[src][start:stop]
 
-    return region
+    return read_flat
+
+
+def _split_on_rows(source: TPLayout, target: TPLayout) -> bool:
+    """Whether the split is on the outermost dimension, where a read spans no other rows than it uses."""
+    if source.is_replicated and target.is_replicated:
+        return True
+    split = target if source.is_replicated else source
+    return split.partition_dim == 0
 
 
 @settings(max_examples=300, deadline=None)
@@ -197,17 +203,48 @@ def test_reshard_equals_slicing_the_full_tensor_and_reads_each_element_once(fami
     target = TPLayout.replicated(source.shape, tp_to) if to_replicated else family(tp_to)
     full = torch.arange(source.numel, dtype=torch.int64).reshape(source.shape)
     read: list[int] = []
-    region = _recording_region(source, full, read)
+    read_flat = _recording_reader(source, full, read)
     for rank in range(tp_to):
-        got = source.reshard(target, rank, region)
+        got = source.reshard(target, rank, read_flat)
         assert tuple(got.shape) == target.local_shape(rank)
         assert torch.equal(got, target.slice(full, rank))
     if source.is_replicated:
-        assert read == [source.numel] * tp_to  # TP rank 0's copy only
+        assert sum(read) == source.numel * tp_to  # TP rank 0's copy only
+    elif not _split_on_rows(source, target):
+        pass  # a split on an inner dimension reads the span of rows each piece's columns lie in
     elif not target.is_replicated:
         assert sum(read) == source.numel
     else:
         assert sum(read) == source.numel * tp_to
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout_families(), st.integers(1, 8), st.integers(1, 8), st.integers(1, 5), st.booleans())
+def test_a_zero3_partition_of_a_resharded_slice_reads_about_its_own_share(family, tp_from, tp_to, dp,
+                                                                          from_universal):
+    """``reshard_range`` gives each DP rank exactly its ZeRO-3 partition (ceil(numel / dp) elements, the last
+    ones short or empty) of its new TP slice, from the saved TP shards or from the full tensor, and reads
+    little more than that partition: at most one row at either end of each piece it reads."""
+    source = TPLayout.replicated(family(1).shape, 1) if from_universal else family(tp_from)
+    target = family(tp_to)
+    full = torch.arange(source.numel, dtype=torch.int64).reshape(source.shape)
+    for rank in range(tp_to):
+        expected = target.slice(full, rank).reshape(-1)
+        size = -(-expected.numel() // dp)
+        for dp_rank in range(dp):
+            low, high = min(dp_rank * size, expected.numel()), min((dp_rank + 1) * size, expected.numel())
+            read: list[int] = []
+            got = source.reshard_range(target, rank, low, high, _recording_reader(source, full, read))
+            assert torch.equal(got, expected[low:high]), (rank, dp_rank)
+            if _split_on_rows(source, target) and target.view_shape is None:
+                row = math.prod(target.shape[1:])
+                assert sum(read) <= high - low + 2 * row * len(read), (rank, dp_rank, read)
+
+
+def test_reshard_range_refuses_a_range_outside_the_shard():
+    layout = TPLayout.split((8, 4), 2, 0, (4, 4), "column")
+    with pytest.raises(LayoutError, match=r"range \[0, 17\) is outside TP rank 1's 16 elements"):
+        layout.reshard_range(layout, 1, 0, 17, lambda *a: torch.empty(0))
 
 
 def test_reshard_refuses_a_different_shape():
@@ -278,9 +315,10 @@ def test_model_geometry_reshards_exactly_empty_shards_included(geometry, tp_from
         target = wanted[name]
         full = torch.arange(source.numel, dtype=torch.int64).reshape(source.shape)
         read: list[int] = []
-        region = _recording_region(source, full, read)
+        read_flat = _recording_reader(source, full, read)
         for rank in range(tp_to):
-            got = source.reshard(target, rank, region)
+            got = source.reshard(target, rank, read_flat)
             assert tuple(got.shape) == target.local_shape(rank), (name, rank)
             assert torch.equal(got, target.slice(full, rank)), (name, rank)
-        assert sum(read) == source.numel * (tp_to if source.is_replicated else 1), name
+        if _split_on_rows(source, target):
+            assert sum(read) == source.numel * (tp_to if source.is_replicated else 1), name

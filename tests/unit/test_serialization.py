@@ -1,9 +1,12 @@
 """serialization: page release, and thread-safe loads and saves. A failed write (a full disk, in a subprocess
 under RLIMIT_FSIZE) is in tests/e2e/test_serialization_e2e.py."""
 
+import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
+from deepspeed_ext.checkpoint.manifest import file_checksum
+from deepspeed_ext.errors import CheckpointError
 
 
 def _rss_kib() -> int:
@@ -97,3 +100,29 @@ serialization.save(state, {str(tmp_path / "again.pt")!r})
     assert type(address) is fragment_address and (address.numel, address.start) == (12, 4)
     assert type(again["shape"]) is SubparamShape and again["shape"] == saved["shape"]
     assert torch.equal(again["tensor"], saved["tensor"])
+
+
+@pytest.mark.parametrize("dtype, shape, block", [(torch.float32, (1000, 37), 999), (torch.bfloat16, (1000, 37), 333),
+                                                 (torch.float32, (7, ), 7), (torch.float32, (0, 4), 1)])
+def test_a_tensor_written_in_blocks_is_the_file_torch_save_writes(tmp_path, dtype, shape, block):
+    """``save_streamed`` fills the tensor's storage block by block, never holding it whole: the same bytes as
+    ``save`` of the whole tensor, and the CRC-32C it returns is the file's."""
+    full = torch.randn(shape).to(dtype)
+    placeholder = torch.empty(shape, dtype=dtype)
+    path = tmp_path / "fp32.pt"
+    checksum = serialization.save_streamed({"param": placeholder, "cat_dim": 0}, placeholder,
+                                           torch.split(full.reshape(-1), block), path)
+    streamed = path.read_bytes()
+    serialization.save({"param": full, "cat_dim": 0}, path)
+    assert streamed == path.read_bytes()
+    assert checksum == file_checksum(path)
+    loaded = serialization.load(path)
+    assert torch.equal(loaded["param"], full) and loaded["cat_dim"] == 0
+
+
+def test_blocks_that_do_not_fill_the_tensor_leave_no_file(tmp_path):
+    placeholder = torch.empty(10)
+    path = tmp_path / "fp32.pt"
+    with pytest.raises(CheckpointError, match=r"fp32.pt: the blocks hold 36 bytes, the tensor 40"):
+        serialization.save_streamed({"param": placeholder}, placeholder, [torch.ones(9)], path)
+    assert not list(tmp_path.iterdir())

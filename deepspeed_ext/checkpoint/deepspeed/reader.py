@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from functools import cached_property
@@ -62,8 +63,9 @@ class DeepSpeedCheckpoint:
         self._check_model_states_agree(first)
         self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
                                                         self._recorded_optimizer_names)
-        # Memory-mapped optimizer-file pieces the last tensor read, released before the next one.
-        self._in_flight: list[tuple[Path, torch.Tensor]] = []
+        # Per thread, the memory-mapped optimizer-file pieces its last read returned, released before its next
+        # one (writer threads stream tensors side by side).
+        self._reads = threading.local()
         self._mappings: dict[Path, list[tuple[int, int]]] = {}
 
     def _dp_degree(self, first: dict[str, Any], reference: Path) -> int:
@@ -171,13 +173,17 @@ class DeepSpeedCheckpoint:
             def loader(state: str, name: str = name) -> torch.Tensor | int:
                 return self.step(name) if state == STEP else self.full_tensor(name, state)
 
+            def range_loader(state: str, low: int, high: int, name: str = name) -> torch.Tensor:
+                return self.full_range(name, state, low, high)
+
             weights = module.get(name)
             yield LogicalTensor(name=name,
                                 shape=layout.shape,
                                 layout=layout,
                                 states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
                                 loader=loader,
-                                dtype=weights.dtype if torch.is_tensor(weights) else torch.float32)
+                                dtype=weights.dtype if torch.is_tensor(weights) else torch.float32,
+                                range_loader=range_loader)
 
     # ------------------------------------------------------------------ files
     def rank_model_states(self, tp_rank: int) -> dict[str, Any]:
@@ -333,39 +339,25 @@ class DeepSpeedCheckpoint:
         shape = self.layouts[name].local_shape(tp)
         return self._flat_range(name, tp, state, 0, int(torch.Size(shape).numel())).view(shape)
 
-    def region(self, name: str, tp: int, state: str, offset: int | None, length: int | None) -> torch.Tensor:
-        """``narrow(partition_dim, offset, length)`` of TP rank ``tp``'s shard in its split view (``offset``
-        None: the whole shard), reading only the flat range that the narrowed rows span."""
-        layout = self.layouts[name]
-        view = layout.local_view_shape(tp)
-        dim = layout.partition_dim
-        if offset is None or length is None or dim is None:
-            return self.local_tensor(name, tp, state).reshape(view)
-        size = list(view)
-        size[dim] = length
-        if not length or 0 in view:
-            return torch.empty(size, dtype=torch.float32)
-        strides = torch.empty(view, device="meta").stride()
-        outer = math.prod(view[:dim])
-        low = offset * strides[dim]
-        high = ((outer - 1) * view[dim] + offset + length) * strides[dim]
-        flat = self._flat_range(name, tp, state, low, high)
-        # Element (o, offset + i, k) of the shard sits at o*view[dim]*stride + i*stride + k of ``flat``.
-        return flat.as_strided(size, strides, flat.storage_offset())
-
     def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of ``name`` under the *target* layout (another TP degree), read directly
         from this checkpoint's TP slices and ZeRO partitions: only the overlapping byte ranges.
 
         May be a view into a memory-mapped file; the caller copies what it keeps.
         """
+        shape = target.local_shape(rank)
+        return self.resharded_range(name, state, target, rank, 0, math.prod(shape)).reshape(shape)
+
+    def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
+                        high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of :meth:`resharded`, flattened, reading only the byte ranges that hold
+        them (a ZeRO-3 rank's partition of its TP slice)."""
         self._release_in_flight()
         if name in self.buffers:
-            return target.slice(self.full_tensor(name, state), rank)
+            return target.slice(self.full_tensor(name, state), rank).reshape(-1)[low:high]
         try:
-            return self.layouts[name].reshard(target, rank,
-                                              lambda src, offset, length: self.region(name, src, state, offset,
-                                                                                      length))
+            return self.layouts[name].reshard_range(
+                target, rank, low, high, lambda src, start, stop: self._flat_range(name, src, state, start, stop))
         except LayoutError as exc:
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r}: {exc}") from exc
 
@@ -386,6 +378,37 @@ class DeepSpeedCheckpoint:
         except Exception as exc:
             raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: {exc}") from exc
         return full
+
+    def full_range(self, name: str, state: str, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of :meth:`full_tensor`, flattened, read from the pieces of the TP slices that
+        hold them (a view into the memory-mapped file where one piece does): a tensor streamed in blocks.
+        Replicated tensors are checked block by block to be the same on every TP rank."""
+        self._release_in_flight()
+        if name in self.buffers:
+            return self.full_tensor(name, state).reshape(-1)[low:high]
+        layout = self.layouts[name]
+
+        def read(tp: int, start: int, stop: int) -> torch.Tensor:
+            return self._flat_range(name, tp, state, start, stop)
+
+        if layout.is_replicated:
+            block = read(0, low, high)
+            for tp in range(1, self.tp_degree):
+                if not torch.equal(read(tp, low, high), block):
+                    raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: replicated tensor differs between "
+                                          f"TP rank 0 and TP rank {tp}")
+            return block
+        try:
+            return layout.reshard_range(TPLayout.replicated(layout.shape, 1), 0, low, high, read)
+        except LayoutError as exc:
+            raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: {exc}") from exc
+
+    @property
+    def _in_flight(self) -> list[tuple[Path, torch.Tensor]]:
+        if not hasattr(self._reads, "pieces"):
+            self._reads.pieces = []
+        pieces: list[tuple[Path, torch.Tensor]] = self._reads.pieces
+        return pieces
 
     def _release_in_flight(self) -> None:
         """Drop the optimizer-file pages the previous tensor read from RSS (it has been consumed by now).
