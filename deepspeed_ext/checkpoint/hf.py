@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -107,6 +108,14 @@ class FileTensor:
             return full
         rows = self.shape[0]
         return full[self.expert].narrow(0, self.piece * rows, rows)
+
+    def span(self, param_shape: tuple[int, ...]) -> tuple[int, int]:
+        """Where :meth:`cut` lies in the parameter flattened: ``(start, stop)`` (a piece is contiguous)."""
+        numel = int(torch.Size(self.shape).numel())
+        if self.expert is None:
+            return 0, numel
+        start = self.expert * math.prod(param_shape[1:]) + self.piece * numel
+        return start, start + numel
 
 
 def _pattern(template: str) -> re.Pattern[str]:
@@ -472,12 +481,19 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                 raise _write_error(directory / filename, exc) from exc
         with serialization.BackgroundWriter() as writer:
             for tensor in params:
-                full = tensor.load_tensor(MASTER_WEIGHTS)
+                # A source that reads ranges streams each piece in blocks (read, merged, cast here, written on a
+                # writer thread); the others load the whole tensor once.
+                full = None if tensor.range_loader is not None else tensor.load_tensor(MASTER_WEIGHTS).reshape(-1)
                 for entry in pieces[tensor.name]:
-                    data = entry.cut(full).to(entry.dtype).contiguous()
+                    start, stop = entry.span(tuple(tensor.shape))
                     filename, offset = where[entry.name]
-                    writer.submit(_write_piece, files[filename], data, offset, directory / filename, tensor.name, sums)
-                    bar.update(entry.nbytes)
+                    blocks = [full[start:stop]] if full is not None else tensor.blocks(MASTER_WEIGHTS, start, stop)
+                    for block in blocks:
+                        data = block.to(entry.dtype).contiguous()
+                        writer.submit(_write_piece, files[filename], data, offset, directory / filename, tensor.name,
+                                      sums)
+                        offset += data.numel() * data.element_size()
+                        bar.update(data.numel() * data.element_size())
                 del full
         totals: dict[str, list[float]] = {}
         for name, piece in sums:
@@ -522,8 +538,10 @@ def _write_error(path: Path, exc: OSError) -> CheckpointError:
 
 
 def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:
-    head, embedding = (tensors[name].load_tensor(MASTER_WEIGHTS) for name in TIED_PAIR)
-    if not torch.equal(head, embedding):
+    head, embedding = (tensors[name] for name in TIED_PAIR)
+    same = head.shape == embedding.shape and all(
+        torch.equal(a, b) for a, b in zip(head.blocks(MASTER_WEIGHTS), embedding.blocks(MASTER_WEIGHTS)))
+    if not same:
         raise CheckpointError(f"{source}: the config ties {TIED_PAIR[0]} to {TIED_PAIR[1]}, but they differ; "
                               "fix tie_word_embeddings in the config")
 

@@ -35,29 +35,47 @@ def _stage0_slots(engine: Any) -> dict[torch.nn.Parameter, zero0.LiveSlot]:
     return zero0.live_slots(engine.optimizer)
 
 
-def _set_state(param: torch.nn.Parameter, value: torch.Tensor, state: str | None, engine: Any,
-               stage0: dict[torch.nn.Parameter, zero0.LiveSlot]) -> bool:
-    """Write this rank's fragment of ``value`` (the TP-local tensor) into the optimizer; False if unmanaged.
+def _state_targets(param: torch.nn.Parameter, state: str | None, engine: Any,
+                   stage0: dict[torch.nn.Parameter, zero0.LiveSlot]) -> list[tuple[torch.Tensor, int]] | None:
+    """Where this rank keeps ``state`` (None: the fp32 master) of a ZeRO-0/1/2 parameter: ``(1-D tensor, start)``
+    pairs, each holding elements ``[start, start + numel)`` of the TP-local parameter flattened; None if no
+    optimizer manages the parameter.
 
-    ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly
-    in another DP rank's partition, and then this rank has nothing to write.
+    ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly in
+    another DP rank's partition, and then this rank keeps nothing of it.
     """
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     slot = stage0.get(param)
     if slot is not None:
-        target = slot.master_of() if state is None else slot.moment_of(_base_optimizer(engine), state)
-        target.copy_(value.reshape(-1))
-        return True
-    if not hasattr(param, "ds_id"):
-        if not hasattr(param, "_hp_mapping"):
-            return False
-        if param._hp_mapping is None:
-            return True
-    if state is None:
-        safe_set_full_fp32_param(param, value)
-    else:
-        safe_set_full_optimizer_state(param, value, state)
-    return True
+        return [(slot.master_of() if state is None else slot.moment_of(_base_optimizer(engine), state), 0)]
+    if not hasattr(param, "_hp_mapping"):
+        return None
+    mapping = param._hp_mapping
+    if mapping is None:
+        return []
+    return [(mapping.get_hp_fragment(state), int(mapping.lp_fragment_address.start))]
+
+
+def _fill(targets: list[tuple[torch.Tensor, int]], ckpt: ReshardingSource, name: str, state: str, layout: TPLayout,
+          tp_rank: int) -> None:
+    """Copy into each ``(tensor, start)`` of ``targets`` its elements of the TP-local tensor, reading the range
+    they span once, block by block: memory stays at a block whatever the tensor's size, and a DP rank reads
+    only the part of its TP slice it keeps."""
+    from deepspeed_ext.checkpoint.tensor import BLOCK_ELEMENTS
+    spans = [(tensor.view(-1), start, start + tensor.numel()) for tensor, start in targets if tensor.numel()]
+    if not spans:
+        return
+    low, high = min(start for _, start, _ in spans), max(stop for _, _, stop in spans)
+    row = math.prod(layout.local_shape(tp_rank)[1:]) or 1
+    step = max(1, BLOCK_ELEMENTS // row) * row
+    position = low
+    while position < high:
+        stop = min(high, (position // step + 1) * step)  # block boundaries on whole rows
+        block = ckpt.resharded_range(name, state, layout, tp_rank, position, stop)
+        for flat, first, last in spans:
+            a, b = max(position, first), min(stop, last)
+            if a < b:
+                flat[a - first:b - first].copy_(block[a - position:b - position])
+        position = stop
 
 
 def zero3_partition(param: Any) -> tuple[int, int, int]:
@@ -179,13 +197,14 @@ def load_resharded(engine: Any,
                 if hasattr(param, "ds_id"):  # ZeRO-3: read only this DP rank's partition of the TP slice
                     _set_zero3_partition(param, ckpt, name, state, layout, tp_rank)
                     continue
-                local = ckpt.resharded(name, state, layout, tp_rank)
-                managed = _set_state(param, local, None if state == MASTER_WEIGHTS else state, engine, stage0)
-                if state == MASTER_WEIGHTS and not zero3:
-                    param.data.copy_(local)  # the low-precision copy the forward pass uses
-                elif not managed:
+                master = state == MASTER_WEIGHTS
+                targets = _state_targets(param, None if master else state, engine, stage0)
+                if targets is None and not master:
                     raise CheckpointError(f"parameter {name!r} is not managed by a ZeRO/BF16 optimizer; cannot "
                                           "restore its optimizer state")
+                if master:  # and the low-precision copy the forward pass uses, whole on every DP rank
+                    targets = [*(targets or []), (param.data, 0)]
+                _fill(targets or [], ckpt, name, state, layout, tp_rank)
         if zero3:
             _refresh_zero3_partitions(engine.optimizer)
         _restore_buffers(module, ckpt, available, tp_size, tp_rank)

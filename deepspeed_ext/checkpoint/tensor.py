@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 # Re-exported (``X as X``: explicitly, for type checkers).
-from deepspeed_ext.checkpoint.fingerprint import SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message
+from deepspeed_ext.checkpoint.fingerprint import (SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message,
+                                                  partial_sums)
 from deepspeed_ext.checkpoint.source import ADAM_STATES as ADAM_STATES
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS as MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.source import STEP as STEP
@@ -66,22 +67,28 @@ class LogicalTensor:
         assert isinstance(value, torch.Tensor), f"{self.name}: state {state!r} is not a tensor"
         return value
 
-    def blocks(self, state: str, block_elements: int = BLOCK_ELEMENTS) -> Iterator[torch.Tensor]:
-        """The full tensor of ``state`` flattened, as consecutive blocks of whole rows (the slice of every
-        dimension after the first) of about ``block_elements``; one block, the whole tensor, where the source
-        cannot read ranges. A block may be a view into a memory-mapped file: consume it before the next."""
+    def blocks(self, state: str, low: int = 0, high: int | None = None,
+               block_elements: int = BLOCK_ELEMENTS) -> Iterator[torch.Tensor]:
+        """Elements ``[low, high)`` (default: all) of the full tensor of ``state`` flattened, as consecutive
+        blocks of about ``block_elements``, cut at whole rows (the slice of every dimension after the first)
+        where they can be; one block where the source cannot read ranges (it loads the whole tensor). A block
+        may be a view into a memory-mapped file: consume it before asking for the next."""
         if state not in self.states:
             raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
-        if self.range_loader is None:
-            yield self.load_tensor(state).reshape(-1)
-            return
         numel = math.prod(self.shape)
+        high = numel if high is None else high
+        if self.range_loader is None:
+            yield self.load_tensor(state).reshape(-1)[low:high]
+            return
         row = math.prod(self.shape[1:]) or 1
         step = max(1, block_elements // row) * row
-        for low in range(0, numel, step):
-            yield self.range_loader(state, low, min(numel, low + step))
+        start = low
+        while start < high:
+            stop = min(high, (start // step + 1) * step)  # block boundaries on multiples of step (whole rows)
+            yield self.range_loader(state, start, stop)
             if _FIRST_READ_PROBE:
                 _first_read()
+            start = stop
 
 
 #: ``DEEPSPEED_EXT_FIRST_READ_FILE``: where to write the wall-clock time (``time.time()``) the first tensor
@@ -111,6 +118,10 @@ class StreamCheck:
     def check(self, name: str, state: str, value: _T) -> _T:
         raise NotImplementedError
 
+    def check_range(self, name: str, state: str, low: int, high: int, value: torch.Tensor) -> torch.Tensor:
+        """:meth:`check` of elements ``[low, high)`` of a state read in blocks (flattened)."""
+        return self.check(name, state, value)
+
     def stream(self, tensors: Iterable[LogicalTensor]) -> Iterator[LogicalTensor]:
         for tensor in tensors:
             range_loader = tensor.range_loader
@@ -122,7 +133,7 @@ class StreamCheck:
 
     def _checked_range_loader(self, name: str, load: Callable[[str, int, int], torch.Tensor]
                               ) -> Callable[[str, int, int], torch.Tensor]:
-        return lambda state, low, high: self.check(name, state, load(state, low, high))
+        return lambda state, low, high: self.check_range(name, state, low, high, load(state, low, high))
 
     def _checked_loader(self, tensor: LogicalTensor) -> Callable[[str], torch.Tensor | int]:
         return lambda state: self.check(tensor.name, state, tensor.loader(state))
@@ -174,12 +185,33 @@ class RecordCheck(StreamCheck):
     arrays, so what they write cannot be compared with the source's record; what they read can).
 
     A state read twice (a fused tensor split into several MaxText leaves) is summed once; loads may run on
-    Orbax's threads (one dict store each, under the GIL).
+    Orbax's threads (one dict store each, under the GIL). A state read in blocks is summed block by block, each
+    range once.
     """
+
+    blockwise = True
 
     def __init__(self, info: SourceInfo):
         self.info = info
         self.found = Fingerprints()
+        self._ranges: dict[tuple[str, str], dict[tuple[int, int], tuple[int, float, float]]] = {}
+
+    def check_range(self, name: str, state: str, low: int, high: int, value: torch.Tensor) -> torch.Tensor:
+        if state != STEP and self.info.fingerprints is not None \
+                and self.info.fingerprints.get(name, state) is not None:
+            ranges = self._ranges.setdefault((name, state), {})
+            if (low, high) not in ranges:
+                ranges[(low, high)] = partial_sums(value)
+        return value
+
+    def _found(self) -> Fingerprints:
+        """The fingerprints of the states read: whole, or added up from their blocks."""
+        found = Fingerprints({name: dict(states) for name, states in self.found.tensors.items()})
+        for (name, state), ranges in self._ranges.items():
+            if found.get(name, state) is None:
+                numel, total, total_sq = (sum(sums[i] for sums in ranges.values()) for i in range(3))
+                found.add(name, state, Fingerprint(int(numel), total, total_sq))
+        return found
 
     def check(self, name: str, state: str, value: _T) -> _T:
         if state != STEP and self.found.get(name, state) is None and self.info.fingerprints is not None \
@@ -196,10 +228,11 @@ class RecordCheck(StreamCheck):
         recorded = self.info.fingerprints
         if recorded is None:
             return
+        found = self._found()
         read = Fingerprints({name: {state: fingerprint for state, fingerprint in recorded.tensors[name].items()
                                     if state in states}
-                             for name, states in self.found.tensors.items() if name in recorded.tensors})
-        checked, mismatches = compare(read, self.found, check_step=False)
+                             for name, states in found.tensors.items() if name in recorded.tensors})
+        checked, mismatches = compare(read, found, check_step=False)
         if mismatches:
             raise CheckpointError(mismatch_message(str(self.info.given), mismatches, checked, SOURCE_WRONG))
 

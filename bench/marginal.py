@@ -1,0 +1,91 @@
+"""Streaming throughput at the margin: what each command adds per extra byte, against ``cp -r``.
+
+A command's wall time on one checkpoint mixes a fixed cost (interpreter start, imports, metadata) with the
+time it spends moving bytes. Running it on two checkpoints of the same shapes that differ only in their number
+of layers (by default 246M and 857M parameters: hidden 1024, MLP 2816, vocab 32000, 16 and 70 layers, TP=2
+ZeRO-1 bf16, trained one step by the real engine) and dividing the time difference by the bytes difference
+leaves the marginal rate, which fixed costs cannot hide. Each command runs with its input evicted from the page
+cache (cold) and read into it after a ``sync`` (warm), ``--rounds`` times in alternating order; rows are
+medians. Marginal throughput is (bytes read + written by the larger run - by the smaller) / (time difference),
+as a fraction of cp's.
+
+    python bench/marginal.py                         # builds both checkpoints once (about 12 min), then 3 rounds
+    python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import build_checkpoint, conversion_commands, du, timed, warm  # noqa: E402
+from maxtext_rss import model_arguments  # noqa: E402
+
+COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)")
+
+
+def checkpoint(args: argparse.Namespace, layers: int) -> Path:
+    sized = argparse.Namespace(**{**vars(args), "layers": layers})
+    work = Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{layers}_i{args.intermediate}"
+    return build_checkpoint(sized, work)
+
+
+def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> dict[tuple[str, int], dict]:
+    """Median wall time and bytes moved of each command on each checkpoint, ``cache`` cold or warm."""
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for round_ in range(args.rounds):
+        for layers, tag_dir in (tag_dirs.items() if round_ % 2 == 0 else reversed(tag_dirs.items())):
+            out = tag_dir.parent.parent / "out"
+            commands = {name: cmd for name, cmd in conversion_commands(args, tag_dir, out).items() if name in COMMANDS}
+            for name in (list(commands) if round_ % 2 == 0 else list(reversed(commands))):
+                shutil.rmtree(out, ignore_errors=True)
+                if cache == "warm":
+                    warm(tag_dir)
+                result = timed(commands[name], cold=tag_dir if cache == "cold" else None)
+                runs.setdefault((name, layers), []).append(result)
+                print(f"{cache} round {round_ + 1}: {name} on {layers} layers: {result['wall']:.1f} s, "
+                      f"read {result['read'] / 2**30:.2f} GiB, written {result['written'] / 2**30:.2f} GiB",
+                      flush=True)
+            shutil.rmtree(out, ignore_errors=True)
+    return {key: {field: statistics.median(r[field] for r in results) for field in results[0]}
+            for key, results in runs.items()}
+
+
+def report(medians: dict[tuple[str, int], dict], small: int, large: int, cache: str) -> None:
+    cp = medians[("cp -r", large)], medians[("cp -r", small)]
+    cp_rate = ((cp[0]["read"] + cp[0]["written"]) - (cp[1]["read"] + cp[1]["written"])) / (cp[0]["wall"] - cp[1]["wall"])
+    print(f"\n{cache} cache: medians; marginal = ({large} layers - {small} layers)\n")
+    print(f"| command | wall s, {small} layers | wall s, {large} layers | GiB moved, {small} | GiB moved, {large} | "
+          "marginal GB/s | marginal vs cp |")
+    print("|---|---|---|---|---|---|---|")
+    for name in COMMANDS:
+        a, b = medians[(name, small)], medians[(name, large)]
+        moved_a, moved_b = a["read"] + a["written"], b["read"] + b["written"]
+        rate = (moved_b - moved_a) / max(b["wall"] - a["wall"], 1e-3)
+        print(f"| {name} | {a['wall']:.1f} | {b['wall']:.1f} | {moved_a / 2**30:.2f} | {moved_b / 2**30:.2f} | "
+              f"{rate / 1e9:.2f} | {rate / cp_rate:.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    model_arguments(p)
+    p.add_argument("--small", type=int, default=16, help="layers of the smaller checkpoint")
+    p.add_argument("--large", type=int, default=70, help="layers of the larger checkpoint")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
+    args = p.parse_args()
+    args.no_upstream = True
+    tag_dirs = {layers: checkpoint(args, layers) for layers in (args.small, args.large)}
+    for layers, tag_dir in tag_dirs.items():
+        print(f"{layers} layers: {tag_dir} ({du(tag_dir) / 2**30:.2f} GiB)")
+    results = {cache: measure(args, tag_dirs, cache) for cache in args.cache}
+    for cache, medians in results.items():
+        report(medians, args.small, args.large, cache)
+
+
+if __name__ == "__main__":
+    main()
