@@ -50,6 +50,12 @@ def llama_config(args: argparse.Namespace) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def checkpoint_workdir(args: argparse.Namespace, layers: int) -> Path:
+    """Where the benchmark checkpoint of this model's shapes with ``layers`` layers is cached."""
+    vocab = "" if args.vocab == 32000 else f"_v{args.vocab}"
+    return Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{layers}_i{args.intermediate}{vocab}"
+
+
 def build_checkpoint(args: argparse.Namespace, work: Path) -> Path:
     """A real DeepSpeed TP=2 ZeRO-1 bf16 checkpoint of the model, saved after one training step."""
     save_dir = work / "deepspeed"
@@ -197,7 +203,8 @@ def resume(args: argparse.Namespace, work: Path, tp: int, dp: int, zero: int, lo
     ranks = [json.loads(p.read_text()) for p in sorted(timing.parent.glob(f"{timing.name}.rank*.json"))]
     return {"first_step_s": max(r["first_step_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
             "read_per_rank": [r["load_read_bytes"] for r in ranks],
-            "share_per_rank": [r["share_bytes"] for r in ranks]}
+            "share_per_rank": [r["share_bytes"] for r in ranks],
+            "rss_gain_per_rank": [r["load_peak_rss_gain_bytes"] for r in ranks]}
 
 
 def resume_targets(args: argparse.Namespace) -> list[tuple[int, int, int]]:
@@ -245,7 +252,7 @@ def main() -> None:
     p.add_argument("--cache", choices=["cold", "warm"], default="cold",
                    help="the input evicted from the page cache before each command (cold), or read into it (warm)")
     args = p.parse_args()
-    work = Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{args.layers}_i{args.intermediate}"
+    work = checkpoint_workdir(args, args.layers)
     tag_dir = build_checkpoint(args, work)
     medians = {} if args.no_convert else conversions(args, tag_dir, work)
     resume_lines = [] if args.no_resume else resumes(args, tag_dir, work)

@@ -22,16 +22,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import build_checkpoint, conversion_commands, du, timed, warm  # noqa: E402
+from convert import build_checkpoint, checkpoint_workdir, conversion_commands, du, timed, warm  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
 COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)")
 
 
 def checkpoint(args: argparse.Namespace, layers: int) -> Path:
-    sized = argparse.Namespace(**{**vars(args), "layers": layers})
-    work = Path(args.workdir) / f"deepspeed_tp2_zero1_bf16_h{args.hidden}_l{layers}_i{args.intermediate}"
-    return build_checkpoint(sized, work)
+    return build_checkpoint(argparse.Namespace(**{**vars(args), "layers": layers}), checkpoint_workdir(args, layers))
 
 
 def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> dict[tuple[str, int], dict]:

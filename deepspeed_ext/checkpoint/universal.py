@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -363,6 +364,8 @@ class UniversalCheckpoint:
         self.zero = self.path / ZERO_DIR
         if not self.zero.is_dir():
             raise CheckpointError(f"{self.path}: not a universal checkpoint (no {ZERO_DIR}/ directory)")
+        # Per thread: the tensor file it reads in blocks (kept mapped between blocks) and its last block.
+        self._reads = threading.local()
 
     @property
     def read_paths(self) -> list[Path]:
@@ -391,9 +394,33 @@ class UniversalCheckpoint:
             raise CheckpointError(f"{path}: no tensor under 'param'")
         return tensor
 
+    def _mapped(self, name: str, state: str) -> torch.Tensor:
+        """The memory-mapped full tensor of ``name``/``state``, kept mapped for the blocks that follow (one per
+        thread); the pages of this thread's previous block are released from RSS first."""
+        reads = self._reads
+        previous = getattr(reads, "block", None)
+        if previous is not None:
+            serialization.release_pages(previous, reads.mappings)
+            reads.block = None
+        if getattr(reads, "key", None) != (name, state):
+            reads.key, reads.tensor = None, None  # unmaps the previous file
+            reads.tensor = self.load(name, state)
+            reads.mappings = serialization.file_mappings(self.file(name, state))
+            reads.key = (name, state)
+        tensor: torch.Tensor = reads.tensor
+        return tensor
+
+    def _block(self, block: torch.Tensor) -> torch.Tensor:
+        self._reads.block = block  # released at this thread's next read
+        return block
+
+    def full_range(self, name: str, state: str, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of the full tensor, flattened: a view of the mapped file."""
+        return self._block(self._mapped(name, state).reshape(-1)[low:high])
+
     def _full_for(self, name: str, state: str, target: TPLayout) -> torch.Tensor:
         """The memory-mapped full tensor, checked against the model's shape."""
-        full = self.load(name, state)
+        full = self._mapped(name, state)
         if tuple(full.shape) != target.shape:
             raise CheckpointError(f"{self.file(name, state)}: shape {tuple(full.shape)} does not match the model's "
                                   f"{name!r} {target.shape}")
@@ -410,7 +437,7 @@ class UniversalCheckpoint:
         (a ZeRO-3 rank's partition of its TP slice)."""
         flat = self._full_for(name, state, target).reshape(-1)
         whole = TPLayout.replicated(target.shape, 1)  # the full tensor: a replicated source of one rank
-        return whole.reshard_range(target, rank, low, high, lambda _, start, stop: flat[start:stop])
+        return self._block(whole.reshard_range(target, rank, low, high, lambda _, start, stop: flat[start:stop]))
 
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)
@@ -496,8 +523,11 @@ class UniversalCheckpoint:
                     raise CheckpointError(f"{self.file(name, STEP)}: no optimizer step")
                 return step
 
+            def range_loader(state: str, low: int, high: int, name: str = name) -> torch.Tensor:
+                return self.full_range(name, state, low, high)
+
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
-                                dtype=self.model_dtype(name))
+                                dtype=self.model_dtype(name), range_loader=range_loader)
 
     def summary(self) -> dict[str, Any]:
         states = self.model_states

@@ -116,10 +116,13 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     dp_size, dp_rank = world // tp_size, dist.get_rank() // tp_size  # TP groups are consecutive ranks
     timing = {"rank": dist.get_rank(), "tp": tp_size, "dp": dp_size}
     if args.load_dir:
+        rss_before = _reset_peak_rss() if args.timing else 0
         io_before, start = _bytes_read(), time.perf_counter()
         engine.load_checkpoint(args.load_dir)
         timing["load_s"] = time.perf_counter() - start
         timing["load_read_bytes"] = _bytes_read() - io_before
+        # What the restore held above the engine it restored into: its peak RSS over the RSS it started at.
+        timing["load_peak_rss_gain_bytes"] = _status_kib("VmHWM") * 1024 - rss_before
         timing["share_bytes"] = _share_bytes(engine)
         if hooks.after_load:
             hooks.after_load(engine, tp_rank)
@@ -151,6 +154,18 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses,
                                                 **({hooks.result_key: probed} if hooks.after_step else {})}))
     finish_distributed()
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:"))
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux: /proc/self/clear_refs); the RSS, bytes."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _status_kib("VmRSS") * 1024
 
 
 def _share_bytes(engine: Any) -> int:
