@@ -204,7 +204,8 @@ def resume(args: argparse.Namespace, work: Path, tp: int, dp: int, zero: int, lo
     return {"first_step_s": max(r["first_step_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
             "read_per_rank": [r["load_read_bytes"] for r in ranks],
             "share_per_rank": [r["share_bytes"] for r in ranks],
-            "rss_gain_per_rank": [r["load_peak_rss_gain_bytes"] for r in ranks]}
+            "rss_gain_per_rank": [r["load_peak_rss_gain_bytes"] for r in ranks],
+            "new_state_per_rank": [r["load_new_optimizer_state_bytes"] for r in ranks]}
 
 
 def resume_targets(args: argparse.Namespace) -> list[tuple[int, int, int]]:

@@ -490,6 +490,10 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                     blocks = [full[start:stop]] if full is not None else tensor.blocks(MASTER_WEIGHTS, start, stop)
                     for block in blocks:
                         data = block.to(entry.dtype).contiguous()
+                        if full is None and data.data_ptr() == block.data_ptr():
+                            # Still the source's mapped pages (no cast was needed): the writer gets a copy, so
+                            # the reader can release them from RSS once it reads on.
+                            data = data.clone()
                         writer.submit(_write_piece, files[filename], data, offset, directory / filename, tensor.name,
                                       sums)
                         offset += data.numel() * data.element_size()

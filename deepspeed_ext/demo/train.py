@@ -117,12 +117,15 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     timing = {"rank": dist.get_rank(), "tp": tp_size, "dp": dp_size}
     if args.load_dir:
         rss_before = _reset_peak_rss() if args.timing else 0
+        state_before = _optimizer_state_bytes(engine)
         io_before, start = _bytes_read(), time.perf_counter()
         engine.load_checkpoint(args.load_dir)
         timing["load_s"] = time.perf_counter() - start
         timing["load_read_bytes"] = _bytes_read() - io_before
-        # What the restore held above the engine it restored into: its peak RSS over the RSS it started at.
+        # What the restore held above the engine it restored into: its peak RSS over the RSS it started at, less
+        # the Adam buffers it created (a fresh engine has none before its first step, which would create them).
         timing["load_peak_rss_gain_bytes"] = _status_kib("VmHWM") * 1024 - rss_before
+        timing["load_new_optimizer_state_bytes"] = _optimizer_state_bytes(engine) - state_before
         timing["share_bytes"] = _share_bytes(engine)
         if hooks.after_load:
             hooks.after_load(engine, tp_rank)
@@ -154,6 +157,15 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses,
                                                 **({hooks.result_key: probed} if hooks.after_step else {})}))
     finish_distributed()
+
+
+def _optimizer_state_bytes(engine: Any) -> int:
+    """Bytes of the tensors in the (wrapped) torch optimizer's state."""
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    storages = {value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
+                for state in getattr(optimizer, "state", {}).values() for value in state.values()
+                if torch.is_tensor(value)}
+    return sum(storages.values())
 
 
 def _status_kib(field: str) -> int:
