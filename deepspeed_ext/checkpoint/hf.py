@@ -735,10 +735,36 @@ class HFCheckpoint:
         for name, layout in self.layouts.items():
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=(MASTER_WEIGHTS, ),
                                 loader=self._loader(name),
-                                dtype=output_dtype(self.dtype_choice, self.file_dtype(name)))
+                                dtype=output_dtype(self.dtype_choice, self.file_dtype(name)),
+                                range_loader=self._range_loader(name))
 
     def _loader(self, name: str) -> Callable[[str], torch.Tensor]:
         return lambda state: self.load(name)  # weights only: the one state
+
+    def _range_loader(self, param: str) -> Callable[[str, int, int], torch.Tensor] | None:
+        """Elements ``[low, high)`` of a parameter stored whole, read as the rows that hold them (None for one
+        assembled from expert pieces, which is read whole)."""
+        pieces = self._pieces[param]
+        if pieces is not None and RENAMED not in pieces:
+            return None
+        name, shape = (param if pieces is None else pieces[RENAMED]), self.shapes[param]
+        file, row = self._file_of[name], math.prod(shape[1:])
+        dtype = output_dtype(self.dtype_choice, self.file_dtype(param))
+
+        def read(state: str, low: int, high: int) -> torch.Tensor:
+            if not shape or not row:
+                return self.load(param).reshape(-1)[low:high]
+            first, last = low // row, -(-high // row)
+            try:
+                with self._open(file) as handle:  # a fresh handle: the pages it touched leave RSS with it
+                    rows: torch.Tensor = handle.get_slice(name)[first:last]
+            except CheckpointError:
+                raise
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+            return rows.reshape(-1)[low - first * row:high - first * row].to(dtype)
+
+        return read
 
     def summary(self) -> dict[str, Any]:
         return {"kind": "huggingface", "path": str(self.path), "model_type": self.model_config.get("model_type"),
