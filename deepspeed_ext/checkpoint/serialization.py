@@ -155,6 +155,8 @@ def save_streamed(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Te
     """
     import google_crc32c
     path = Path(path)
+    if not hasattr(torch.serialization, "skip_data"):  # torch < 2.5: the tensor is filled, then saved whole
+        return _save_filled(obj, placeholder, blocks, path)
     tmp = path.with_name(path.name + ".tmp")
     nbytes = placeholder.numel() * placeholder.element_size()
     try:
@@ -185,6 +187,20 @@ def save_streamed(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Te
         raise
     digest: bytes = checksum.hexdigest()
     return digest.decode()
+
+
+def _save_filled(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Tensor], path: Path) -> str:
+    """:func:`save_streamed` without ``skip_data``: the placeholder is filled (the tensor held whole), then saved."""
+    from deepspeed_ext.checkpoint.manifest import file_checksum
+    flat, position = placeholder.view(-1), 0
+    for block in blocks:
+        flat[position:position + block.numel()].copy_(block.reshape(-1))
+        position += block.numel()
+    if position != flat.numel():
+        raise CheckpointError(f"{path}: the blocks hold {position * placeholder.element_size()} bytes, the tensor "
+                              f"{flat.numel() * placeholder.element_size()}")
+    save(obj, path)
+    return file_checksum(path)
 
 
 def _storage_offset(path: Path, nbytes: int) -> int:

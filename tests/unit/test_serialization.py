@@ -126,3 +126,13 @@ def test_blocks_that_do_not_fill_the_tensor_leave_no_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"fp32.pt: the blocks hold 36 bytes, the tensor 40"):
         serialization.save_streamed({"param": placeholder}, placeholder, [torch.ones(9)], path)
     assert not list(tmp_path.iterdir())
+
+
+def test_without_skip_data_the_tensor_is_filled_and_saved_whole(tmp_path, monkeypatch):
+    """torch < 2.5 has no ``skip_data``: the same file, the tensor held whole."""
+    full = torch.randn(100, 7)
+    placeholder = torch.empty(full.shape)
+    monkeypatch.delattr(torch.serialization, "skip_data")
+    path = tmp_path / "fp32.pt"
+    checksum = serialization.save_streamed({"param": placeholder}, placeholder, torch.split(full.reshape(-1), 64), path)
+    assert checksum == file_checksum(path) and torch.equal(serialization.load(path)["param"], full)
