@@ -2,20 +2,23 @@
 
 A command's wall time on one checkpoint mixes a fixed cost (interpreter start, imports, metadata) with the
 time it spends moving bytes. Running it on two checkpoints of the same shapes that differ only in their number
-of layers (by default 246M and 857M parameters: hidden 1024, MLP 2816, vocab 32000, 16 and 70 layers, TP=2
-ZeRO-1 bf16, trained one step by the real engine) and dividing the time difference by the bytes difference
+of layers (by default 246M and 608M parameters: hidden 1024, MLP 2816, vocab 32000, 16 and 48 layers, TP=2
+ZeRO-1 bf16, trained one step by the real engine; 70 layers, 857M, would need more than 11 GiB per training
+rank, which a 24 GiB machine cannot give two ranks) and dividing the bytes difference by the time difference
 leaves the marginal rate, which fixed costs cannot hide. Each command runs with its input evicted from the page
 cache (cold) and read into it after a ``sync`` (warm), ``--rounds`` times in alternating order; rows are
-medians. Marginal throughput is (bytes read + written by the larger run - by the smaller) / (time difference),
-as a fraction of cp's.
+medians. Two marginal rates, each as a fraction of cp's: the extra checkpoint bytes per extra second (the same
+bytes for every command, so against cp it is cp's extra time over the command's), and the extra bytes the command
+itself read and wrote per extra second.
 
-    python bench/marginal.py                         # builds both checkpoints once (about 12 min), then 3 rounds
-    python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm
+    python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
+    python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -53,36 +56,49 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
             for key, results in runs.items()}
 
 
-def report(medians: dict[tuple[str, int], dict], small: int, large: int, cache: str) -> None:
-    cp = medians[("cp -r", large)], medians[("cp -r", small)]
-    cp_rate = ((cp[0]["read"] + cp[0]["written"]) - (cp[1]["read"] + cp[1]["written"])) / (cp[0]["wall"] - cp[1]["wall"])
-    print(f"\n{cache} cache: medians; marginal = ({large} layers - {small} layers)\n")
-    print(f"| command | wall s, {small} layers | wall s, {large} layers | GiB moved, {small} | GiB moved, {large} | "
-          "marginal GB/s | marginal vs cp |")
-    print("|---|---|---|---|---|---|---|")
+def report(medians: dict[tuple[str, int], dict], sizes: dict[int, int], small: int, large: int, cache: str) -> None:
+    """Per command: the time the larger checkpoint adds, per extra GB of checkpoint and per extra GB the command
+    itself moved (read + written), each against cp's."""
+    extra_size = sizes[large] - sizes[small]
+
+    def rates(name: str) -> tuple[float, float]:
+        a, b = medians[(name, small)], medians[(name, large)]
+        seconds = max(b["wall"] - a["wall"], 1e-3)
+        return extra_size / seconds, ((b["read"] + b["written"]) - (a["read"] + a["written"])) / seconds
+
+    cp_size_rate, cp_moved_rate = rates("cp -r")
+    print(f"\n{cache} cache, medians; marginal = {large} layers ({sizes[large] / 2**30:.2f} GiB) - {small} layers "
+          f"({sizes[small] / 2**30:.2f} GiB)\n")
+    print(f"| command | wall s, {small} layers | wall s, {large} layers | extra s | checkpoint GB/s at the margin | "
+          "vs cp | GB moved/s at the margin | vs cp |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in COMMANDS:
         a, b = medians[(name, small)], medians[(name, large)]
-        moved_a, moved_b = a["read"] + a["written"], b["read"] + b["written"]
-        rate = (moved_b - moved_a) / max(b["wall"] - a["wall"], 1e-3)
-        print(f"| {name} | {a['wall']:.1f} | {b['wall']:.1f} | {moved_a / 2**30:.2f} | {moved_b / 2**30:.2f} | "
-              f"{rate / 1e9:.2f} | {rate / cp_rate:.2f} |")
+        size_rate, moved_rate = rates(name)
+        print(f"| {name} | {a['wall']:.1f} | {b['wall']:.1f} | {b['wall'] - a['wall']:.1f} | {size_rate / 1e9:.2f} | "
+              f"{size_rate / cp_size_rate:.2f} | {moved_rate / 1e9:.2f} | {moved_rate / cp_moved_rate:.2f} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     model_arguments(p)
     p.add_argument("--small", type=int, default=16, help="layers of the smaller checkpoint")
-    p.add_argument("--large", type=int, default=70, help="layers of the larger checkpoint")
+    p.add_argument("--large", type=int, default=48, help="layers of the larger checkpoint")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
+    p.add_argument("--save", help="also write the medians to this JSON file")
     args = p.parse_args()
     args.no_upstream = True
     tag_dirs = {layers: checkpoint(args, layers) for layers in (args.small, args.large)}
+    sizes = {layers: du(tag_dir) for layers, tag_dir in tag_dirs.items()}
     for layers, tag_dir in tag_dirs.items():
-        print(f"{layers} layers: {tag_dir} ({du(tag_dir) / 2**30:.2f} GiB)")
+        print(f"{layers} layers: {tag_dir} ({sizes[layers] / 2**30:.2f} GiB)")
     results = {cache: measure(args, tag_dirs, cache) for cache in args.cache}
     for cache, medians in results.items():
-        report(medians, args.small, args.large, cache)
+        report(medians, sizes, args.small, args.large, cache)
+    if args.save:
+        Path(args.save).write_text(json.dumps({cache: {f"{name}|{layers}": value for (name, layers), value in
+                                                       medians.items()} for cache, medians in results.items()}))
 
 
 if __name__ == "__main__":
