@@ -103,14 +103,9 @@ class FileTensor:
     def nbytes(self) -> int:
         return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
 
-    def cut(self, full: torch.Tensor) -> torch.Tensor:
-        if self.expert is None:
-            return full
-        rows = self.shape[0]
-        return full[self.expert].narrow(0, self.piece * rows, rows)
-
     def span(self, param_shape: tuple[int, ...]) -> tuple[int, int]:
-        """Where :meth:`cut` lies in the parameter flattened: ``(start, stop)`` (a piece is contiguous)."""
+        """Where this tensor lies in the parameter flattened, ``(start, stop)``: ``param[expert]``'s ``piece``-th
+        of ``pieces`` equal parts along its first axis is contiguous."""
         numel = int(torch.Size(self.shape).numel())
         if self.expert is None:
             return 0, numel
@@ -528,11 +523,8 @@ def _write_piece(fd: int, data: torch.Tensor, offset: int, path: Path, name: str
 
 def _write_at(fd: int, data: Any, offset: int, path: Path) -> None:
     """All of ``data`` at ``offset`` of ``path`` (pwrite may write less than asked)."""
-    view = memoryview(data).cast("B")
     try:
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+        serialization.pwrite_all(fd, data, offset)
     except OSError as exc:
         raise _write_error(path, exc) from exc
 

@@ -170,10 +170,7 @@ def save_streamed(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Te
             for block in blocks:
                 data: Any = block.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
                 checksum.update(data)  # takes the array itself (a read-only buffer), not a memoryview of it
-                view = memoryview(data)
-                while view:
-                    done = os.pwrite(handle.fileno(), view, position)
-                    view, position = view[done:], position + done
+                position = pwrite_all(handle.fileno(), data, position)
             if position != offset + nbytes:
                 raise CheckpointError(f"{path}: the blocks hold {position - offset} bytes, the tensor {nbytes}")
             handle.seek(position)
@@ -187,6 +184,15 @@ def save_streamed(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Te
         raise
     digest: bytes = checksum.hexdigest()
     return digest.decode()
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> int:
+    """All of ``data`` (any buffer) at ``offset`` of ``fd`` (pwrite may write less than asked); the offset after."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+    return offset
 
 
 def _save_filled(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Tensor], path: Path) -> str:
