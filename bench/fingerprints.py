@@ -5,8 +5,9 @@ engine (torchrun, gloo, CPU).
 After one training step, ``--rounds`` rounds, alternating the order, of:
 
 * ``save_checkpoint`` as DeepSpeed alone does it (the engine's own method, unhooked) and with deepspeed-ext
-  (UC metadata + fingerprints: each rank's sums on a thread while DeepSpeed writes, then one all-reduce of 3
-  float64 numbers per parameter state);
+  (UC metadata + fingerprints: DeepSpeed's files written by zipsave, the same bytes, each rank's sums read from
+  the blocks as they are written, then one all-reduce of 3 float64 numbers per parameter state); and, for
+  comparison, with deepspeed-ext as before zipsave (torch.save, the sums on a thread during it);
 * the fingerprint computation alone, not overlapped with anything (``engine_fingerprints``);
 * ``load_checkpoint`` of that save through the hook, which checks the fingerprints, and the check alone.
 
@@ -55,35 +56,65 @@ def worker(args: argparse.Namespace) -> None:
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     engine.step()
     plain_save = engine.save_checkpoint.__wrapped__  # DeepSpeed's own, without deepspeed-ext's hook
+    import deepspeed_ext.runtime as runtime
+    can_fuse = runtime._can_fuse
 
-    def timed(work) -> float:
+    def thread_save(*args, **kwargs):  # deepspeed-ext's save as it was before zipsave: the sums on a thread
+        runtime._can_fuse = lambda engine: False
+        try:
+            return engine.save_checkpoint(*args, **kwargs)
+        finally:
+            runtime._can_fuse = can_fuse
+
+    cpu: dict[str, list[float]] = {}
+
+    def timed(work, cpu_key: str | None = None) -> float:
+        """The slowest rank's wall time; with ``cpu_key``, the ranks' CPU time (all threads, summed) too, which
+        other processes on the machine disturb less than the wall time."""
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         work()
         took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        used = torch.tensor([time.process_time() - start_cpu], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        dist.all_reduce(used)
+        if cpu_key:
+            cpu.setdefault(cpu_key, []).append(float(used))
         return float(took)
 
     out = Path(args.out)
-    rows: dict[str, list[float]] = {key: [] for key in
-                                    ("save_plain", "save_ext", "fingerprints", "load_checked", "check")}
+    rows: dict[str, list[float]] = {key: [] for key in ("save_plain", "save_ext", "save_thread", "fingerprints",
+                                                         "load_checked", "check")}
+    kinds = ["plain", "ext", "thread"]
     for round_ in range(args.rounds):
-        order = ["plain", "ext"] if round_ % 2 == 0 else ["ext", "plain"]
+        order = kinds[round_ % 3:] + kinds[:round_ % 3]  # each kind first, second and last in turn
+        if round_ % 2:
+            order.reverse()
         for kind in order:
             target = out / f"{kind}{round_}"
-            save = plain_save if kind == "plain" else engine.save_checkpoint
-            rows[f"save_{kind}"].append(timed(lambda: save(str(target), tag="step1")))
+            save = {"plain": plain_save, "ext": engine.save_checkpoint, "thread": thread_save}[kind]
+            rows[f"save_{kind}"].append(timed(lambda: save(str(target), tag="step1"), f"cpu_{kind}"))
         rows["fingerprints"].append(timed(lambda: engine_fingerprints(engine)))
         load_dir = out / f"ext{round_}"
         rows["load_checked"].append(timed(lambda: engine.load_checkpoint(str(load_dir), tag="step1")))
         rows["check"].append(timed(lambda: check_resume_fingerprints(engine, load_dir / "step1")))
+        if round_ == 0 and dist.get_rank() == 0:  # deepspeed-ext writes DeepSpeed's files byte for byte
+            same = _same_files(out / "plain0" / "step1", out / "ext0" / "step1")
+            cpu.setdefault("same_bytes_as_deepspeed", []).append(same)
         if dist.get_rank() == 0:
-            for kind in ("plain", "ext"):
+            for kind in kinds:
                 shutil.rmtree(out / f"{kind}{round_}", ignore_errors=True)
         dist.barrier()
     if dist.get_rank() == 0:
-        (out / "result.json").write_text(json.dumps(rows))
+        (out / "result.json").write_text(json.dumps({**rows, **cpu}))
     finish_distributed()
+
+
+def _same_files(plain: Path, ext: Path) -> float:
+    """1.0 if every file DeepSpeed wrote in ``plain`` is in ``ext`` with the same bytes, else 0.0."""
+    import filecmp
+    names = sorted(p.relative_to(plain) for p in plain.rglob("*") if p.is_file())
+    return float(bool(names) and all(filecmp.cmp(plain / name, ext / name, shallow=False) for name in names))
 
 
 def main() -> None:
@@ -113,8 +144,18 @@ def main() -> None:
     print(f"{'save_checkpoint, with deepspeed-ext':42} {median['save_ext']:8.3f}   "
           f"{median['save_ext'] / median['save_plain'] - 1:+.1%} (median of the rounds' own ratios: "
           f"{paired - 1:+.1%})")
-    print(f"{'the fingerprints alone (overlapped in a save)':42} {median['fingerprints']:8.3f}   "
+    paired_thread = statistics.median(t / p for t, p in zip(rows["save_thread"], rows["save_plain"], strict=True))
+    print(f"{'  ... as before (torch.save, sums on a thread)':42} {median['save_thread']:8.3f}   "
+          f"{median['save_thread'] / median['save_plain'] - 1:+.1%} (median of the rounds' own ratios: "
+          f"{paired_thread - 1:+.1%})")
+    print(f"{'the fingerprints alone (not overlapped)':42} {median['fingerprints']:8.3f}   "
           f"{median['fingerprints'] / median['save_plain']:.1%} of the save")
+    cpu_ratio = statistics.median(e / p for e, p in zip(rows["cpu_ext"], rows["cpu_plain"], strict=True))
+    cpu_thread = statistics.median(e / p for e, p in zip(rows["cpu_thread"], rows["cpu_plain"], strict=True))
+    print(f"{'CPU s of a save, both ranks: DeepSpeed alone':42} {median['cpu_plain']:8.3f}")
+    print(f"{'  with deepspeed-ext':42} {median['cpu_ext']:8.3f}   {cpu_ratio - 1:+.1%} (median of the rounds' "
+          f"ratios); as before: {median['cpu_thread']:.3f}, {cpu_thread - 1:+.1%}")
+    print(f"{'DeepSpeed files byte-identical (round 0)':42} {bool(rows['same_bytes_as_deepspeed'][0])}")
     print(f"{'load_checkpoint, checked':42} {median['load_checked']:8.3f}")
     print(f"{'  of which the fingerprint check':42} {median['check']:8.3f}   "
           f"{median['check'] / median['load_checked']:.1%} of the load")

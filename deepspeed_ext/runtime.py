@@ -9,12 +9,14 @@ through :mod:`deepspeed_ext.checkpoint.restore`. The training script changes in 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +171,15 @@ def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
 def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
     """``save_checkpoint`` that also writes our UC info (layouts, model config, fingerprints) into the tag.
 
-    The fingerprints' sums run on a thread while DeepSpeed writes its files (a save waits on the disk, and
-    the sums only read what it writes), then one all-reduce adds the ranks' sums up. The UC info goes in
-    before the ``latest`` pointer, so a tag that ``latest`` names always has it: DeepSpeed is asked not to
-    write ``latest`` and it is written here, after. A checkpoint engine that commits later (decoupled,
-    asynchronous) writes ``latest`` at its commit: there the sums run first and the UC info is written before
-    DeepSpeed's files, as without fingerprints."""
+    On a CPU engine with DeepSpeed's own torch checkpoint engine, its files are written by
+    :mod:`deepspeed_ext.checkpoint.zipsave`: the same bytes, each storage read once, in cached blocks, and the
+    fingerprints' sums read each state from those blocks as they are written (see :func:`_fused_writes`).
+    Otherwise the sums run on a thread while DeepSpeed writes (a save waits on the disk, and the sums only read
+    what it writes). Then one all-reduce adds the ranks' sums up. The UC info goes in before the ``latest``
+    pointer, so a tag that ``latest`` names always has it: DeepSpeed is asked not to write ``latest`` and it is
+    written here, after. A checkpoint engine that commits later (decoupled, asynchronous) writes ``latest`` at
+    its commit: there the sums run first and the UC info is written before DeepSpeed's files, as without
+    fingerprints."""
     original = engine.save_checkpoint
     signature = inspect.signature(original)
 
@@ -193,13 +198,20 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
             return original(*call.args, **call.kwargs)
         save_latest = call.arguments.get("save_latest", True)
         call.arguments["save_latest"] = False
-        sums = _SumsThread(engine)
-        try:
-            result = original(*call.args, **call.kwargs)
-        except BaseException:
-            sums.join()  # DeepSpeed's error is the one to see
-            raise
-        local = sums.result()
+        if _can_fuse(engine):
+            from deepspeed_ext.checkpoint.fingerprint import SumsPlan
+            plan = SumsPlan(engine)
+            with _fused_writes(engine.checkpoint_engine, plan):
+                result = original(*call.args, **call.kwargs)
+            local = plan.finish()
+        else:
+            sums = _SumsThread(engine)
+            try:
+                result = original(*call.args, **call.kwargs)
+            except BaseException:
+                sums.join()  # DeepSpeed's error is the one to see
+                raise
+            local = sums.result()
         info.fingerprints = _save_fingerprints(engine, local)
         _write_info(engine, info, tag_dir)
         if save_latest and engine.global_rank == 0:
@@ -228,6 +240,58 @@ def _barrier() -> None:
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def _can_fuse(engine: Any) -> bool:
+    """Whether DeepSpeed's files can be written by :mod:`~deepspeed_ext.checkpoint.zipsave` with the sums read
+    from its blocks: its own torch checkpoint engine (the zip format) on a CPU engine. On an accelerator the
+    sums run there and torch.save copies each storage to the host anyway."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from deepspeed_ext.checkpoint import zipsave
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    device = getattr(engine, "device", None)
+    return (type(checkpoint_engine) is TorchCheckpointEngine
+            and bool(getattr(checkpoint_engine, "zipfile_serialization", False))
+            and _device_type(device) == "cpu" and zipsave.supported())
+
+
+def _device_type(device: Any) -> str:
+    """``device``'s type ("cpu", "cuda", ...), whether it is a torch.device, a string or an index."""
+    try:
+        return torch.device(device).type
+    except (TypeError, RuntimeError):
+        return "cpu" if device is None else "other"
+
+
+@contextlib.contextmanager
+def _fused_writes(checkpoint_engine: Any, plan: Any) -> Iterator[None]:
+    """``checkpoint_engine.save`` replaced, for one ``save_checkpoint``, by zipsave's writer of the same bytes,
+    which shows ``plan`` each storage's blocks as they are written. Where zipsave does not recognise torch's zip
+    (another torch) the file is saved again by torch.save and what ``plan`` summed from it is forgotten."""
+    from deepspeed_ext.checkpoint import zipsave
+    own = checkpoint_engine.save
+    patched_before = "save" in vars(checkpoint_engine)  # someone else's instance attribute: put it back after
+
+    def save(state_dict: Any, path: str) -> None:
+        mark = plan.mark()
+        if os.fspath(path).isascii():
+            try:
+                zipsave.save(state_dict, path, plan)
+                return
+            except zipsave.LayoutError as exc:
+                logger.debug("%s: saved again by torch.save (%s)", path, exc)
+                plan.rollback(mark)
+        own(state_dict, path)
+
+    checkpoint_engine.save = save
+    try:
+        yield
+    finally:
+        if patched_before:
+            checkpoint_engine.save = own
+        else:
+            del checkpoint_engine.save  # the class's own method again
 
 
 class _SumsThread:

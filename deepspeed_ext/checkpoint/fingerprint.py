@@ -20,6 +20,7 @@ exactly: to-maxtext sums each array as stored, undone from MaxText's layout in f
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -254,50 +255,114 @@ class LocalSums:
 def local_engine_sums(engine: Any, with_moments: bool = True) -> LocalSums:
     """This rank's share of :func:`engine_fingerprints`: no collective, so it can run on a thread while the
     engine saves (nothing it reads changes during a save)."""
-    import torch
-    import torch.distributed as dist
+    return SumsPlan(engine, with_moments).finish()
 
-    from deepspeed_ext.checkpoint.deepspeed import zero0
-    from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
-    from deepspeed_ext.checkpoint.tensor import persistent_buffers
-    from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tp_group_info
 
-    tp_size, tp_rank = tp_group_info()
-    states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
-    params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
-    optimizer = getattr(engine, "optimizer", None)
-    stage0 = zero0.live_slots(optimizer) if optimizer is not None and not engine.zero_optimization() else {}
-    base = zero0.wrapped_optimizer(optimizer) if optimizer is not None else None
-    distributed = dist.is_available() and dist.is_initialized()
-    dp_group = getattr(engine, "data_parallel_group", None)
-    dp_rank = dist.get_rank(group=dp_group) if distributed else 0
+class SumsPlan:
+    """What this rank sums for :func:`local_engine_sums`, before it is summed: each owned state is summed either
+    from the bytes a checkpoint writer reads anyway (the plan is a :class:`zipsave.Observer`: a state that lies
+    inside a storage being written is summed block by block from the cache as the block is written) or, for
+    whatever no writer showed, by :meth:`finish`. Either way a state's rows of ``ROW_ELEMENTS`` are the same."""
 
-    dp_size = (dist.get_world_size() // tp_size) if distributed else 1
-    sums = torch.zeros(len(params), len(states), 3, dtype=torch.float64)
-    for i, (_, param) in enumerate(params):
-        layout = getattr(param, LAYOUT_ATTR, None)
-        # A tensor every TP rank holds whole: TP rank 0 speaks for it. Unless ZeRO-3 partitioned it over the TP
-        # ranks too (a model built under zero.Init before AutoTP ran, as the HF Trainer does): then the ranks'
-        # partitions cover it once between them.
-        over_tp = hasattr(param, "ds_id") and dist.get_world_size(group=param.ds_process_group) > dp_size
-        if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
-            continue
-        for j, state in enumerate(states):
-            local = _owned_state(param, state, stage0, base, dp_rank)
-            if local is not None and local.numel():
-                sums[i, j] = torch.tensor(partial_sums(local), dtype=torch.float64)
-    # Persistent buffers (DeepSeek-V3's router bias) are checkpointed state too: whole on every rank.
-    buffers = [(name, buffer) for name, buffer in persistent_buffers(engine.module).items()
-               if name not in dict(params)]
-    buffer_sums = torch.zeros(len(buffers), 3, dtype=torch.float64)
-    if tp_rank == 0 and dp_rank == 0:
-        for i, (_, buffer) in enumerate(buffers):
-            buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
-    steps = _live_steps(engine, base)
-    # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
-    spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
-    return LocalSums([name for name, _ in params], states, sums, [(name, buffer.dtype) for name, buffer in buffers],
-                     buffer_sums, spread, with_moments)
+    def __init__(self, engine: Any, with_moments: bool = True):
+        import torch
+        import torch.distributed as dist
+
+        from deepspeed_ext.checkpoint.deepspeed import zero0
+        from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS
+        from deepspeed_ext.checkpoint.tensor import persistent_buffers
+        from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tp_group_info
+
+        tp_size, tp_rank = tp_group_info()
+        states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
+        params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
+        optimizer = getattr(engine, "optimizer", None)
+        stage0 = zero0.live_slots(optimizer) if optimizer is not None and not engine.zero_optimization() else {}
+        base = zero0.wrapped_optimizer(optimizer) if optimizer is not None else None
+        distributed = dist.is_available() and dist.is_initialized()
+        dp_group = getattr(engine, "data_parallel_group", None)
+        dp_rank = dist.get_rank(group=dp_group) if distributed else 0
+
+        dp_size = (dist.get_world_size() // tp_size) if distributed else 1
+        #: (param index, state index) -> the tensor this rank sums; removed once a writer claimed it
+        self.pending: dict[tuple[int, int], torch.Tensor] = {}
+        for i, (_, param) in enumerate(params):
+            layout = getattr(param, LAYOUT_ATTR, None)
+            # A tensor every TP rank holds whole: TP rank 0 speaks for it. Unless ZeRO-3 partitioned it over the
+            # TP ranks too (a model built under zero.Init before AutoTP ran, as the HF Trainer does): then the
+            # ranks' partitions cover it once between them.
+            over_tp = hasattr(param, "ds_id") and dist.get_world_size(group=param.ds_process_group) > dp_size
+            if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
+                continue
+            for j, state in enumerate(states):
+                local = _owned_state(param, state, stage0, base, dp_rank)
+                if local is not None and local.numel():
+                    self.pending[i, j] = local.detach()
+        self.sums = torch.zeros(len(params), len(states), 3, dtype=torch.float64)
+        self._claimed: list[tuple[tuple[int, int], torch.Tensor]] = []
+        # Persistent buffers (DeepSeek-V3's router bias) are checkpointed state too: whole on every rank.
+        self._buffers = [(name, buffer) for name, buffer in persistent_buffers(engine.module).items()
+                         if name not in dict(params)]
+        self._sum_buffers = tp_rank == 0 and dp_rank == 0
+        steps = _live_steps(engine, base)
+        # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
+        self._spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
+        self._params = [name for name, _ in params]
+        self._states = states
+        self._with_moments = with_moments
+
+    def regions(self, address: int, nbytes: int) -> list[Any]:
+        """The pending states that lie whole in ``nbytes`` of memory at ``address`` (a storage being written),
+        claimed: each is summed from the pieces the writer shows it."""
+        from deepspeed_ext.checkpoint.zipsave import Region
+        found = []
+        for key, tensor in self.pending.items():
+            start = tensor.data_ptr() - address
+            if (tensor.is_contiguous() and tensor.device.type == "cpu" and tensor.dtype.is_floating_point
+                    and 0 <= start and start + tensor.numel() * tensor.element_size() <= nbytes):
+                found.append((start, key, tensor))
+        found.sort(key=lambda item: item[0])
+        regions, end = [], 0
+        for start, key, tensor in found:
+            if start < end:  # overlaps the previous one: left to finish()
+                continue
+            del self.pending[key]
+            self._claimed.append((key, tensor))
+            regions.append(Region(start, tensor.reshape(-1), functools.partial(self._add, key), ROW_ELEMENTS))
+            end = start + tensor.numel() * tensor.element_size()
+        return regions
+
+    def _add(self, key: tuple[int, int], piece: torch.Tensor) -> None:
+        numel, total, total_sq = partial_sums(piece)
+        row = self.sums[key]
+        row[0] += numel
+        row[1] += total
+        row[2] += total_sq
+
+    def mark(self) -> int:
+        """A point to :meth:`rollback` to if the write that follows fails."""
+        return len(self._claimed)
+
+    def rollback(self, mark: int) -> None:
+        """Forget what was summed since ``mark`` (the write failed midway): those states are pending again."""
+        while len(self._claimed) > mark:
+            key, tensor = self._claimed.pop()
+            self.sums[key] = 0.0
+            self.pending[key] = tensor
+
+    def finish(self) -> LocalSums:
+        """This rank's sums: what no writer showed is summed now."""
+        import torch
+        for key, tensor in self.pending.items():
+            self.sums[key] = torch.tensor(partial_sums(tensor), dtype=torch.float64)
+        self.pending = {}
+        buffer_sums = torch.zeros(len(self._buffers), 3, dtype=torch.float64)
+        if self._sum_buffers:
+            for i, (_, buffer) in enumerate(self._buffers):
+                buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
+        return LocalSums(self._params, self._states, self.sums,
+                         [(name, buffer.dtype) for name, buffer in self._buffers], buffer_sums, self._spread,
+                         self._with_moments)
 
 
 def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
