@@ -14,9 +14,10 @@ families that bake it in is multiplied by 1/sqrt(head_dim) (in fp32), llama3.1's
 adjacent-pair RoPE order, and with ``scan_layers`` per-layer leaves are stacked on axis 1.
 
 Streaming: each leaf is a lazy proxy that Orbax materialises just before writing it, one leaf at a
-time; a scanned stack is stored one layer thick and written a layer at a time. Peak memory is a few
-times the largest single tensor, not the model or a whole stack. bf16 is written as
-``ml_dtypes.bfloat16`` straight from each fp32 tensor.
+time, and writes slab by slab: a block of an HF tensor's rows (about :data:`BLOCK_BYTES` of fp32) is read,
+transformed and cast, and becomes one slab of the leaf, written as whole storage chunks (a scanned stack is
+stored one layer thick). Peak memory is a few blocks, whatever the size of the largest tensor. bf16 is written
+as ``ml_dtypes.bfloat16`` straight from the fp32 rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -44,7 +45,7 @@ from deepspeed_ext.errors import CheckpointError, MissingConfigError, first_line
 
 if TYPE_CHECKING:  # torch only where tensors are handed over: reshard-orbax needs none
     from deepspeed_ext.checkpoint.hf import ConfigFit
-    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck, StreamCheck
     from deepspeed_ext.module_inject.layout import TPLayout
 
 ITEM = ORBAX_ITEM
@@ -125,6 +126,13 @@ class Transform:
     interleaved: bool = False
     moments: str | None = None  # None: a moment takes ``forward`` itself
     moment_factor: Callable[[ModelDims, Family, str], np.float32] | None = None
+    #: Streaming: the axis of the leaf (one layer's) that the HF tensor's rows (axis 0) become, so a block of
+    #: HF rows is a slab of the leaf along it (None: the leaf is produced whole). ``row_unit``: HF rows per step
+    #: along that axis (a head's rows for per-head reshapes). ``heads_in_rows``: ``forward`` takes the head
+    #: count from ``dims.num_heads``, which for a block is the number of heads it holds.
+    row_axis: int | None = None
+    row_unit: Callable[[tuple[int, ...], ModelDims], int] = lambda s, d: 1
+    heads_in_rows: bool = False
 
 
 def _heads_in(x: np.ndarray, dims: ModelDims) -> np.ndarray:
@@ -168,7 +176,7 @@ def _as_bias(forward: Callable[[np.ndarray, ModelDims, Family], np.ndarray],
     return Transform(lambda x, d, f: forward(x[:, None], d, f)[0],
                      lambda s, d: (s[0] // d.head_dim, d.head_dim),
                      lambda x, d, f: inverse(x[None], d, f)[:, 0],
-                     lambda s: (s[0] * s[1], ))
+                     lambda s: (s[0] * s[1], ), row_axis=0, row_unit=_head_rows)
 
 
 def _value(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
@@ -232,6 +240,10 @@ def from_maxtext(kind: str, x: np.ndarray, dims: ModelDims, family: Family, stat
     return transform.inverse(x, dims, family)
 
 
+def _head_rows(s: tuple[int, ...], d: ModelDims) -> int:
+    return d.head_dim
+
+
 def _per_head_shape(s: tuple[int, ...], d: ModelDims) -> tuple[int, ...]:
     return (s[1], s[0] // d.head_dim, d.head_dim)
 
@@ -245,12 +257,15 @@ def _same(x: np.ndarray, d: ModelDims, f: Family) -> np.ndarray:
 
 
 TRANSFORMS: dict[str, Transform] = {
-    "copy": Transform(_same, lambda s, d: s, _same, lambda s: s),
-    "linear": Transform(lambda x, d, f: x.T, lambda s, d: (s[1], s[0]), lambda x, d, f: x.T, lambda s: (s[1], s[0])),
+    "copy": Transform(_same, lambda s, d: s, _same, lambda s: s, row_axis=0),
+    "linear": Transform(lambda x, d, f: x.T, lambda s, d: (s[1], s[0]), lambda x, d, f: x.T, lambda s: (s[1], s[0]),
+                        row_axis=1),
     "query": Transform(_query, _per_head_shape, _query_inverse, lambda s: (s[1] * s[2], s[0]), moments="key",
-                       moment_factor=_moment_factor),
-    "key": Transform(_key, _per_head_shape, _key_inverse, lambda s: (s[1] * s[2], s[0])),
-    "value": Transform(_value, _per_head_shape, _value_inverse, lambda s: (s[1] * s[2], s[0])),
+                       moment_factor=_moment_factor, row_axis=1, row_unit=_head_rows),
+    "key": Transform(_key, _per_head_shape, _key_inverse, lambda s: (s[1] * s[2], s[0]), row_axis=1,
+                     row_unit=_head_rows),
+    "value": Transform(_value, _per_head_shape, _value_inverse, lambda s: (s[1] * s[2], s[0]), row_axis=1,
+                       row_unit=_head_rows),
     "query_bias": dataclasses.replace(_as_bias(_query, _query_inverse), moments="key_bias",
                                       moment_factor=_moment_factor),
     "key_bias": _as_bias(_key, _key_inverse),
@@ -258,33 +273,37 @@ TRANSFORMS: dict[str, Transform] = {
     "out": Transform(lambda x, d, f: x.T.reshape(-1, d.head_dim, x.shape[0]),
                      lambda s, d: (s[1] // d.head_dim, d.head_dim, s[0]),
                      lambda x, d, f: x.reshape(-1, x.shape[-1]).T,
-                     lambda s: (s[2], s[0] * s[1])),
+                     lambda s: (s[2], s[0] * s[1]), row_axis=2),
     # Split per head by the head count (MLA: the B projections' and the output's head widths differ from the
     # config's head_dim): [heads*X, in] -> [in, heads, X] and [out, heads*X] -> [heads, X, out].
     "head_rows": Transform(lambda x, d, f: x.T.reshape(x.shape[1], d.num_heads, -1),
                            lambda s, d: (s[1], d.num_heads, s[0] // d.num_heads),
-                           lambda x, d, f: x.reshape(x.shape[0], -1).T, lambda s: (s[1] * s[2], s[0])),
+                           lambda x, d, f: x.reshape(x.shape[0], -1).T, lambda s: (s[1] * s[2], s[0]),
+                           row_axis=1, row_unit=lambda s, d: s[0] // d.num_heads, heads_in_rows=True),
     "head_columns": Transform(lambda x, d, f: x.T.reshape(d.num_heads, -1, x.shape[0]),
                               lambda s, d: (d.num_heads, s[1] // d.num_heads, s[0]),
-                              lambda x, d, f: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1])),
+                              lambda x, d, f: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1]),
+                              row_axis=2),
     # gemma3: MaxText stores RMSNorm scales as 1 + w and the embedding pre-multiplied by sqrt(hidden).
     "norm_plus_one": Transform(lambda x, d, f: x + np.float32(1.0), lambda s, d: s,
-                               lambda x, d, f: x - np.float32(1.0), lambda s: s, moments="copy"),
+                               lambda x, d, f: x - np.float32(1.0), lambda s: s, moments="copy", row_axis=0),
     "embed_scaled": Transform(lambda x, d, f: x * _embed_scale(d), lambda s, d: s,
                               lambda x, d, f: x / _embed_scale(d), lambda s: s, moments="copy",
-                              moment_factor=_embed_moment_factor),
+                              moment_factor=_embed_moment_factor, row_axis=0),
     # transformers' fused experts [E, 2I, H] (gate rows, then up rows) and [E, H, I] -> MaxText's [E, in, out].
     "expert_gate": Transform(lambda x, d, f: _expert_half(x, False), lambda s, d: (s[0], s[2], s[1] // 2),
-                             lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1),
+                             lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1,
+                             row_axis=0),
     "expert_up": Transform(lambda x, d, f: _expert_half(x, True), lambda s, d: (s[0], s[2], s[1] // 2),
-                           lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1),
+                           lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1,
+                           row_axis=0),
     "expert_down": Transform(lambda x, d, f: x.transpose(0, 2, 1), lambda s, d: (s[0], s[2], s[1]),
-                             lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1])),
+                             lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), row_axis=0),
     # gpt-oss: experts already [E, in, out]; gate and up alternate along the last axis (weights and biases).
     "even_columns": Transform(lambda x, d, f: x[..., 0::2], _half_last, _same, lambda s: s, join_axis=-1,
-                              interleaved=True),
+                              interleaved=True, row_axis=0),
     "odd_columns": Transform(lambda x, d, f: x[..., 1::2], _half_last, _same, lambda s: s, join_axis=-1,
-                             interleaved=True),
+                             interleaved=True, row_axis=0),
 }
 
 
@@ -379,6 +398,65 @@ def storage_chunk(leaf: Leaf, mesh_shape: Mapping[str, int] | None) -> tuple[int
     if not leaf.stacked:
         return chunk
     return tuple(1 if axis == leaf.scan_axis else size for axis, size in enumerate(chunk or leaf.shape))
+
+
+#: How much of an HF tensor ``to-maxtext`` transforms and writes at a time: HF rows of about this many fp32 bytes.
+#: A block is held a few times over (read, transformed, stored dtype, read back for the fingerprint), so the peak
+#: stays a few hundred MiB whatever the tensor's size (Llama-3 8B's embedding is 2 GiB in fp32).
+BLOCK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class RowBlocks:
+    """How one HF tensor is streamed into its leaf (one layer of it, for a scanned stack).
+
+    Blocks of whole ``unit``s of HF rows (a head's rows for per-head reshapes) become slabs of the leaf along
+    ``axis``; ``chunk`` is the storage chunk's extent along it and ``step`` the units per block, a multiple of
+    ``chunk``, so every write covers whole chunks and tensorstore never reads back or rewrites one. ``axis``
+    None: produced and written whole.
+    """
+
+    axis: int | None
+    unit: int = 1
+    units: int = 1
+    chunk: int = 1
+    step: int = 1
+
+    def ranges(self) -> Iterator[tuple[int, int]]:
+        """The blocks as ``[first, last)`` units along ``axis``."""
+        for first in range(0, self.units, self.step):
+            yield first, min(self.units, first + self.step)
+
+
+def row_blocks(kind: str, state: str, hf_shape: tuple[int, ...], dims: ModelDims, chunk_extent: int | None,
+               block_bytes: int = BLOCK_BYTES) -> RowBlocks:
+    """The streaming plan for an HF tensor of ``hf_shape`` under transform ``kind``: blocks of about
+    ``block_bytes`` of fp32 HF rows.
+
+    ``chunk_extent``: the storage chunk's extent along the streamed axis that the mesh requires (one device's
+    shard), or None (no mesh: the chunk is the block). Under a mesh a chunk is split further only by a
+    divisor of the device's shard, so each chunk still belongs to one device.
+    """
+    transform = TRANSFORMS[kind]
+    if state != "fp32" and transform.moments is not None:
+        transform = TRANSFORMS[transform.moments]  # what the moment goes through (same layout, no shift)
+    if transform.row_axis is None or not hf_shape:
+        return RowBlocks(None)
+    unit = transform.row_unit(hf_shape, dims)
+    if unit <= 0 or hf_shape[0] % unit:
+        return RowBlocks(None)
+    units = hf_shape[0] // unit
+    unit_bytes = unit * math.prod(hf_shape[1:]) * 4
+    wanted = max(1, block_bytes // max(1, unit_bytes))  # units per block
+    if chunk_extent is None:
+        chunk = min(units, wanted)
+    elif chunk_extent <= wanted:
+        chunk = chunk_extent
+    else:  # the device's shard is larger than a block: split it by its largest divisor that fits
+        chunk = max(d for d in range(1, wanted + 1) if chunk_extent % d == 0)
+        if chunk * 8 < wanted:  # no divisor near the block size: keep the device's shard whole
+            chunk = chunk_extent
+    return RowBlocks(transform.row_axis, unit, units, chunk, max(1, wanted // chunk) * chunk)
 
 
 #: Every mesh axis MaxText's configs name (base.yml ``mesh_axes``, old and new releases): each is accepted. The
@@ -524,19 +602,20 @@ def settings_text(settings: Mapping[str, Any]) -> str:
 class LazyLeaf:
     """A numpy-like stand-in Orbax accepts as a leaf; the data is produced only when written.
 
-    ``write_shape`` is the storage chunk (zarr3 shard). A scanned stack also has ``produce_layer``: its
-    chunks are one layer thick (axis 1 of ``write_shape`` is 1), so the writer can produce and write it a
-    layer at a time, each write covering whole chunks, and never holds the stack.
+    ``write_shape`` is the storage chunk (zarr3 chunk). The data comes whole from ``produce``, or from
+    ``slabs``: an iterator of ``(index, array)`` pieces that together cover the leaf, each covering whole
+    storage chunks, so the writer writes them one by one (no chunk is read back or rewritten) and never holds
+    the leaf: a scanned stack a layer at a time, a large tensor a block of rows at a time.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray] | None,
                  write_shape: tuple[int, ...] | None = None,
-                 produce_layer: Callable[[int], np.ndarray] | None = None):
+                 slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]] | None = None):
+        if (produce is None) == (slabs is None):
+            raise CheckpointError("internal: a lazy leaf needs exactly one of `produce` and `slabs`")
         self.shape = tuple(shape)
         self.write_shape = tuple(write_shape) if write_shape else None
-        self.produce_layer = produce_layer
-        if produce_layer is not None and (self.write_shape is None or self.write_shape[1] != 1):
-            raise CheckpointError(f"internal: a layer-by-layer leaf needs one-layer chunks, not {self.write_shape}")
+        self.slabs = slabs
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
@@ -546,11 +625,11 @@ class LazyLeaf:
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if self._produce is not None:
             array = self._produce()
-        else:  # a stack asked for whole (the writer normally takes it layer by layer)
+        else:  # asked for whole (the writer normally takes it slab by slab)
+            assert self.slabs is not None
             array = np.empty(self.shape, dtype=self.dtype)
-            assert self.produce_layer is not None  # a leaf has `produce` or `produce_layer`
-            for layer in range(self.shape[1]):
-                array[:, layer] = self.produce_layer(layer)
+            for index, piece in self.slabs():
+                array[index] = piece
         if array.shape != self.shape or array.dtype != self.dtype:
             raise CheckpointError(f"internal: produced {array.shape} {array.dtype}, planned {self.shape} {self.dtype}")
         return array if dtype is None else array.astype(dtype)
@@ -600,6 +679,26 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     def load(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
         return tensors[name].load_tensor(state).detach().float().numpy()
 
+    last_whole: dict[tuple[str, str], Any] = {}
+
+    def load_rows(name: str, state: str, first: int, last: int) -> Any:
+        """Rows ``[first, last)`` as a flat fp32 tensor of their own (the source's blocks may be views of a mapped
+        file that the next read releases); a source that cannot read ranges loads the tensor once for its blocks."""
+        import torch
+        tensor = tensors[name]
+        row = math.prod(tensor.shape[1:])
+        if tensor.range_loader is None:
+            if (name, state) not in last_whole:
+                last_whole.clear()
+                last_whole[(name, state)] = tensor.load_tensor(state).detach().float().reshape(-1)
+            return last_whole[(name, state)][first * row:last * row]
+        rows = torch.empty((last - first) * row, dtype=torch.float32)
+        offset = 0
+        for block in tensor.blocks(state, first * row, last * row):  # each copied before the next is read
+            rows[offset:offset + block.numel()].copy_(block.detach().reshape(-1))
+            offset += block.numel()
+        return rows
+
     with fit.first():  # a config that does not fit is named before what follows from it
         optimizer_step = None
         if options.with_optimizer:
@@ -626,7 +725,8 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                              finite=finite_check(source, options),
                              recorded=record_check(info),
                              fit=fit,
-                             protect=protected_paths(source, options))
+                             protect=protected_paths(source, options),
+                             load_rows=load_rows)
 
 
 def write_maxtext(load: Callable[..., np.ndarray],
@@ -648,7 +748,9 @@ def write_maxtext(load: Callable[..., np.ndarray],
                   finite: FiniteCheck | None = None,
                   recorded: RecordCheck | None = None,
                   fit: ConfigFit | None = None,
-                  protect: Iterable[str | Path] = ()) -> Path:
+                  protect: Iterable[str | Path] = (),
+                  load_rows: Callable[[str, str, int, int], Any] | None = None,
+                  block_bytes: int | None = None) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
     ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
@@ -666,8 +768,12 @@ def write_maxtext(load: Callable[..., np.ndarray],
     moments are rescaled for MaxText's pre-scaled query kernel (see :func:`_moment_factor`).
 
     ``load(name, state)`` returns one full fp32 tensor (``state``: ``fp32``, ``exp_avg`` or ``exp_avg_sq``) as
-    numpy; it is called once per tensor and layer, when Orbax writes the leaf that needs it. ``finite``: check
-    every tensor for NaN/Inf; if any has them, the written checkpoint is removed and nothing is left.
+    numpy; ``load_rows(name, state, first, last)`` rows ``[first, last)`` of it (along axis 0), flattened, as
+    numpy or a torch tensor. Tensors are streamed into their leaves in blocks of about ``block_bytes``
+    (default :data:`BLOCK_BYTES`) of fp32 rows (:func:`row_blocks`), read with ``load_rows`` (default: cut from
+    ``load``, which then loads the whole tensor for each block: for sources held in memory), when Orbax writes
+    the leaf that needs them. ``finite``: check every tensor for NaN/Inf; if any has them, the written
+    checkpoint is removed and nothing is left.
     ``recorded``: likewise, check what ``load`` returns against the fingerprints the source recorded.
     ``fit``: the check that the tensors fit transformers' model for the config, running on a thread: polled
     at each load, and its answer awaited before anything is published.
@@ -683,47 +789,91 @@ def write_maxtext(load: Callable[..., np.ndarray],
     out = output.prepare(out, protect, overwrite=overwrite)  # absolute: OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, scan_layers, source)  # validates before anything is written
     states = STATES if with_optimizer else STATES[:1]
-    for check in (finite, recorded, fit):
-        load = check.loader(load) if check is not None else load
+    block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+    checks = [check for check in (finite, recorded, fit) if check is not None]
+    for check in checks:
+        load = check.loader(load)
+    if load_rows is None:
+        whole = load
+
+        def load_rows(name: str, state: str, first: int, last: int) -> np.ndarray:
+            return np.asarray(whole(name, state))[first:last].reshape(-1)
+    else:
+        load_rows = _checked_rows(load_rows, checks, hf_shapes)
     # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
     # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
     # fingerprint per part (a fused tensor's halves sit in two leaves), added up once every array is written.
     read_back = _ReadBackFingerprints()
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not progress)
 
+    def stored_block(rule: Rule, name: str, state: str, leaf_dtype: np.dtype, plan: RowBlocks, first: int,
+                     last: int) -> np.ndarray:
+        """Units ``[first, last)`` of HF tensor ``name`` in the leaf's layout and dtype (all of it where the plan
+        streams nothing); its read-back fingerprint is recorded as it goes."""
+        hf_shape = tuple(hf_shapes[name])
+        if plan.axis is None:
+            array = np.asarray(load(name, state), dtype=np.float32)
+            block_dims, low = dims, 0
+        else:
+            low, high = first * plan.unit, last * plan.unit
+            rows = load_rows(name, state, low, high)
+            rows = rows.detach().numpy() if hasattr(rows, "detach") else rows  # a torch tensor
+            array = np.asarray(rows, dtype=np.float32).reshape(high - low, *hf_shape[1:])
+            # A per-head reshape that takes the head count from dims sees only this block's heads.
+            block_dims = dataclasses.replace(dims, num_heads=last - first) \
+                if TRANSFORMS[rule.kind].heads_in_rows else dims
+        stored = np.ascontiguousarray(to_maxtext(rule.kind, array, block_dims, family, state), dtype=leaf_dtype)
+        del array
+        read_back.add(name, state, rule, low,
+                      from_maxtext(rule.kind, stored.astype(np.float32), block_dims, family, state))
+        return stored
+
     def lazy_leaf(leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
         rule = leaf.rule
         assert rule is not None  # plan_leaves gives every leaf its rule
-
-        def one(name: str) -> np.ndarray:
-            array = np.asarray(load(name, state), dtype=np.float32)
-            stored = np.ascontiguousarray(to_maxtext(rule.kind, array, dims, family, state), dtype=leaf_dtype)
-            read_back.add(name, state, rule, from_maxtext(rule.kind, stored.astype(np.float32), dims, family, state))
-            return stored
-
-        def layer_of_stack(index: int) -> np.ndarray:
-            assert leaf.layers is not None  # a stack holds layers
-            if index == len(leaf.layers) - 1:
-                bar.update(1)
-            return one(rule.hf.replace(LAYER, str(leaf.layers[index])))
-
-        def produce() -> np.ndarray:
-            array = one(rule.hf if leaf.layers is None else rule.hf.replace(LAYER, str(leaf.layers[0])))
-            bar.update(1)
-            return array
-
-        if leaf.stacked and leaf.scan_axis == 1:
-            return LazyLeaf(leaf.shape, leaf_dtype, None, storage_chunk(leaf, mesh), produce_layer=layer_of_stack)
-        if leaf.stacked:  # stacked on another axis (small non-parameter variables): produced whole
+        layers = leaf.layers or ()
+        names = [rule.hf] if leaf.layers is None else [rule.hf.replace(LAYER, str(layer)) for layer in layers]
+        if leaf.stacked and leaf.scan_axis != 1:  # small non-parameter variables stacked on axis 0: whole
 
             def produce_stack() -> np.ndarray:
-                assert leaf.layers is not None
-                array = np.stack([one(rule.hf.replace(LAYER, str(layer))) for layer in leaf.layers], leaf.scan_axis)
+                plan = RowBlocks(None)
+                array = np.stack([stored_block(rule, name, state, leaf_dtype, plan, 0, 1) for name in names],
+                                 leaf.scan_axis)
                 bar.update(1)
                 return array
 
             return LazyLeaf(leaf.shape, leaf_dtype, produce_stack, shard_shape(leaf, mesh) if mesh else None)
-        return LazyLeaf(leaf.shape, leaf_dtype, produce, storage_chunk(leaf, mesh))
+
+        # The leaf of one tensor (one layer's, for a stack on axis 1): its storage chunk without the layer axis.
+        chunk = list(storage_chunk(leaf, mesh) or leaf.shape)
+        if leaf.stacked:
+            del chunk[1]
+        else:
+            names = names[:1]  # an unscanned layer's leaf holds its one layer
+        per_mesh = shard_shape(leaf, mesh) if mesh else None
+        if per_mesh is not None and leaf.stacked:
+            per_mesh = per_mesh[:1] + per_mesh[2:]
+        plan = row_blocks(rule.kind, state, tuple(hf_shapes[names[0]]), dims, None, block_bytes)
+        if plan.axis is not None:
+            axis = plan.axis
+            plan = row_blocks(rule.kind, state, tuple(hf_shapes[names[0]]), dims,
+                              per_mesh[axis] if per_mesh is not None else None, block_bytes)
+            chunk[axis] = plan.chunk
+        stack_axis = 1 if leaf.stacked else None
+        write_shape = tuple(chunk[:1] + [1] + chunk[1:]) if leaf.stacked else tuple(chunk)
+
+        def slabs() -> Iterator[tuple[tuple[int | slice, ...], np.ndarray]]:
+            for position, name in enumerate(names):
+                for first, last in plan.ranges() if plan.axis is not None else [(0, 1)]:
+                    index: list[int | slice] = [slice(None)] * (len(leaf.shape) - (stack_axis is not None))
+                    if plan.axis is not None:
+                        index[plan.axis] = slice(first, last)
+                    if stack_axis is not None:
+                        index.insert(stack_axis, position)
+                    yield tuple(index), stored_block(rule, name, state, leaf_dtype, plan, first, last)
+            bar.update(1)
+
+        return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=slabs)
 
     def lazy_tree(state: str) -> dict[str, Any]:
         """``{collection: tree}``; the moments only of the ``params`` collection (the optimizer's)."""
@@ -767,19 +917,36 @@ def write_maxtext(load: Callable[..., np.ndarray],
     return out / STEP_DIR / ITEM
 
 
+def _checked_rows(load_rows: Callable[[str, str, int, int], Any], checks: Sequence[StreamCheck],
+                  hf_shapes: Mapping[str, tuple[int, ...]]) -> Callable[[str, str, int, int], Any]:
+    """``load_rows`` with every block it returns seen by ``checks`` as the flat element range it is."""
+    import torch
+
+    def load(name: str, state: str, first: int, last: int) -> Any:
+        rows = load_rows(name, state, first, last)
+        value = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
+        row = math.prod(hf_shapes[name][1:])
+        for check in checks:
+            value = check.check_range(name, state, first * row, last * row, value)
+        return value
+
+    return load
+
+
 class _ReadBackFingerprints:
-    """Per HF tensor and state, the fingerprints of its parts as a read returns them (:meth:`add` runs on Orbax's
-    writer threads: one dict store each, under the GIL); a part produced twice is counted once."""
+    """Per HF tensor and state, the fingerprints of its parts as a read returns them, block by block (:meth:`add`
+    runs on Orbax's writer threads: one dict store each, under the GIL); a block produced twice is counted once."""
 
     def __init__(self) -> None:
-        self._parts: dict[tuple[str, str], dict[tuple[str, str], Fingerprint]] = {}
+        self._parts: dict[tuple[str, str], dict[tuple[str, str, int], Fingerprint]] = {}
 
-    def add(self, name: str, state: str, rule: Rule, read: np.ndarray) -> None:
+    def add(self, name: str, state: str, rule: Rule, first_row: int, read: np.ndarray) -> None:
+        """``read``: the HF rows from ``first_row`` on of this rule's part (a block, or all of it)."""
         import torch
 
         # Sums do not see order: the elements as laid out in memory, with no copy for a transposed view.
         flat = np.ravel(read, order="K")
-        self._parts.setdefault((name, state), {})[(rule.collection, rule.path)] = Fingerprint.of(
+        self._parts.setdefault((name, state), {})[(rule.collection, rule.path, first_row)] = Fingerprint.of(
             torch.from_numpy(flat))
 
     def total(self, step: int | None, global_steps: int) -> Fingerprints:

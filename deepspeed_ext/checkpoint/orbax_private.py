@@ -20,6 +20,8 @@ import numpy as np
 from deepspeed_ext.errors import CheckpointError
 
 TESTED_ORBAX = "0.12.8"
+#: Slab writes a lazy leaf keeps in flight (each holds its block until tensorstore has written it).
+WRITES_IN_FLIGHT = 2
 
 
 def _internals() -> dict[str, Any]:
@@ -51,9 +53,9 @@ def check_orbax_internals() -> None:
 
 
 def lazy_leaf_handler() -> Any:
-    """A numpy handler that materialises each lazy leaf only when writing it, one leaf at a time (and a
-    scanned stack one layer at a time), with the storage chunk (zarr3 shard) set to the leaf's
-    ``write_shape``."""
+    """A numpy handler that materialises each lazy leaf only when writing it, one leaf at a time, slab by slab
+    where the leaf has ``slabs`` (a scanned stack a layer at a time, a large tensor a block of rows at a time),
+    with the storage chunk (zarr3 chunk) set to the leaf's ``write_shape``."""
     import tensorstore as ts
     check_orbax_internals()
     parts = _internals()
@@ -82,14 +84,20 @@ def lazy_leaf_handler() -> Any:
                         use_ocdbt=info.is_ocdbt_checkpoint,
                         override_ocdbt_process_id=self._override_ocdbt_process_id),
                     metadata_key=self._metadata_key)
-                produce_layer = getattr(value, "produce_layer", None)
-                if produce_layer is None:
+                slabs = getattr(value, "slabs", None)
+                if slabs is None:
                     await self._open_and_write(np.asarray(value), spec.json, info.ts_context)
                     continue
-                # A scanned stack with one-layer chunks: each layer write covers whole chunks (no
-                # read-modify-write), so only one layer is ever in memory.
+                # Slab by slab, each covering whole chunks (no read-modify-write of a chunk): only a block or
+                # two are ever in memory. Up to WRITES_IN_FLIGHT slabs are compressed and written by
+                # tensorstore's threads while the next is produced.
                 store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
-                for layer in range(value.shape[1]):
-                    await store[:, layer].write(produce_layer(layer))
+                pending: list[Any] = []
+                for index, piece in slabs():
+                    pending.append(store[index].write(piece, can_reference_source_data_indefinitely=True))
+                    if len(pending) >= WRITES_IN_FLIGHT:
+                        await pending.pop(0)
+                for write in pending:
+                    await write
 
     return LazyLeafHandler()

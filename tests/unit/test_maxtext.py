@@ -281,3 +281,87 @@ def test_with_optimizer_momentum_continues_on_the_jax_side(tmp_path, family):
         # kernel dependent) shows as up to ~1e-4 of the step; a moment in the wrong place moves it by the step.
         np.testing.assert_allclose(np.asarray(jax_new[leaf.name]), expected, rtol=1e-5, atol=1e-3 * 1e-2,
                                    err_msg=leaf.name)
+
+
+STREAMED = [("llama3.1", True, None), ("qwen2", False, None), ("qwen3-moe", True, MESH_SHAPE), ("gemma3", True, None),
+            ("gpt-oss", True, None), ("deepseek-v3", True, MESH_SHAPE)]
+
+
+@pytest.mark.parametrize("family, scan_layers, mesh", STREAMED)
+def test_streamed_in_row_blocks_equals_whole(tmp_path, family, scan_layers, mesh):
+    """Each tensor is transformed and written in blocks of HF rows (tiny blocks here, so every tensor takes many):
+    the arrays, Adam moments included, equal those written whole, every write covers whole storage chunks (under
+    a mesh each chunk lies inside one device's shard), and the recorded read-back fingerprints agree."""
+    import tensorstore as ts
+
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    from deepspeed_ext.checkpoint.maxtext import shard_shape
+    model = hf_model(family, head_dim=8)
+    optimizer = torch_adam_state(model)
+    params = dict(model.named_parameters())
+    buffers = {name: b for name, b in model.named_buffers() if name in model.state_dict()}
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    fam, dims = get_family(family), ModelDims.from_config(config)
+    shapes = {n: tuple(p.shape) for n, p in [*params.items(), *buffers.items()]}
+    calls: list[tuple[str, str, int, int]] = []
+
+    def load(name, state="fp32"):
+        if name in buffers:
+            return buffers[name].numpy().copy() if state == "fp32" else np.zeros(buffers[name].shape, np.float32)
+        tensor = params[name] if state == "fp32" else optimizer.state[params[name]][state]
+        return tensor.detach().numpy().copy()
+
+    def load_rows(name, state, first, last):
+        calls.append((name, state, first, last))
+        return torch.from_numpy(load(name, state)[first:last].reshape(-1).copy())
+
+    written = {}
+    for label, block_bytes in (("whole", 1 << 40), ("streamed", 1024)):
+        written[label] = write_maxtext(load, shapes, fam, dims, tmp_path / label, dtype="float32", progress=False,
+                                       model_config=config, with_optimizer=True, optimizer_step=2,
+                                       scan_layers=scan_layers, mesh=mesh, load_rows=load_rows,
+                                       block_bytes=block_bytes)
+    # All but the small variables stacked on axis 0 (DeepSeek's router bias), which are written whole.
+    assert {name for name, *_ in calls} | set(buffers) == set(shapes)
+    partial = [c for c in calls if c[3] - c[2] < shapes[c[0]][0]]
+    assert len(partial) > len(shapes), "the tiny blocks should cut most tensors"
+    whole, streamed = (ocp.tree.to_flat_dict(ocp.PyTreeCheckpointer().restore(written[k]), sep="/")
+                       for k in ("whole", "streamed"))
+    assert whole.keys() == streamed.keys()
+    for key, value in whole.items():
+        assert np.array_equal(np.asarray(value), np.asarray(streamed[key])), key
+    split = 0
+    for leaf in plan_leaves(fam, dims, shapes, scan_layers):
+        root = f"params.{leaf.collection}."
+        array = ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{written['streamed']}"},
+                         "path": root + ".".join(leaf.path)}).result()
+        chunk = tuple(array.chunk_layout.write_chunk.shape)
+        limit = shard_shape(leaf, mesh) if mesh else leaf.shape
+        assert all(s % c == 0 or s == limit_axis for c, s, limit_axis in zip(chunk, limit, leaf.shape, strict=True)
+                   if mesh), (leaf.name, chunk, limit)
+        split += chunk != (limit if not leaf.stacked else tuple(1 if a == leaf.scan_axis else s
+                                                               for a, s in enumerate(limit)))
+    assert split >= 3
+    found = [open_checkpoint(written[k].parent.parent).info.fingerprints for k in ("whole", "streamed")]
+    assert found[0] is not None and found[1] is not None
+    assert sorted(found[0].tensors) == sorted(found[1].tensors)
+    for name, states in found[0].tensors.items():
+        for state, fingerprint in states.items():
+            assert fingerprint.agrees(found[1].tensors[name][state]), (name, state)
+
+
+def test_row_blocks_cover_whole_chunks():
+    """The streaming plan: blocks are whole multiples of the chunk, a chunk under a mesh divides the device's
+    shard, and a block never exceeds the budget by more than one unit."""
+    from deepspeed_ext.checkpoint.maxtext import row_blocks
+    dims = ModelDims(num_layers=2, head_dim=128, tied=False, hidden_size=4096, num_heads=32)
+    embed = row_blocks("copy", "fp32", (128256, 4096), dims, None, 32 << 20)
+    assert (embed.axis, embed.unit, embed.units, embed.chunk, embed.step) == (0, 1, 128256, 2048, 2048)
+    assert sum(b - a for a, b in embed.ranges()) == 128256
+    query = row_blocks("query", "exp_avg", (4096, 4096), dims, None, 8 << 20)
+    assert (query.axis, query.unit, query.units, query.chunk) == (1, 128, 32, 4)
+    sharded = row_blocks("copy", "fp32", (128256, 4096), dims, 128256 // 16, 32 << 20)
+    assert (128256 // 16) % sharded.chunk == 0 and sharded.step % sharded.chunk == 0 and sharded.step <= 2048
+    prime = row_blocks("copy", "fp32", (2 * 8009, 4096), dims, 8009, 32 << 20)  # no divisor near the block
+    assert prime.chunk == 8009
+    assert row_blocks("query_bias", "fp32", (4096, ), dims, None).axis == 0
