@@ -1,7 +1,8 @@
 """Resume fingerprints: a few float64 numbers per parameter state that catch a resume gone quietly wrong.
 
 A fingerprint of a tensor is its element count, the sum and the sum of squares of its elements, accumulated in
-float64 (each row of 4096 elements in float32, then the rows in float64: accurate to about 1e-8 relative and
+float64 (the sum over rows of 4096 elements and the squares over runs of 512 in float32, then the rows and runs
+in float64, with squares that would underflow float32 scaled first: accurate to about 1e-8 to 1e-7 relative and
 as fast as reading the tensor once). At ``save_checkpoint`` every rank sums the part of each fp32 master and
 Adam moment it owns (its TP slice's DP partition) and one all-reduce adds them up: no full tensor is gathered.
 Writers record the fingerprints of what they write (universal, HF, MaxText); at ``load_checkpoint`` the live
@@ -86,6 +87,39 @@ def _same_nan(a: Fingerprint, b: Fingerprint) -> bool:
     return all(math.isnan(x) == math.isnan(y) for x, y in ((a.total, b.total), (a.total_sq, b.total_sq)))
 
 
+#: Elements per float32 run of squares (divides ROW_ELEMENTS).
+SQUARE_ROW_ELEMENTS = 512
+#: A float32 row whose sum of squares is below this has lost digits to underflow (squares of values below about
+#: 1e-19, such as an Adam second moment of a rarely updated row, fall out of float32's normal range).
+_TINY_ROW_SQ = 2.0 ** -80
+
+
+def _rows_sum_sq(rows: torch.Tensor) -> float:
+    """The sum of squares of float32 ``rows`` ([n, ROW_ELEMENTS]), each run of SQUARE_ROW_ELEMENTS in float32,
+    the runs in float64.
+
+    Where even the largest row's sum of squares underflowed (or overflowed) in float32, the rows are scaled by a
+    power of two first (exact) and the scale taken out in float64: a tensor of tiny values, whose fingerprint
+    would otherwise depend on where the rows start, is summed as accurately as any other. Where other rows are
+    large, a tiny row's lost digits are far below the tolerance of the whole sum."""
+    import torch
+    # Squares accumulate in float32 in runs of SQUARE_ROW_ELEMENTS: over 4096 of a heavy-tailed tensor (Adam's
+    # second moment) a run's sum was off by 1e-6 of itself, the whole tolerance; over 512 by 1e-7, as fast.
+    if rows.shape[1] % SQUARE_ROW_ELEMENTS == 0:
+        rows = rows.reshape(-1, SQUARE_ROW_ELEMENTS)
+    row_sq = torch.linalg.vector_norm(rows, dim=1).double().square()
+    largest = float(row_sq.max())
+    if _TINY_ROW_SQ <= largest < math.inf or math.isnan(largest):
+        return float(row_sq.sum())
+    low, high = torch.aminmax(rows)
+    biggest = max(abs(float(low)), abs(float(high)))
+    if not 0.0 < biggest < math.inf:  # all zeros, or Inf/NaN elements: nothing to rescue
+        return float(row_sq.sum())
+    exponent = max(-126, min(126, -math.frexp(biggest)[1]))
+    scaled = torch.linalg.vector_norm(rows * (2.0 ** exponent), dim=1).double().square()
+    return float(scaled.sum()) * 2.0 ** (-2 * exponent)
+
+
 def partial_sums(tensor: torch.Tensor) -> tuple[int, float, float]:
     """``(numel, sum, sum of squares)`` of ``tensor``: each row of ``ROW_ELEMENTS`` reduced in float32, the rows
     and the remainder in float64. Reads a float32 tensor once, with no copy."""
@@ -99,7 +133,7 @@ def partial_sums(tensor: torch.Tensor) -> tuple[int, float, float]:
         if body:
             rows = chunk[:body].view(-1, ROW_ELEMENTS)
             total += float(rows.sum(1).double().sum())
-            total_sq += float(torch.linalg.vector_norm(rows, dim=1).double().square().sum())
+            total_sq += _rows_sum_sq(rows)
         tail = chunk[body:].double()
         total += float(tail.sum())
         total_sq += float(torch.dot(tail, tail))

@@ -110,3 +110,19 @@ def test_config_switch():
     section["deepspeed_ext"]["universal_checkpoint"]["fingerprints"] = True
     with pytest.raises(ValueError, match="fingerprints' must be one of"):
         ExtConfig.from_ds_config(section)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-12, 1e-20, 1e-30])
+def test_tiny_and_heavy_tailed_values_sum_to_the_float64_reference_in_any_split(scale):
+    """Adam's second moment: heavy-tailed and, for rarely updated rows, so small that float32 squares underflow
+    (1e-20 squares to 1e-40). The sums stay within the tolerance of the float64 reference, whole and in blocks
+    that cut the float32 rows elsewhere, so a resharded or streamed read agrees with the record."""
+    torch.manual_seed(5)
+    x = ((torch.randn(3 * 4096 + 123) * torch.exp(torch.randn(3 * 4096 + 123) * 2)) ** 2) * scale
+    wide = x.double()
+    reference = Fingerprint(x.numel(), float(wide.sum()), float((wide * wide).sum()))
+    whole = Fingerprint.of(x)
+    assert whole.agrees(reference), (whole, reference)
+    parts = [fingerprint.partial_sums(piece) for piece in torch.split(x, 1000)]
+    blocks = Fingerprint(sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts))
+    assert blocks.agrees(whole), (blocks, whole)
