@@ -1,10 +1,11 @@
 """Sink: load a universal checkpoint, or a regular DeepSpeed checkpoint, into a live engine at any TP/DP degree.
 
 Each rank asks the checkpoint for its TP slice under the *target* model's :class:`TPLayout` (computed by
-the live AutoTP layers). A universal checkpoint cuts it from the memory-mapped full tensor; a DeepSpeed
-checkpoint assembles it from the overlapping pieces of the saved TP slices and ZeRO partitions
-(load-time resharding, no conversion step). DeepSpeed's fragment API then keeps only this DP rank's part.
-So a rank reads the pages of its own TP slice, not whole tensors.
+the live AutoTP layers). A universal checkpoint cuts it from the full tensor; a DeepSpeed checkpoint
+assembles it from the overlapping pieces of the saved TP slices and ZeRO partitions (load-time resharding, no
+conversion step). DeepSpeed's fragment API then keeps only this DP rank's part; a ZeRO-3 rank asks for its DP
+partition of the slice only. Both sources read those ranges with ``pread``, readahead off (:mod:`.ranges`), so
+a rank reads the pages of its own ranges, not whole tensors and not its neighbours' pages.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from deepspeed_ext.checkpoint import output, serialization
+from deepspeed_ext.checkpoint import output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint, keys, resolve_tag_dir
 from deepspeed_ext.checkpoint.fingerprint import (SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message,
                                                   partial_sums)
@@ -403,7 +403,7 @@ class UniversalCheckpoint:
             serialization.release_pages(previous, reads.mappings)
             reads.block = None
         if getattr(reads, "key", None) != (name, state):
-            reads.key, reads.tensor = None, None  # unmaps the previous file
+            reads.key, reads.tensor, reads.stored = None, None, None  # unmaps (and closes) the previous file
             reads.tensor = self.load(name, state)
             reads.mappings = serialization.file_mappings(self.file(name, state))
             reads.key = (name, state)
@@ -433,11 +433,17 @@ class UniversalCheckpoint:
 
     def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
                         high: int) -> torch.Tensor:
-        """Elements ``[low, high)`` of :meth:`resharded`, flattened: only the pages that hold them are read
-        (a ZeRO-3 rank's partition of its TP slice)."""
-        flat = self._full_for(name, state, target).reshape(-1)
+        """Elements ``[low, high)`` of :meth:`resharded`, flattened, in a new tensor: only the pages that hold
+        them are read, with ``pread`` (:mod:`.ranges`: a ZeRO-3 rank's partition of its TP slice, and of a
+        row-parallel weight only its part of each row)."""
+        self._full_for(name, state, target)
+        reads = self._reads
+        if reads.stored is None:
+            reads.stored = ranges.stored(reads.tensor.reshape(-1))
+        here: ranges.Stored = reads.stored
         whole = TPLayout.replicated(target.shape, 1)  # the full tensor: a replicated source of one rank
-        return self._block(whole.reshard_range(target, rank, low, high, lambda _, start, stop: flat[start:stop]))
+        return whole.reshard_range(target, rank, low, high,
+                                   *ranges.readers(lambda _, start, stop: [(here, start, stop - start)]))
 
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)

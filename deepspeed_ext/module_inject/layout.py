@@ -49,17 +49,25 @@ ROLES = (None, "fused_qkv", "gate_up", "vocab", "embedding_hidden", "sub_params"
 
 #: ``read_flat(src_rank, start, stop)``: elements ``[start, stop)`` of a saved TP shard, flattened.
 FlatReader = Callable[[int, int, int], torch.Tensor]
+#: ``read_rows(src_rank, start, count, stride, length)``: a contiguous ``(count, length)`` tensor whose row ``i``
+#: is elements ``[start + i*stride, start + i*stride + length)`` of a saved TP shard, flattened: the strided
+#: window a reader that copies what it reads (``pread``) fetches without the elements between the rows.
+RowsReader = Callable[[int, int, int, int, int], torch.Tensor]
 
 
 def _as_int_tuple(values: Iterable[Any]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def _window(read_flat: FlatReader, src: int, width: int, inner: int, first_outer: int, end_outer: int, offset: int,
-            size: int) -> torch.Tensor:
+def _window(read_flat: FlatReader, read_rows: RowsReader | None, src: int, width: int, inner: int, first_outer: int,
+            end_outer: int, offset: int, size: int) -> torch.Tensor:
     """``[first_outer:end_outer, offset:offset + size, :]`` of source shard ``src`` seen as
-    ``(outer, width, inner)``, reading only the flat span those elements lie in."""
+    ``(outer, width, inner)``: with ``read_rows``, only those elements; else the flat span they lie in (a view
+    of a mapped file, whose elements between the rows are never touched)."""
     start = (first_outer * width + offset) * inner
+    count = end_outer - first_outer
+    if read_rows is not None and count > 1 and size < width:
+        return read_rows(src, start, count, width * inner, size * inner).view(count, size, inner)
     stop = ((end_outer - 1) * width + offset + size) * inner
     flat = read_flat(src, start, stop).contiguous()  # a no-op for the readers' 1-D views
     return flat.as_strided((end_outer - first_outer, size, inner), (width * inner, inner, 1), flat.storage_offset())
@@ -234,7 +242,8 @@ class TPLayout:
         shape = target.local_shape(rank)
         return self.reshard_range(target, rank, 0, math.prod(shape), read_flat).reshape(shape)
 
-    def reshard_range(self, target: TPLayout, rank: int, low: int, high: int, read_flat: FlatReader) -> torch.Tensor:
+    def reshard_range(self, target: TPLayout, rank: int, low: int, high: int, read_flat: FlatReader,
+                      read_rows: RowsReader | None = None) -> torch.Tensor:
         """Elements ``[low, high)`` of target rank ``rank``'s shard, flattened (1-D), built from this
         layout's shards: the part of a TP slice that one ZeRO-3 DP rank keeps.
 
@@ -243,7 +252,9 @@ class TPLayout:
         ``read_flat(src_rank, start, stop)`` returns elements ``[start, stop)`` of source TP rank
         ``src_rank``'s flattened shard (its :meth:`local_shape`, row-major; a view into a memory-mapped file
         is fine). Replicated sources are read from TP rank 0 only; a universal checkpoint's full tensor is a
-        replicated source of one rank.
+        replicated source of one rank. ``read_rows`` (optional) reads a strided window in one call; a reader
+        that copies (``pread``) passes it so that it never reads the elements between a window's rows (the other
+        TP ranks' halves of a row-parallel weight's rows).
         """
         if target.shape != self.shape:
             raise LayoutError(f"saved shape {self.shape} does not match the model's {target.shape}")
@@ -284,7 +295,8 @@ class TPLayout:
             if lo < hi:
                 for src, offset, size in self._overlaps(start + lo - local, hi - lo, depth):
                     src_width = depth if self.is_replicated else self.local_width(src)
-                    parts.append(_window(read_flat, src, src_width, inner, first_outer, end_outer, offset, size))
+                    parts.append(_window(read_flat, read_rows, src, src_width, inner, first_outer, end_outer,
+                                              offset, size))
             local += length
         block = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         begin = first_outer * row + first_row * inner

@@ -185,6 +185,18 @@ def _recording_reader(source: TPLayout, full: torch.Tensor, read: list[int]):
     return read_flat
 
 
+def _rows_reader(source: TPLayout, full: torch.Tensor):
+    """``read_rows`` for :meth:`TPLayout.reshard_range` over the saved shards of ``full``: a new tensor of the
+    rows, as a copying reader returns them."""
+    shards = [source.slice(full, r).reshape(-1) for r in range(source.tp_size)]
+
+    def read_rows(src, start, count, stride, length):
+        assert count > 1 and length < stride  # else reshard_range reads one flat span
+        return torch.stack([shards[src][start + i * stride:start + i * stride + length] for i in range(count)])
+
+    return read_rows
+
+
 def _split_on_rows(source: TPLayout, target: TPLayout) -> bool:
     """Whether the split is on the outermost dimension, where a read spans no other rows than it uses."""
     if source.is_replicated and target.is_replicated:
@@ -236,6 +248,10 @@ def test_a_zero3_partition_of_a_resharded_slice_reads_about_its_own_share(family
             read: list[int] = []
             got = source.reshard_range(target, rank, low, high, _recording_reader(source, full, read))
             assert torch.equal(got, expected[low:high]), (rank, dp_rank)
+            # The same with a strided reader (the restore's pread path): the same elements, fetched row by row.
+            with_rows = source.reshard_range(target, rank, low, high, _recording_reader(source, full, []),
+                                             _rows_reader(source, full))
+            assert torch.equal(with_rows, expected[low:high]), (rank, dp_rank)
             if _split_on_rows(source, target) and target.view_shape is None:
                 row = math.prod(target.shape[1:])
                 assert sum(read) <= high - low + 2 * row * len(read), (rank, dp_rank, read)

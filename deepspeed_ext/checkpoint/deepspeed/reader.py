@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from deepspeed_ext.checkpoint import output, serialization
+from deepspeed_ext.checkpoint import output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
@@ -67,6 +67,9 @@ class DeepSpeedCheckpoint:
         # one (writer threads stream tensors side by side).
         self._reads = threading.local()
         self._mappings: dict[Path, list[tuple[int, int]]] = {}
+        # What the restore reads with pread: each flat tensor's file and offset, and one descriptor per file.
+        self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
+        self._readers: dict[Path, ranges.FileReader] = {}
 
     def _dp_degree(self, first: dict[str, Any], reference: Path) -> int:
         """The DP degree: as the model states record it, checked against the optimizer files present (one per
@@ -312,27 +315,48 @@ class DeepSpeedCheckpoint:
         return {(name, tp): fragments for tp in range(self.tp_degree)
                 for name, fragments in self.optimizer.fragments(tp).items()}
 
-    def _flat_range(self, name: str, tp: int, state: str, low: int, high: int) -> torch.Tensor:
-        """Elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name``, read from the DP
-        fragments that hold them (a view into the memory-mapped file when one fragment does)."""
+    def _flat_pieces(self, name: str, tp: int, low: int, high: int) -> list[tuple[int, int, int, int, int]]:
+        """Where elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name`` lie, in order:
+        ``(tp, dp, group, start, count)``, elements ``[start, start + count)`` of that flat tensor (the DP
+        fragments that hold them)."""
         pieces, offset = [], 0
         for f in self._fragments.get((name, tp), []):
             first, last = max(low, offset), min(high, offset + f.numel)
             if first < last:
                 held_by = tp if f.tp_rank is None else f.tp_rank
-                piece = self.optimizer.flat(held_by, f.dp_rank, f.group, state).narrow(0, f.start + first - offset,
-                                                                                       last - first)
-                pieces.append(piece)
-                mapped = self.optimizer.mapped_file(held_by, f.dp_rank)
-                if mapped is not None:
-                    self._in_flight.append((mapped, piece))
+                pieces.append((held_by, f.dp_rank, f.group, f.start + first - offset, last - first))
             offset += f.numel
-        if sum(p.numel() for p in pieces) != high - low:
+        if sum(count for *_, count in pieces) != high - low:
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r} on TP rank {tp}: DP fragments cover "
-                                  f"{sum(p.numel() for p in pieces)} of elements [{low}, {high})")
+                                  f"{sum(count for *_, count in pieces)} of elements [{low}, {high})")
+        return pieces
+
+    def _flat_range(self, name: str, tp: int, state: str, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name``, read from the DP
+        fragments that hold them (a view into the memory-mapped file when one fragment does)."""
+        pieces = []
+        for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high):
+            piece = self.optimizer.flat(held_by, dp, group, state).narrow(0, start, count)
+            pieces.append(piece)
+            mapped = self.optimizer.mapped_file(held_by, dp)
+            if mapped is not None:
+                self._in_flight.append((mapped, piece))
         if not pieces:
             return torch.empty(0, dtype=torch.float32)
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _stored_pieces(self, name: str, tp: int, state: str, low: int, high: int) -> list[ranges.Piece]:
+        """:meth:`_flat_pieces` with the file and offset each flat tensor's bytes are at, to read them with
+        ``pread`` (:mod:`..ranges`)."""
+        found: list[ranges.Piece] = []
+        for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high):
+            key = (held_by, dp, group, state)
+            stored = self._stored.get(key)
+            if stored is None:  # once per flat tensor: the optimizer files stay mapped while the reader lives
+                stored = self._stored[key] = ranges.stored(self.optimizer.flat(held_by, dp, group, state),
+                                                           self._readers)
+            found.append((stored, start, count))
+        return found
 
     def local_tensor(self, name: str, tp: int, state: str) -> torch.Tensor:
         """TP rank ``tp``'s shard of ``name`` for ``state``, reassembled from its DP fragments."""
@@ -350,14 +374,15 @@ class DeepSpeedCheckpoint:
 
     def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
                         high: int) -> torch.Tensor:
-        """Elements ``[low, high)`` of :meth:`resharded`, flattened, reading only the byte ranges that hold
-        them (a ZeRO-3 rank's partition of its TP slice)."""
+        """Elements ``[low, high)`` of :meth:`resharded`, flattened, in a new tensor, reading only the byte ranges
+        that hold them (a ZeRO-3 rank's partition of its TP slice), with ``pread`` (:mod:`..ranges`)."""
         self._release_in_flight()
         if name in self.buffers:
             return target.slice(self.full_tensor(name, state), rank).reshape(-1)[low:high]
         try:
             return self.layouts[name].reshard_range(
-                target, rank, low, high, lambda src, start, stop: self._flat_range(name, src, state, start, stop))
+                target, rank, low, high,
+                *ranges.readers(lambda src, start, stop: self._stored_pieces(name, src, state, start, stop)))
         except LayoutError as exc:
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r}: {exc}") from exc
 
