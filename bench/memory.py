@@ -8,12 +8,14 @@ fp32 and 1.47 GiB with its Adam moments. Then runs, under ``/usr/bin/time -v``:
 * ``to-universal``, ``to-hf`` (bf16 and fp32) and ``to-maxtext`` (bf16 and fp32 parameters), each also on the
   built-in tiny model: "extra" is the peak above the same command's peak there, which is the interpreter, the
   imports and the metadata (an import-only process, as near as one can get for each command);
-* the restore: ``load_checkpoint`` at TP=1 (direct and from the universal form), where "extra" is the rank's
+* the restore: ``load_checkpoint`` at TP=1 into ZeRO-1 and into ZeRO-3 (direct and from the universal form;
+  a single rank, so ZeRO-3's partition is each whole tensor), where "extra" is the rank's
   peak RSS during the load above its RSS when the load began (the engine it restores into), less the Adam
   buffers the load created (a fresh engine has none before its first step, which would create them).
 
     python bench/memory.py                                  # 307M, vocab 128256 (build: about 3 minutes)
     python bench/memory.py --vocab 32000 --layers 16        # the 246M benchmark model, for comparison
+    python bench/memory.py --only restore                   # just the restore rows (ZeRO-1 and ZeRO-3)
 
 At real shapes (``--shapes llama3-8b``): Llama-3-8B's tensors with 2 layers (1.49B parameters, 28 GB at TP=2
 ZeRO-1 bf16), which the engine cannot train on a 24 GiB machine, so the checkpoint is written by
@@ -183,7 +185,7 @@ def main() -> None:
     p.add_argument("--no-restore", action="store_true", help="skip the restore rows")
     p.add_argument("--shapes", help="real shapes (llama3-8b): a checkpoint generated in the engine's layout, "
                    "rows with cp -r and upstream, no restore")
-    p.add_argument("--only", nargs="*", help="with --shapes: only the rows whose name contains one of these")
+    p.add_argument("--only", nargs="*", help="only the rows whose name contains one of these")
     p.add_argument("--upstream-workers", type=int, nargs="*", default=[2, 1],
                    help="with --shapes: upstream ds_to_universal rows, one per worker count")
     p.add_argument("--min-available", type=float, default=1.5,
@@ -206,6 +208,8 @@ def main() -> None:
     total = sum(layout.numel for layout in layouts.values())
     rows = []
     for name, cmd in commands(tag_dir, out).items():
+        if args.only and not any(word in name for word in args.only):
+            continue
         shutil.rmtree(out, ignore_errors=True)
         small = timed(commands(tiny, out)[name], cold=None)["rss"]
         shutil.rmtree(out, ignore_errors=True)
@@ -218,8 +222,13 @@ def main() -> None:
         universal = work / "memory_universal"
         shutil.rmtree(universal, ignore_errors=True)
         timed(commands(tag_dir, universal)["to-universal"], cold=None)
-        for label, load_dir in (("restore at TP=1, direct", tag_dir), ("restore at TP=1, universal", universal)):
-            result = resume(args, work, 1, 1, 1, load_dir, label.replace(" ", "_").replace(",", ""))
+        for label, load_dir, zero in (("restore at TP=1, direct", tag_dir, 1),
+                                      ("restore at TP=1, universal", universal, 1),
+                                      ("restore at TP=1 into ZeRO-3 (DP=1), direct", tag_dir, 3),
+                                      ("restore at TP=1 into ZeRO-3, universal", universal, 3)):
+            if args.only and not any(word in label for word in args.only):
+                continue
+            result = resume(args, work, 1, 1, zero, load_dir, f"memory_{len(restores)}_zero{zero}")
             gain, created = result["rss_gain_per_rank"][0] / gib, result["new_state_per_rank"][0] / gib
             restores.append((label, gain, created, result["load_s"]))
             print(f"{label}: +{gain:.2f} GiB during load_checkpoint, {created:.2f} GiB of it the Adam buffers it "

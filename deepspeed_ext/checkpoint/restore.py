@@ -99,12 +99,37 @@ def _set_zero3_partition(param: Any, ckpt: ReshardingSource, name: str, state: s
         raise CheckpointError(f"{ckpt.path}: {name!r} holds {int(param.ds_numel)} elements on TP rank {tp_rank}, "
                               f"its TP layout {local_numel}")
     start, stop, size = zero3_partition(param)
+    partition = _zero3_partition_in_place(param, state, size)
+    if partition is not None:  # written block by block: no copy of the partition, whatever its size
+        _fill([(partition[:stop - start], start)], ckpt, name, state, layout, tp_rank)
+        partition[stop - start:].zero_()  # the padding past the parameter's end, as DeepSpeed keeps it
+        return
     value = torch.zeros(size, dtype=torch.float32)  # the padding past the parameter's end stays 0
     value[:stop - start].copy_(ckpt.resharded_range(name, state, layout, tp_rank, start, stop))
     if state == MASTER_WEIGHTS:
         safe_set_local_fp32_param(param, value)
     else:
         safe_set_local_optimizer_state(param, value, state)
+
+
+def _zero3_partition_in_place(param: Any, state: str, size: int) -> torch.Tensor | None:
+    """The ZeRO-3 optimizer's own fp32 partition of ``state`` for ``param`` (a view of its flat sub-group
+    buffer), to restore in place; ``None`` where it is not simply there: optimizer states swapped to NVMe,
+    or a DeepSpeed whose internals differ. DeepSpeed's public setter takes the whole partition as one tensor,
+    a transient copy as large as the partition (the whole TP slice at DP=1); writing into the buffer block
+    by block keeps the restore's memory at a block."""
+    optimizer = getattr(param, "_z3_optimizer", None)
+    partition_of = getattr(optimizer, "_get_fp32_opt_state_partition", None)
+    if partition_of is None or getattr(optimizer, "swap_optimizer", True):
+        return None
+    key = None if state == MASTER_WEIGHTS else state
+    try:
+        partition, _ = partition_of(param, release_swap_buffers=False, optim_state_key=key)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if not isinstance(partition, torch.Tensor) or partition.numel() != size or not partition.is_contiguous():
+        return None
+    return partition
 
 
 class ReshardingSource(Protocol):
