@@ -428,14 +428,14 @@ class RowBlocks:
             yield first, min(self.units, first + self.step)
 
 
-def row_blocks(kind: str, state: str, hf_shape: tuple[int, ...], dims: ModelDims, chunk_extent: int | None,
-               block_bytes: int = BLOCK_BYTES) -> RowBlocks:
+def row_blocks(kind: str, state: str, hf_shape: tuple[int, ...], dims: ModelDims,
+               device_shard: tuple[int, ...] | None, block_bytes: int = BLOCK_BYTES) -> RowBlocks:
     """The streaming plan for an HF tensor of ``hf_shape`` under transform ``kind``: blocks of about
     ``block_bytes`` of fp32 HF rows.
 
-    ``chunk_extent``: the storage chunk's extent along the streamed axis that the mesh requires (one device's
-    shard), or None (no mesh: the chunk is the block). Under a mesh a chunk is split further only by a
-    divisor of the device's shard, so each chunk still belongs to one device.
+    ``device_shard``: the shape of one device's shard of the leaf (one layer's, for a stack) under the mesh,
+    or None (no mesh: the chunk is the block). Under a mesh a chunk is split further only by a divisor of the
+    device's shard along the streamed axis, so each chunk still belongs to one device.
     """
     transform = TRANSFORMS[kind]
     if state != "fp32" and transform.moments is not None:
@@ -448,6 +448,7 @@ def row_blocks(kind: str, state: str, hf_shape: tuple[int, ...], dims: ModelDims
     units = hf_shape[0] // unit
     unit_bytes = unit * math.prod(hf_shape[1:]) * 4
     wanted = max(1, block_bytes // max(1, unit_bytes))  # units per block
+    chunk_extent = None if device_shard is None else device_shard[transform.row_axis]
     if chunk_extent is None:
         chunk = min(units, wanted)
     elif chunk_extent <= wanted:
@@ -853,12 +854,9 @@ def write_maxtext(load: Callable[..., np.ndarray],
         per_mesh = shard_shape(leaf, mesh) if mesh else None
         if per_mesh is not None and leaf.stacked:
             per_mesh = per_mesh[:1] + per_mesh[2:]
-        plan = row_blocks(rule.kind, state, tuple(hf_shapes[names[0]]), dims, None, block_bytes)
+        plan = row_blocks(rule.kind, state, tuple(hf_shapes[names[0]]), dims, per_mesh, block_bytes)
         if plan.axis is not None:
-            axis = plan.axis
-            plan = row_blocks(rule.kind, state, tuple(hf_shapes[names[0]]), dims,
-                              per_mesh[axis] if per_mesh is not None else None, block_bytes)
-            chunk[axis] = plan.chunk
+            chunk[plan.axis] = plan.chunk
         stack_axis = 1 if leaf.stacked else None
         write_shape = tuple(chunk[:1] + [1] + chunk[1:]) if leaf.stacked else tuple(chunk)
 

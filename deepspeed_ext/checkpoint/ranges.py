@@ -32,7 +32,7 @@ import torch
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.errors import CheckpointError
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE = serialization.PAGE
 #: iovecs per ``preadv`` (the kernel refuses more).
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 

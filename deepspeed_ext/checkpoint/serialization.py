@@ -156,8 +156,7 @@ def _read_metadata_exactly(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         with zipfile.ZipFile(os.fdopen(os.dup(fd), "rb", buffering=0)) as archive:
             records = archive.infolist()
-        storages = [info.header_offset for info in records if "/data/" in info.filename
-                    and info.filename.rsplit("/", 1)[-1].isdigit()]
+        storages = [info.header_offset for info in records if is_storage_record(info.filename)]
         size = os.fstat(fd).st_size
         first = min(storages, default=size)
         os.pread(fd, min(size, first + _READER_SPAN), 0)
@@ -251,21 +250,36 @@ def _save_filled(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Ten
     return file_checksum(path)
 
 
+def is_storage_record(name: str) -> bool:
+    """Whether the torch zip record ``name`` holds a tensor storage (``<archive>/data/<key>``)."""
+    return "/data/" in name and name.rsplit("/", 1)[-1].isdigit()
+
+
+def record_data_offset(handle: Any, header_offset: int) -> int | None:
+    """Where a zip record's bytes begin in the open file ``handle``: after its local header at ``header_offset``
+    (30 bytes, then its name and extra field; torch pads the extra field to align storages to 64). None where no
+    local header is there."""
+    import struct
+    handle.seek(header_offset)
+    local = handle.read(30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack_from("<HH", local, 26)
+    return int(header_offset + 30 + name_length + extra_length)
+
+
 def _storage_offset(path: Path, nbytes: int) -> int:
     """Where the bytes of the one tensor storage of the torch file ``path`` begin (torch aligns them to 64)."""
-    import struct
     import zipfile
-    with zipfile.ZipFile(path) as archive:
-        records = [info for info in archive.infolist() if "/data/" in info.filename
-                   and info.filename.rsplit("/", 1)[-1].isdigit()]
+    with open(path, "rb") as handle:
+        with zipfile.ZipFile(handle) as archive:
+            records = [info for info in archive.infolist() if is_storage_record(info.filename)]
         if len(records) != 1 or records[0].file_size != nbytes:
             raise CheckpointError(f"{path}: expected one tensor storage of {nbytes} bytes")
-        header = records[0].header_offset
-    with open(path, "rb") as handle:
-        handle.seek(header)
-        local = handle.read(30)
-    name_length, extra_length = struct.unpack("<HH", local[26:30])
-    return int(header + 30 + name_length + extra_length)
+        offset = record_data_offset(handle, records[0].header_offset)
+    if offset is None:
+        raise CheckpointError(f"{path}: no zip local header for its tensor storage")
+    return offset
 
 
 @contextmanager
@@ -320,7 +334,7 @@ class BackgroundWriter:
 
 
 _MADV_DONTNEED = 4
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def _file_maps() -> Iterator[tuple[int, int, int, int, str]]:
@@ -373,7 +387,7 @@ def release_pages(tensor: torch.Tensor, mappings: list[tuple[int, int]]) -> None
     end = start + tensor.numel() * tensor.element_size()
     for low, high in mappings:
         if low <= start and end <= high:
-            first = max(low, start // _PAGE * _PAGE)
-            last = min(high, -(-end // _PAGE) * _PAGE)
+            first = max(low, start // PAGE * PAGE)
+            last = min(high, -(-end // PAGE) * PAGE)
             ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
             return

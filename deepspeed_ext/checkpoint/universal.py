@@ -436,10 +436,10 @@ class UniversalCheckpoint:
         """Elements ``[low, high)`` of :meth:`resharded`, flattened, in a new tensor: only the pages that hold
         them are read, with ``pread`` (:mod:`.ranges`: a ZeRO-3 rank's partition of its TP slice, and of a
         row-parallel weight only its part of each row)."""
-        self._full_for(name, state, target)
+        full = self._full_for(name, state, target)
         reads = self._reads
-        if reads.stored is None:
-            reads.stored = ranges.stored(reads.tensor.reshape(-1))
+        if reads.stored is None:  # once per mapped tensor: where its bytes are, and a descriptor to read them
+            reads.stored = ranges.stored(full.reshape(-1))
         here: ranges.Stored = reads.stored
         whole = TPLayout.replicated(target.shape, 1)  # the full tensor: a replicated source of one rank
         return whole.reshard_range(target, rank, low, high,

@@ -25,13 +25,14 @@ from typing import Any, Protocol
 
 import torch
 
+from deepspeed_ext.checkpoint.serialization import pwrite_all, record_data_offset
+
 #: Bytes written, checksummed and observed at a time: a few MiB stay in the last-level cache between the passes.
 BLOCK_BYTES = 4 << 20
 #: Storages smaller than this are written by torch as usual (their CRC-32 is read back, a few bytes).
 MIN_DEFERRED_BYTES = 1 << 20
 _DESCRIPTOR = b"PK\x07\x08"
 _CENTRAL = b"PK\x01\x02"
-_LOCAL = b"PK\x03\x04"
 _ID_RECORD = ".data/serialization_id"
 _U64 = (1 << 64) - 1
 
@@ -147,12 +148,9 @@ def _records(handle: Any) -> _Records:
         # miniz writes an empty record without a data descriptor (its CRC-32 is 0, as it stays)
         if info.compress_type != zipfile.ZIP_STORED or not (info.flag_bits & 0x08 or info.file_size == 0):
             raise LayoutError(f"{info.filename}: compressed, or without a data descriptor")
-        handle.seek(info.header_offset)
-        local = handle.read(30)
-        if local[:4] != _LOCAL:
+        data_offset = record_data_offset(handle, info.header_offset)
+        if data_offset is None:
             raise LayoutError(f"{info.filename}: no local header at {info.header_offset}")
-        local_name, local_extra = struct.unpack_from("<HH", local, 26)
-        data_offset = info.header_offset + 30 + local_name + local_extra
         records[info.filename] = _Record(info.filename, data_offset, info.file_size, start + position)
         position += 46 + name_length + extra_length + comment_length
     if not records:
@@ -164,7 +162,6 @@ def _records(handle: Any) -> _Records:
 def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer: Observer | None) -> int:
     """``storage``'s bytes at ``offset`` of ``fd`` in cached blocks, each shown to ``observer``'s regions and
     checksummed from the cache; the CRC-32 of the whole."""
-    from deepspeed_ext.checkpoint.serialization import pwrite_all
     data = torch.empty(0, dtype=torch.uint8).set_(storage)
     regions = observer.regions(storage.data_ptr(), storage.nbytes()) if observer is not None else ()
     crc, position = 0, 0

@@ -360,8 +360,8 @@ def test_row_blocks_cover_whole_chunks():
     assert sum(b - a for a, b in embed.ranges()) == 128256
     query = row_blocks("query", "exp_avg", (4096, 4096), dims, None, 8 << 20)
     assert (query.axis, query.unit, query.units, query.chunk) == (1, 128, 32, 4)
-    sharded = row_blocks("copy", "fp32", (128256, 4096), dims, 128256 // 16, 32 << 20)
+    sharded = row_blocks("copy", "fp32", (128256, 4096), dims, (128256 // 16, 4096), 32 << 20)
     assert (128256 // 16) % sharded.chunk == 0 and sharded.step % sharded.chunk == 0 and sharded.step <= 2048
-    prime = row_blocks("copy", "fp32", (2 * 8009, 4096), dims, 8009, 32 << 20)  # no divisor near the block
+    prime = row_blocks("copy", "fp32", (2 * 8009, 4096), dims, (8009, 4096), 32 << 20)  # no divisor near the block
     assert prime.chunk == 8009
     assert row_blocks("query_bias", "fp32", (4096, ), dims, None).axis == 0
