@@ -6,8 +6,10 @@ After one training step, ``--rounds`` rounds, alternating the order, of:
 
 * ``save_checkpoint`` as DeepSpeed alone does it (the engine's own method, unhooked) and with deepspeed-ext
   (UC metadata + fingerprints: DeepSpeed's files written by zipsave, the same bytes, each rank's sums read from
-  the blocks as they are written, then one all-reduce of 3 float64 numbers per parameter state); and, for
-  comparison, with deepspeed-ext as before zipsave (torch.save, the sums on a thread during it);
+  the blocks as they are written, then one all-reduce of 3 float64 numbers per parameter state; every file
+  fsynced and the tag committed by its marker); and, for comparison, with deepspeed-ext as before zipsave
+  (torch.save, the sums on a thread during it), DeepSpeed alone followed by an fsync of its files (the
+  durability deepspeed-ext's save has), and deepspeed-ext with every fsync skipped (what the fsyncs cost);
 * the fingerprint computation alone, not overlapped with anything (``engine_fingerprints``);
 * ``load_checkpoint`` of that save through the hook, which checks the fingerprints, and the check alone.
 
@@ -66,6 +68,22 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             runtime._can_fuse = can_fuse
 
+    def synced_plain_save(*args, **kwargs):  # DeepSpeed alone, then its files fsynced: the durability ours has
+        from deepspeed_ext.checkpoint import durable
+        result = plain_save(*args, **kwargs)
+        if dist.get_rank() == 0:
+            durable.fsync_tree(os.path.join(args[0], kwargs["tag"]))
+        dist.barrier()
+        return result
+
+    def unsynced_save(*args, **kwargs):  # deepspeed-ext's save with every fsync skipped: what the fsyncs cost
+        own_fsync = os.fsync
+        os.fsync = lambda fd: None
+        try:
+            return engine.save_checkpoint(*args, **kwargs)
+        finally:
+            os.fsync = own_fsync
+
     cpu: dict[str, list[float]] = {}
 
     def timed(work, cpu_key: str | None = None) -> float:
@@ -83,16 +101,18 @@ def worker(args: argparse.Namespace) -> None:
         return float(took)
 
     out = Path(args.out)
-    rows: dict[str, list[float]] = {key: [] for key in ("save_plain", "save_ext", "save_thread", "fingerprints",
+    kinds = ["plain", "ext", "thread", "plainsync", "nosync"]
+    rows: dict[str, list[float]] = {key: [] for key in (*(f"save_{kind}" for kind in kinds), "fingerprints",
                                                          "load_checked", "check")}
-    kinds = ["plain", "ext", "thread"]
     for round_ in range(args.rounds):
-        order = kinds[round_ % 3:] + kinds[:round_ % 3]  # each kind first, second and last in turn
+        shift = round_ % len(kinds)
+        order = kinds[shift:] + kinds[:shift]  # each kind first, second, ... and last in turn
         if round_ % 2:
             order.reverse()
         for kind in order:
             target = out / f"{kind}{round_}"
-            save = {"plain": plain_save, "ext": engine.save_checkpoint, "thread": thread_save}[kind]
+            save = {"plain": plain_save, "ext": engine.save_checkpoint, "thread": thread_save,
+                    "plainsync": synced_plain_save, "nosync": unsynced_save}[kind]
             rows[f"save_{kind}"].append(timed(lambda: save(str(target), tag="step1"), f"cpu_{kind}"))
         rows["fingerprints"].append(timed(lambda: engine_fingerprints(engine)))
         load_dir = out / f"ext{round_}"
@@ -104,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
         if dist.get_rank() == 0:
             for kind in kinds:
                 shutil.rmtree(out / f"{kind}{round_}", ignore_errors=True)
+            os.sync()  # each round starts with the page cache's writeback done
         dist.barrier()
     if dist.get_rank() == 0:
         (out / "result.json").write_text(json.dumps({**rows, **cpu}))
@@ -148,6 +169,14 @@ def main() -> None:
     print(f"{'  ... as before (torch.save, sums on a thread)':42} {median['save_thread']:8.3f}   "
           f"{median['save_thread'] / median['save_plain'] - 1:+.1%} (median of the rounds' own ratios: "
           f"{paired_thread - 1:+.1%})")
+    for kind, label in (("plainsync", "DeepSpeed alone, then fsync of its files"),
+                        ("nosync", "with deepspeed-ext, every fsync skipped")):
+        ratio = statistics.median(k / p for k, p in zip(rows[f"save_{kind}"], rows["save_plain"], strict=True))
+        print(f"{label:42} {median[f'save_{kind}']:8.3f}   {ratio - 1:+.1%} vs DeepSpeed alone (median of the "
+              "rounds' own ratios)")
+    durable_ratio = statistics.median(e / p for e, p in zip(rows["save_ext"], rows["save_plainsync"], strict=True))
+    print(f"{'with deepspeed-ext vs DeepSpeed alone + fsync':42} {durable_ratio - 1:+.1%} (median of the rounds' "
+          "own ratios: the same durability on both sides)")
     print(f"{'the fingerprints alone (not overlapped)':42} {median['fingerprints']:8.3f}   "
           f"{median['fingerprints'] / median['save_plain']:.1%} of the save")
     cpu_ratio = statistics.median(e / p for e, p in zip(rows["cpu_ext"], rows["cpu_plain"], strict=True))

@@ -25,6 +25,7 @@ import torch
 import deepspeed_ext
 from deepspeed_ext.checkpoint.metadata import UCInfo, write_uc_info
 from deepspeed_ext.config import ExtConfig, load_ds_config
+from deepspeed_ext.errors import DeepSpeedExtError
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, tp_group_info, unsharded_weights
 
 ENGINE_ATTR = "deepspeed_ext_uc_info"
@@ -76,7 +77,8 @@ def enable() -> None:
     Accelerate's (which look ``deepspeed.initialize`` up when they call it), and the script's own.
 
     Explicit and reversible (:func:`disable`); calling it twice is harmless. It changes nothing for a config
-    without the ``deepspeed_ext`` section, so one script serves runs with and without it.
+    without the ``deepspeed_ext`` section, so one script serves runs with and without it. The Trainer's
+    ``resume_from_checkpoint=True`` then also resumes from the newest ``checkpoint-N`` whose save finished.
     """
     import deepspeed
     if hasattr(deepspeed.initialize, _WRAPPED_ATTR):
@@ -89,13 +91,50 @@ def enable() -> None:
 
     setattr(deepspeed_initialize_with_ext, _WRAPPED_ATTR, original)
     deepspeed.initialize = deepspeed_initialize_with_ext
+    _trainer_resume_choice(install=True)
 
 
 def disable() -> None:
     """Undo :func:`enable`: ``deepspeed.initialize`` is DeepSpeed's own again (engines built meanwhile keep
-    their hooks)."""
+    their hooks), and so is the Trainer's choice of the checkpoint to resume from."""
     import deepspeed
     deepspeed.initialize = _deepspeed_initialize()
+    _trainer_resume_choice(install=False)
+
+
+def _trainer_resume_choice(install: bool) -> None:
+    """With ``install``: the Hugging Face Trainer's ``resume_from_checkpoint=True`` resumes from the newest
+    *complete* ``checkpoint-N`` (transformers' ``get_last_checkpoint`` takes the highest N, even one whose save
+    was killed half-way), skipping each newer one with a warning that names it. Without: transformers' own
+    again. Nothing happens where transformers is not installed."""
+    import importlib.util
+    import sys
+    if importlib.util.find_spec("transformers") is None:
+        return
+    trainer_utils = importlib.import_module("transformers.trainer_utils")
+    current = trainer_utils.get_last_checkpoint
+    own = getattr(current, _WRAPPED_ATTR, current)
+    if install and own is current:
+        @functools.wraps(own)
+        def get_last_checkpoint(folder: Any) -> Any:
+            from deepspeed_ext.checkpoint.formats import trainer_checkpoints
+            if own(folder) is None:
+                return None
+            newest, skipped = trainer_checkpoints(Path(folder))
+            for skipped_folder, reason in skipped:
+                logger.warning("not resuming from %s: %s", skipped_folder, reason)
+            return None if newest is None else str(newest)
+
+        setattr(get_last_checkpoint, _WRAPPED_ATTR, own)
+        replacement: Any = get_last_checkpoint
+    elif not install:
+        replacement = own
+    else:
+        return
+    trainer_utils.get_last_checkpoint = replacement
+    trainer = sys.modules.get("transformers.trainer")  # imported the function by name already
+    if trainer is not None and getattr(trainer, "get_last_checkpoint", None) in (current, own):
+        trainer.get_last_checkpoint = replacement
 
 
 def enabled() -> bool:
@@ -169,71 +208,143 @@ def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
 
 
 def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
-    """``save_checkpoint`` that also writes our UC info (layouts, model config, fingerprints) into the tag.
+    """``save_checkpoint`` that writes our UC info (layouts, model config, fingerprints) into the tag and commits
+    the tag with a marker (:mod:`deepspeed_ext.checkpoint.commit`).
+
+    DeepSpeed writes the tag into a staging directory beside it; each rank's files are written to a temporary
+    name, fsynced and renamed. When every rank's writes succeeded (the ranks agree on that, so a rank whose disk
+    filled up makes every rank raise the one reason instead of leaving the others waiting), one rank writes the
+    marker last, moves the tag into place in one rename (an existing tag of the same name is swapped out: it
+    stays valid until then) and only then writes ``latest``. A kill at any instant leaves the tag either as it
+    was or complete.
 
     On a CPU engine with DeepSpeed's own torch checkpoint engine, its files are written by
     :mod:`deepspeed_ext.checkpoint.zipsave`: the same bytes, each storage read once, in cached blocks, and the
-    fingerprints' sums read each state from those blocks as they are written (see :func:`_fused_writes`).
-    Otherwise the sums run on a thread while DeepSpeed writes (a save waits on the disk, and the sums only read
-    what it writes). Then one all-reduce adds the ranks' sums up. The UC info goes in before the ``latest``
-    pointer, so a tag that ``latest`` names always has it: DeepSpeed is asked not to write ``latest`` and it is
-    written here, after. A checkpoint engine that commits later (decoupled, asynchronous) writes ``latest`` at
-    its commit: there the sums run first and the UC info is written before DeepSpeed's files, as without
-    fingerprints."""
+    fingerprints' sums read each state from those blocks as they are written (see :func:`_guarded_writes`).
+    Otherwise the sums run on a thread while DeepSpeed writes. Then one all-reduce adds the ranks' sums up. A
+    checkpoint engine that commits later (decoupled, asynchronous) writes ``latest`` at its own commit: there the
+    sums run first, the UC info is written before DeepSpeed's files, and the tag gets no marker (it is read as a
+    checkpoint not saved by deepspeed-ext: docs/reliability.md)."""
     original = engine.save_checkpoint
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        from deepspeed_ext.checkpoint import commit, faults
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit
-        call = signature.bind(save_dir, str(tag), *args, **kwargs)
-        tag_dir = os.path.join(save_dir, str(tag))
+        tag = str(tag)
+        call = signature.bind(save_dir, tag, *args, **kwargs)
         checkpoint_engine = getattr(engine, "checkpoint_engine", None)
-        decoupled = checkpoint_engine is not None and checkpoint_engine.is_decoupled()
-        if fingerprints == "off" or decoupled:
+        if checkpoint_engine is not None and checkpoint_engine.is_decoupled():
             if fingerprints != "off":  # collective: every rank saves
                 info.fingerprints = _save_fingerprints(engine, _local_sums(engine))
-            _write_info(engine, info, tag_dir)
+            info.commit_marker = False
+            _write_info(engine, info, os.path.join(save_dir, tag))
             return original(*call.args, **call.kwargs)
-        save_latest = call.arguments.get("save_latest", True)
+        save_latest = bool(call.arguments.get("save_latest", True))
         call.arguments["save_latest"] = False
-        if _can_fuse(engine):
-            from deepspeed_ext.checkpoint.fingerprint import SumsPlan
-            plan = SumsPlan(engine)
-            with _fused_writes(engine.checkpoint_engine, plan):
-                result = original(*call.args, **call.kwargs)
-            local = plan.finish()
-        else:
-            sums = _SumsThread(engine)
+        coordinator = _is_commit_coordinator(engine)
+        faults.current_tag = tag
+        problem = None
+        if coordinator:
             try:
+                commit.prepare_staging(save_dir, tag)
+            except OSError as exc:
+                problem = f"{commit.staging_root(save_dir, tag)}: cannot create the staging directory: {exc}"
+        _raise_if_any_rank_failed(problem, tag, save_dir)
+        call.arguments["save_dir"] = str(commit.staging_root(save_dir, tag))
+        fuse = _can_fuse(engine)
+        plan = sums = None
+        if fingerprints != "off":
+            if fuse:
+                from deepspeed_ext.checkpoint.fingerprint import SumsPlan
+                plan = SumsPlan(engine)
+            else:
+                sums = _SumsThread(engine)
+        failures: list[str] = []
+        try:
+            with _guarded_writes(checkpoint_engine, plan, failures, zipsave_files=fuse):
                 result = original(*call.args, **call.kwargs)
-            except BaseException:
-                sums.join()  # DeepSpeed's error is the one to see
-                raise
-            local = sums.result()
-        info.fingerprints = _save_fingerprints(engine, local)
-        _write_info(engine, info, tag_dir)
-        if save_latest and engine.global_rank == 0:
-            _write_latest(save_dir, str(tag))
-        _barrier()
+        finally:
+            if sums is not None:
+                sums.join()
+        faults.reached("files-written")
+        _raise_if_any_rank_failed(failures[0] if failures else None, tag, save_dir, discard=coordinator)
+        if fingerprints != "off":
+            local = plan.finish() if plan is not None else sums.result()  # type: ignore[union-attr]
+            info.fingerprints = _save_fingerprints(engine, local)
+        problem = None
+        if coordinator:
+            try:
+                info.commit_marker = True
+                _write_info(engine, info, os.path.join(commit.staging_root(save_dir, tag), tag), always=True)
+                commit.commit(save_dir, tag, _commit_details(engine), save_latest=save_latest)
+            except (OSError, DeepSpeedExtError) as exc:
+                problem = f"committing {tag}: {exc}"
+        _raise_if_any_rank_failed(problem, tag, save_dir, discard=coordinator)
         return result
 
     engine.save_checkpoint = save_checkpoint
 
 
-def _write_info(engine: Any, info: UCInfo, tag_dir: str) -> None:
-    if engine.global_rank == 0:
+def _is_commit_coordinator(engine: Any) -> bool:
+    """The rank that prepares and commits a save: global rank 0, or each node's first rank where DeepSpeed keeps
+    checkpoints on node-local storage (each node then commits the files it holds)."""
+    node_local = bool(getattr(engine, "use_node_local_storage", lambda: False)())
+    return (engine.local_rank if node_local else engine.global_rank) == 0
+
+
+def _commit_details(engine: Any) -> dict[str, Any]:
+    """What the commit marker records beside the files: who wrote it and at which degrees."""
+    tp_size, _ = tp_group_info()
+    world = _world_size()
+    return {"global_steps": int(engine.global_steps), "world_size": world, "tp_degree": tp_size,
+            "zero_stage": int(engine.zero_optimization_stage()), "written_by": _versions()}
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _raise_if_any_rank_failed(problem: str | None, tag: str, save_dir: str, discard: bool = False) -> None:
+    """Collective: every rank says whether its part of the save failed; if any did, every rank raises the first
+    failure (one line, naming the rank and the file), and the coordinator removes the unfinished save. Doubles
+    as the barrier between the save's steps."""
+    import torch.distributed as dist
+
+    from deepspeed_ext.checkpoint import commit
+    from deepspeed_ext.errors import CheckpointError
+    problems = [problem]
+    if dist.is_available() and dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    failed = [(rank, text) for rank, text in enumerate(problems) if text is not None]
+    if not failed:
+        return
+    if discard:
+        commit.discard_staging(save_dir, tag)
+    rank, text = failed[0]
+    others = f" (and on {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    latest = os.path.join(save_dir, "latest")
+    kept = f"; {latest} still names {_read_text(latest)!r}" if os.path.isfile(latest) else ""
+    raise CheckpointError(f"saving checkpoint {tag!r} into {save_dir} failed on rank {rank}{others}: {text}; nothing "
+                          f"of it was committed{kept}")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read().strip()
+    except OSError:
+        return "?"
+
+
+def _write_info(engine: Any, info: UCInfo, tag_dir: str, always: bool = False) -> None:
+    if always or engine.global_rank == 0:
         info.optimizer_param_names = _stage0_optimizer_param_names(engine)
         write_uc_info(tag_dir, info)
-
-
-def _write_latest(save_dir: str, tag: str) -> None:
-    """DeepSpeed's ``latest`` pointer (the tag's name), replaced whole."""
-    latest = os.path.join(save_dir, "latest")
-    with open(latest + ".tmp", "w") as handle:
-        handle.write(tag)
-    os.replace(latest + ".tmp", latest)
 
 
 def _barrier() -> None:
@@ -243,8 +354,8 @@ def _barrier() -> None:
 
 
 def _can_fuse(engine: Any) -> bool:
-    """Whether DeepSpeed's files can be written by :mod:`~deepspeed_ext.checkpoint.zipsave` with the sums read
-    from its blocks: its own torch checkpoint engine (the zip format) on a CPU engine. On an accelerator the
+    """Whether DeepSpeed's files can be written by :mod:`~deepspeed_ext.checkpoint.zipsave` (the sums read
+    from its blocks): its own torch checkpoint engine (the zip format) on a CPU engine. On an accelerator the
     sums run there and torch.save copies each storage to the host anyway."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
@@ -264,25 +375,57 @@ def _device_type(device: Any) -> str:
         return "cpu" if device is None else "other"
 
 
+#: A file system with less room than this after a failed write was full (torch's writer reports ENOSPC as an
+#: iostream error without the cause).
+_NEARLY_FULL_BYTES = 64 << 20
+
+
+def _write_failure(path: str, exc: BaseException) -> str:
+    """Why writing ``path`` failed, in one line, with the cause where torch's message hides it (a full disk)."""
+    from deepspeed_ext.errors import first_line
+    message = first_line(exc)
+    try:
+        stats = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        return message
+    free = stats.f_bavail * stats.f_frsize
+    if free < _NEARLY_FULL_BYTES and "No space left" not in message:
+        message = f"No space left on device ({free} bytes free): {message}"
+    return message
+
+
 @contextlib.contextmanager
-def _fused_writes(checkpoint_engine: Any, plan: Any) -> Iterator[None]:
-    """``checkpoint_engine.save`` replaced, for one ``save_checkpoint``, by zipsave's writer of the same bytes,
-    which shows ``plan`` each storage's blocks as they are written. Where zipsave does not recognise torch's zip
-    (another torch) the file is saved again by torch.save and what ``plan`` summed from it is forgotten."""
-    from deepspeed_ext.checkpoint import zipsave
+def _guarded_writes(checkpoint_engine: Any, plan: Any, failures: list[str], zipsave_files: bool) -> Iterator[None]:
+    """``checkpoint_engine.save`` replaced, for one ``save_checkpoint``, by a save that is durable (fsynced) when
+    it returns and never raises: a failed write (a full disk) is recorded in ``failures``, its file removed, and
+    the rest of this rank's files skipped, so that every rank reaches DeepSpeed's own barrier and the ranks can
+    then agree that the save failed (:func:`_raise_if_any_rank_failed`). With ``zipsave_files`` the files are
+    written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks as
+    they are written; where zipsave cannot (another torch), torch.save writes the file and what ``plan``
+    summed from it is forgotten."""
+    from deepspeed_ext.checkpoint import durable, zipsave
+    if checkpoint_engine is None:
+        yield
+        return
     own = checkpoint_engine.save
     patched_before = "save" in vars(checkpoint_engine)  # someone else's instance attribute: put it back after
 
     def save(state_dict: Any, path: str) -> None:
-        mark = plan.mark()
-        if os.fspath(path).isascii():
-            try:
-                zipsave.save(state_dict, path, plan)
-                return
-            except zipsave.LayoutError as exc:
-                logger.debug("%s: saved again by torch.save (%s)", path, exc)
-                plan.rollback(mark)
-        own(state_dict, path)
+        if failures:
+            return  # this rank's save has failed already: it will not be committed
+        try:
+            if zipsave_files:
+                mark = plan.mark() if plan is not None else None
+                zipsave.save(state_dict, path, plan,
+                             on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None)
+            else:
+                own(state_dict, path)
+                if os.path.isfile(path):
+                    durable.fsync_file(path)
+        except Exception as exc:  # a failed write: reported by every rank after DeepSpeed's barrier
+            failures.append(f"{path}: {_write_failure(path, exc)}")
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     checkpoint_engine.save = save
     try:
@@ -358,6 +501,7 @@ def _hook_load(engine: Any, reshard: bool, fingerprints: str) -> None:
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = call.arguments
+        refuse_incomplete(options["load_dir"], options.get("tag"))
         route = _load_route(engine, options["load_dir"], options.get("tag")) if reshard else None
         if options.get("custom_load_fn") is not None or route is None:
             return original(*args, **kwargs), options
@@ -379,6 +523,33 @@ def _hook_load(engine: Any, reshard: bool, fingerprints: str) -> None:
         return result
 
     engine.load_checkpoint = load_checkpoint
+
+
+def refuse_incomplete(load_dir: str | os.PathLike[str], tag: Any = None) -> None:
+    """Raise :class:`~deepspeed_ext.errors.CheckpointError` (one line) where ``load_checkpoint(load_dir, tag)``
+    would read a DeepSpeed tag whose save did not finish, or whose files disagree with its commit marker.
+    DeepSpeed's own loader would read such a tag as if whole (an explicit ``tag``), or load nothing and go on
+    training from scratch (a save directory whose only save never finished)."""
+    from deepspeed_ext.checkpoint import commit
+    from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR
+    from deepspeed_ext.errors import CheckpointError
+    path = Path(load_dir)
+    if tag is None:
+        latest = path / LATEST
+        if not latest.is_file():
+            message = commit.unfinished_save_message(path)
+            if message is not None:
+                raise CheckpointError(message)
+            return
+        tag = latest.read_text().strip()
+    tag_dir = path / str(tag)
+    if not tag_dir.is_dir():
+        message = commit.unfinished_save_message(path, str(tag))
+        if message is not None:
+            raise CheckpointError(message)
+        return  # DeepSpeed says what is missing
+    if not (tag_dir / ZERO_DIR).is_dir():
+        commit.require_complete(tag_dir)
 
 
 def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | None, *, with_optimizer: bool = True,

@@ -137,6 +137,8 @@ def compare_sources(a: CheckpointSource, b: CheckpointSource, tolerance: Toleran
             if state not in tensor.states:
                 report.states_only_b[state] = report.states_only_b.get(state, 0) + 1
     report.only_b = [name for name in b_tensors if name not in seen]
+    a.raise_if_damaged()  # a difference read from a damaged file says nothing about the training state
+    b.raise_if_damaged()
     return report
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions
 from deepspeed_ext.errors import CheckpointError
 
 DEEPSPEED, UNIVERSAL, HUGGINGFACE, MAXTEXT = "deepspeed", "universal", "huggingface", "maxtext"
+logger = logging.getLogger("deepspeed_ext")
 
 # DeepSpeed's file names (its on-disk names all live in deepspeed/keys.py, which imports nothing heavy).
 LATEST, LATEST_UNIVERSAL, ZERO_DIR = keys.LATEST, keys.LATEST_UNIVERSAL, keys.ZERO_DIR
@@ -55,11 +57,39 @@ TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 def newest_trainer_checkpoint(path: Path) -> Path | None:
-    """The newest ``checkpoint-N`` in a Hugging Face Trainer ``output_dir`` (the one the Trainer resumes from
-    with ``resume_from_checkpoint=True``: the highest N), or None."""
-    found = [(int(m.group(1)), child) for child in path.iterdir()
-             if child.is_dir() and (m := TRAINER_CHECKPOINT_RE.match(child.name))]
-    return max(found)[1] if found else None
+    """The newest complete ``checkpoint-N`` in a Hugging Face Trainer ``output_dir`` (the highest N whose save
+    finished), or None; each newer one whose save did not finish is skipped with a warning naming it."""
+    chosen, skipped = trainer_checkpoints(path)
+    for folder, reason in skipped:
+        logger.warning("%s", f"skipping {folder}: {reason}")
+    return chosen
+
+
+def trainer_checkpoints(path: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest complete ``checkpoint-N`` of a Trainer ``output_dir`` or None, the newer incomplete ones with
+    why). The Trainer's own choice (``get_last_checkpoint``) takes the highest N, complete or not."""
+    found = sorted(((int(m.group(1)), child) for child in path.iterdir()
+                    if child.is_dir() and (m := TRAINER_CHECKPOINT_RE.match(child.name))), reverse=True)
+    # The Trainer writes trainer_state.json last: where any checkpoint-N has one, one without it is unfinished.
+    trainer = any((child / TRAINER_STATE).is_file() for _, child in found)
+    skipped: list[tuple[Path, str]] = []
+    for _, child in found:
+        reason = incomplete_checkpoint_folder(child, trainer)
+        if reason is None:
+            return child, skipped
+        skipped.append((child, reason))
+    return None, skipped
+
+
+def incomplete_checkpoint_folder(folder: Path, trainer: bool = True) -> str | None:
+    """Why the Trainer ``checkpoint-N`` folder's save did not finish, or None when it did."""
+    from deepspeed_ext.checkpoint import commit
+    unfinished = commit.unfinished_saves(folder)
+    if unfinished and not (folder / LATEST).is_file():
+        return f"the DeepSpeed save of {', '.join(sorted(unfinished))} in it did not finish (killed mid-save?)"
+    if trainer and not (folder / TRAINER_STATE).is_file():
+        return f"the Trainer did not finish saving it (no {TRAINER_STATE}, which it writes last)"
+    return None
 
 
 #: What marks a Trainer checkpoint-N folder (beside the DeepSpeed save, config.json and tokenizer files).
@@ -76,7 +106,7 @@ def trainer_checkpoint_of(path: Path) -> Path | None:
 
 
 def checkpoint_path(path: str | Path) -> Path:
-    """``path`` itself, or, for a Trainer ``output_dir`` that is no checkpoint of its own, its newest
+    """``path`` itself, or, for a Trainer ``output_dir`` that is no checkpoint of its own, its newest complete
     ``checkpoint-N``."""
     path = Path(path)
     if path.is_dir() and not any(fmt.detect(path) for fmt in FORMATS.values()):
@@ -189,6 +219,9 @@ def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
     if tag is not None:
         return [UNIVERSAL if (path / tag / ZERO_DIR).is_dir() else DEEPSPEED]
     path = checkpoint_path(path)
+    unfinished = _unfinished_save(path)
+    if unfinished is not None:
+        raise CheckpointError(unfinished)
     found = [name for name, fmt in FORMATS.items() if fmt.detect(path)]
     if found:
         return found
@@ -198,6 +231,24 @@ def detect_all(path: str | Path, tag: str | None = None) -> list[str]:
     raise CheckpointError(f"{path}: not a checkpoint: neither a tag directory (DeepSpeed *model_states.pt, or "
                           "universal zero/) nor a save directory ('latest' or 'latest_universal'), nor Hugging Face "
                           f"*.safetensors, nor Orbax {ORBAX_METADATA}")
+
+
+def _unfinished_save(path: Path) -> str | None:
+    """One line when ``path`` holds only a DeepSpeed save that never finished (no ``latest``: nothing in it was
+    committed), naming the newest complete Trainer checkpoint beside it where there is one."""
+    from deepspeed_ext.checkpoint import commit
+    if commit.is_staging(path):
+        return commit.refusal(path)
+    if not path.is_dir() or (path / LATEST).is_file() or _has_deepspeed_files(path):
+        return None
+    message = commit.unfinished_save_message(path)
+    if message is None:
+        return None
+    if TRAINER_CHECKPOINT_RE.match(path.name):
+        newest, _ = trainer_checkpoints(path.parent)
+        message += f"; the newest complete checkpoint is {newest}" if newest is not None else \
+            "; no checkpoint beside it is complete"
+    return message
 
 
 def detect(path: str | Path, tag: str | None = None) -> str:

@@ -727,7 +727,8 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                              recorded=record_check(info),
                              fit=fit,
                              protect=protected_paths(source, options),
-                             load_rows=load_rows)
+                             load_rows=load_rows,
+                             before_publish=source.raise_if_damaged)
 
 
 def write_maxtext(load: Callable[..., np.ndarray],
@@ -751,7 +752,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
                   fit: ConfigFit | None = None,
                   protect: Iterable[str | Path] = (),
                   load_rows: Callable[[str, str, int, int], Any] | None = None,
-                  block_bytes: int | None = None) -> Path:
+                  block_bytes: int | None = None,
+                  before_publish: Callable[[], None] | None = None) -> Path:
     """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
 
     ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
@@ -904,6 +906,8 @@ def write_maxtext(load: Callable[..., np.ndarray],
             recorded.raise_if_wrong()
         if fit is not None:
             fit.result()
+        if before_publish is not None:  # the source's own checks (its files' checksums)
+            before_publish()
         _record_fingerprints(partial / STEP_DIR, read_back.total(step=optimizer_step if with_optimizer else None,
                                                                   global_steps=int(step)))
 
@@ -1222,6 +1226,10 @@ class MaxTextCheckpoint:
             leaf = self._sources[name][0][1]
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=self.info.states, loader=loader,
                                 dtype=torch_dtype(self.stored_dtypes[leaf]))
+
+    def raise_if_damaged(self) -> None:
+        """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where
+        deepspeed-ext wrote them)."""
 
     def summary(self) -> dict[str, Any]:
         return {

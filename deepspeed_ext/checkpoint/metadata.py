@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
+from deepspeed_ext.checkpoint.commit import COMMIT_FILE, UC_INFO_FILE
+from deepspeed_ext.checkpoint.commit import UC_INFO_KEY as COMMIT_KEY
 from deepspeed_ext.checkpoint.fingerprint import FINGERPRINTS_KEY, Fingerprints
 from deepspeed_ext.errors import CheckpointError, LayoutError
 from deepspeed_ext.module_inject.layout import TPLayout, layouts_from_json, layouts_to_json
 
-METADATA_FILE = "deepspeed_ext.json"
+METADATA_FILE = UC_INFO_FILE
 METADATA_FORMAT = "deepspeed_ext.uc_info"
 METADATA_VERSION = 1
 
@@ -38,6 +40,9 @@ class UCInfo:
     optimizer_param_names: list[list[str]] | None = None
     #: The resume fingerprints of the state saved with it (:mod:`deepspeed_ext.checkpoint.fingerprint`).
     fingerprints: Fingerprints | None = None
+    #: The tag is committed by a marker written last (:mod:`deepspeed_ext.checkpoint.commit`): without one, the
+    #: save did not finish.
+    commit_marker: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,6 +56,7 @@ class UCInfo:
             "params": layouts_to_json(self.layouts),
             **({"optimizer_param_names": self.optimizer_param_names} if self.optimizer_param_names else {}),
             **({FINGERPRINTS_KEY: self.fingerprints.to_json()} if self.fingerprints is not None else {}),
+            **({COMMIT_KEY: COMMIT_FILE} if self.commit_marker else {}),
         }
 
     @classmethod
@@ -68,7 +74,8 @@ class UCInfo:
                    kind=data.get("kind", "deepspeed"),
                    optimizer_param_names=data.get("optimizer_param_names"),
                    fingerprints=(Fingerprints.from_json(data[FINGERPRINTS_KEY], source)
-                                 if data.get(FINGERPRINTS_KEY) is not None else None))
+                                 if data.get(FINGERPRINTS_KEY) is not None else None),
+                   commit_marker=bool(data.get(COMMIT_KEY)))
 
 
 def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:

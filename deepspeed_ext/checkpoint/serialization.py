@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepspeed_ext.checkpoint.zipcheck import record_data_offset
 from deepspeed_ext.errors import CheckpointError, first_line
 
 if TYPE_CHECKING:
@@ -253,19 +254,6 @@ def _save_filled(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Ten
 def is_storage_record(name: str) -> bool:
     """Whether the torch zip record ``name`` holds a tensor storage (``<archive>/data/<key>``)."""
     return "/data/" in name and name.rsplit("/", 1)[-1].isdigit()
-
-
-def record_data_offset(handle: Any, header_offset: int) -> int | None:
-    """Where a zip record's bytes begin in the open file ``handle``: after its local header at ``header_offset``
-    (30 bytes, then its name and extra field; torch pads the extra field to align storages to 64). None where no
-    local header is there."""
-    import struct
-    handle.seek(header_offset)
-    local = handle.read(30)
-    if len(local) < 30 or local[:4] != b"PK\x03\x04":
-        return None
-    name_length, extra_length = struct.unpack_from("<HH", local, 26)
-    return int(header_offset + 30 + name_length + extra_length)
 
 
 def _storage_offset(path: Path, nbytes: int) -> int:

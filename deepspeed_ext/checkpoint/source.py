@@ -87,6 +87,12 @@ class CheckpointSource(Protocol):
         """What ``inspect`` shows: plain values only (JSON-serialisable)."""
         ...
 
+    def raise_if_damaged(self) -> None:
+        """Raise :class:`~deepspeed_ext.errors.CheckpointError` (one line naming the file) when what was read
+        fails the checksums the format records (a DeepSpeed tag: its commit marker, or its zip records'
+        CRC-32s); writers call it before they publish. A no-op where the format records none."""
+        ...
+
 
 @dataclass(frozen=True)
 class WriteOptions:

@@ -296,6 +296,7 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
                 writer.submit(save, step, param_dir / f"{STEP}.pt")
     if finite is not None:
         finite.raise_if_any()
+    source.raise_if_damaged()
     check_against_record(source.info, written, names)
     return written
 
@@ -534,6 +535,10 @@ class UniversalCheckpoint:
 
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
                                 dtype=self.model_dtype(name), range_loader=range_loader)
+
+    def raise_if_damaged(self) -> None:
+        """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where
+        deepspeed-ext wrote them)."""
 
     def summary(self) -> dict[str, Any]:
         states = self.model_states

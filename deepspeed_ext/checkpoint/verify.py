@@ -1,7 +1,9 @@
 """``verify``: check a checkpoint in any format and report every problem found, not just the first.
 
 * An output of deepspeed-ext: every file against its manifest (size and CRC-32C; missing, extra, changed).
-* A DeepSpeed checkpoint (it has no manifest): every ``.pt`` file loads with the safe loader.
+* A DeepSpeed checkpoint (it has no manifest): saved by deepspeed-ext, every file against its commit marker (size,
+  CRC-32); otherwise every zip record against its CRC-32 (a file cut short or with holes is found); and every
+  ``.pt`` file loads with the safe loader.
 * Every format: every tensor state is read; its shape must match the checkpoint's metadata, it must be floating
   point and finite; merging checks that TP shards fit their layouts and that replicas agree. A Hugging Face
   checkpoint's parameters must fit transformers' model for its config.
@@ -82,15 +84,19 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         root = items.parent.parent if items.parent.name.isdigit() else items.parent
     report = VerifyReport(root, "", strict=strict)
     if kind == DEEPSPEED:
-        # DeepSpeed writes no manifest: check what can be checked. Every file must load with the allow-list;
+        # DeepSpeed writes no manifest: a tag deepspeed-ext saved has its commit marker (every file's size and
+        # CRC-32); any other has the CRC-32 of each zip record. Every file must also load with the allow-list;
         # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
+        from deepspeed_ext.checkpoint.commit import check_contents
+        checked, problems = check_contents(root)
+        report.problems += problems
         files = sorted(root.glob("*.pt"))
         for file in files:
             try:
                 serialization.load(file)
             except CheckpointError as exc:
                 report.problems.append(str(exc))
-        report.files_checked = f"DeepSpeed checkpoint (no manifest): {len(files)} files load safely"
+        report.files_checked = f"DeepSpeed checkpoint: {checked}; {len(files)} files load safely"
     elif (root / MANIFEST_FILE).is_file():
         count, problems, report.unlisted = check_manifest(root)
         report.problems += problems

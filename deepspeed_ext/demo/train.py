@@ -37,9 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "FP16_Optimizer instead of FP16_UnfusedOptimizer)")
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
     p.add_argument("--save-dir")
-    p.add_argument("--save-at", type=int, help="save_checkpoint after this global step")
+    p.add_argument("--save-at", type=int, action="append", default=[],
+                   help="save_checkpoint after this global step (repeat it to save several times)")
     p.add_argument("--load-dir", help="resume from this checkpoint: universal, or a regular DeepSpeed one saved at "
                    "other TP/DP degrees (read directly, resharded at load time)")
+    p.add_argument("--load-tag", help="the tag to load from --load-dir (default: the one its 'latest' names)")
     p.add_argument("--load-universal", action=argparse.BooleanOptionalAction, default=True,
                    help="set checkpoint.load_universal in the DeepSpeed config when --load-dir is given")
     p.add_argument("--restore", default="deepspeed_ext", choices=["deepspeed_ext", "deepspeed"],
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         rss_before = _reset_peak_rss() if args.timing else 0
         state_before = _optimizer_state_bytes(engine)
         io_before, start = _bytes_read(), time.perf_counter()
-        engine.load_checkpoint(args.load_dir)
+        engine.load_checkpoint(args.load_dir, tag=args.load_tag)
         timing["load_s"] = time.perf_counter() - start
         timing["load_read_bytes"] = _bytes_read() - io_before
         # What the restore held above the engine it restored into: its peak RSS over the RSS it started at, less
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
             probed[step] = hooks.after_step(engine, step)
         if "first_step_s" not in timing and args.load_dir:
             timing["first_step_s"] = time.perf_counter() - start
-        if args.save_dir and step == args.save_at:
+        if args.save_dir and step in args.save_at:
             if hooks.before_save:
                 hooks.before_save(engine, tp_rank)
             engine.save_checkpoint(args.save_dir)

@@ -17,7 +17,7 @@ from deepspeed_ext.checkpoint import serialization
 from harness.cli import universal_in
 from harness.runner import cli, run_logged
 from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
-                              upstream_ds_to_universal)
+                              upstream_ds_to_universal, without_commit_marker)
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +208,11 @@ def test_existing_output_is_refused_unless_overwrite(tp2, tmp_path):
 
 
 def _copy_checkpoint(tp2, save_dir) -> None:
-    """The TP=2 save directory without its universal conversion: a source a test may damage."""
+    """The TP=2 save directory without its universal conversion or its commit marker: a source a test may damage,
+    where the reader's own checks of the files must find what is wrong (with the marker, any edited file differs
+    from it: tests/unit/test_commit.py)."""
     shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    without_commit_marker(save_dir / tp2.tag_dir.name)
 
 
 def _copy_with_edited_moment(tp2, save_dir, param: str, moment: str, edit):

@@ -123,6 +123,37 @@ def test_commands_take_the_trainer_output_dir_and_pick_the_newest_checkpoint(tra
         assert torch.equal(param.data, source.full_tensor(name).to(torch.bfloat16)), name
 
 
+def test_a_trainer_save_killed_mid_way_is_skipped_and_the_run_resumes_from_the_one_before(trainer_runs, tmp_path,
+                                                                                          monkeypatch):
+    """Every rank SIGKILLed while the Trainer saves checkpoint-6 (before its DeepSpeed save is committed): the
+    commands on the output_dir read checkpoint-3 and name checkpoint-6 as unfinished, checkpoint-6 itself is
+    refused in one line, and resume_from_checkpoint=True resumes from checkpoint-3 at TP=1 (transformers alone
+    would take checkpoint-6)."""
+    _, baseline = trainer_runs(1)
+    out = tmp_path / "out"
+    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", "before-marker@global_step6")
+    proc = torchrun("hf_trainer.py", 2, ["--tp", "2", "--steps", "6", "--save-steps", "3", "--output-dir", str(out),
+                                         "--result", str(tmp_path / "killed.json")], tmp_path / "killed.log",
+                    check=False)
+    monkeypatch.delenv("DEEPSPEED_EXT_FAULT")
+    assert proc.returncode != 0 and "SIGKILL" in proc.stdout + proc.stderr
+    torn = out / "checkpoint-6"
+    assert torn.is_dir() and not (torn / "latest").exists() and not (torn / "trainer_state.json").exists()
+    assert (out / "checkpoint-3" / "latest").read_text() == "global_step3"
+    inspected = cli(["inspect", str(out), "--json"], tmp_path / "inspect.log")
+    assert json.loads(inspected.stdout)["tag"] == "global_step3"
+    assert f"skipping {torn}" in inspected.stderr and "did not finish" in inspected.stderr, inspected.stderr
+    refused = cli(["verify", str(torn)], tmp_path / "verify.log", check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("deepspeed-ext: error:")]
+    assert refused.returncode != 0 and len(errors) == 1, refused.stderr
+    assert "did not finish" in errors[0] and str(out / "checkpoint-3") in errors[0], errors
+    torchrun("hf_trainer.py", 1, ["--tp", "1", "--steps", "6", "--save-steps", "100", "--output-dir", str(out),
+                                  "--resume", "latest", "--result", str(tmp_path / "resumed.json")],
+             tmp_path / "resumed.log")
+    assert f"not resuming from {torn}" in (tmp_path / "resumed.log").read_text()
+    assert_losses_continue(read(tmp_path / "resumed.json"), baseline)
+
+
 def test_resume_at_another_tp_without_the_extension_fails_upstream_and_inspect_says_what_to_do(trainer_runs,
                                                                                                tmp_path):
     """Without the deepspeed_ext section DeepSpeed is on its own: its loader fails at another TP degree. Our
@@ -163,7 +194,7 @@ def _documented_script(name: str) -> str:
     return script
 
 
-@pytest.mark.parametrize("name, resume_arg", [("train_trainer.py", "out/checkpoint-3"),
+@pytest.mark.parametrize("name, resume_arg", [("train_trainer.py", "out-tp2/checkpoint-3"),
                                               ("train_accelerate.py", "state")])
 def test_the_documented_scripts_save_at_tp2_and_resume_at_tp1(name, resume_arg, tmp_path):
     script = tmp_path / name
@@ -177,7 +208,8 @@ def test_the_documented_scripts_save_at_tp2_and_resume_at_tp1(name, resume_arg, 
     run(2)
     resumed = run(1, resume_arg)
     if name == "train_trainer.py":
-        assert json.loads((tmp_path / "out" / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
-        assert (tmp_path / "out" / "checkpoint-3" / "global_step3" / "deepspeed_ext.json").is_file()
+        assert json.loads((tmp_path / "out-tp1" / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] \
+            == 6
+        assert (tmp_path / "out-tp2" / "checkpoint-3" / "global_step3" / "deepspeed_ext.commit.json").is_file()
     else:
         assert "step 4 loss" in resumed and "step 1 loss" not in resumed

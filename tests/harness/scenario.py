@@ -141,6 +141,22 @@ KV2_SCENARIOS = {
 }
 
 
+def without_commit_marker(tag_dir: Path) -> Path:
+    """``tag_dir`` (a copy) made as an earlier deepspeed-ext saved it, without a commit marker, so that a test may
+    edit its files and reach the reader's own checks of them (with the marker, any edit is a file that differs
+    from it)."""
+    import json
+
+    from deepspeed_ext.checkpoint import commit
+    (tag_dir / commit.COMMIT_FILE).unlink(missing_ok=True)
+    info_file = tag_dir / commit.UC_INFO_FILE
+    if info_file.is_file():
+        info = json.loads(info_file.read_text())
+        info.pop(commit.UC_INFO_KEY, None)
+        info_file.write_text(json.dumps(info))
+    return tag_dir
+
+
 def without_recorded_order(tag_dir: Path, copy: Path) -> Path:
     """A copy of a stage-0 tag directory whose deepspeed_ext.json lacks the recorded optimizer parameter order,
     as an older deepspeed-ext (or upstream's tags alone) would leave it."""
@@ -149,6 +165,7 @@ def without_recorded_order(tag_dir: Path, copy: Path) -> Path:
 
     from deepspeed_ext.checkpoint.metadata import METADATA_FILE
     shutil.copytree(tag_dir, copy)
+    without_commit_marker(copy)
     info = json.loads((copy / METADATA_FILE).read_text())
     assert info.pop("optimizer_param_names")
     (copy / METADATA_FILE).write_text(json.dumps(info))

@@ -6,6 +6,7 @@ shard lie) is in :mod:`.layouts`; this module merges over TP ranks and reshards,
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import threading
@@ -49,17 +50,14 @@ class DeepSpeedCheckpoint:
         self.tag_dir = resolve_tag_dir(path, tag)
         self.tag = self.tag_dir.name
         self.files = TagFiles.scan(self.tag_dir)
-        model_files = self.files.model_files
-        first = self.rank_model_states(min(model_files))
-        self.tp_degree = int(first.get(keys.MP_WORLD_SIZE) or 1)
+        if 0 not in self.files.model_files:
+            self.files.degrees()  # refuses naming TP rank 0's missing model-states file
+        reference = self.files.model_files[0]
+        first = self.rank_model_states(0)
         dims = first.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
         if int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1) != 1:
-            raise CheckpointError(f"{model_files[min(model_files)]}: pipeline parallelism is not supported")
-        missing = [r for r in range(self.tp_degree) if r not in model_files]
-        if missing:
-            raise CheckpointError(f"{self.tag_dir}: TP degree is {self.tp_degree} but mp_rank files for TP ranks "
-                                  f"{missing} are missing")
-        self.dp_degree = self._dp_degree(first, model_files[min(model_files)])
+            raise CheckpointError(f"{reference}: pipeline parallelism is not supported")
+        self.tp_degree, self.dp_degree = self._degrees(first, reference)
         self._check_model_states_agree(first)
         self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
                                                         self._recorded_optimizer_names)
@@ -71,43 +69,52 @@ class DeepSpeedCheckpoint:
         self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
         self._readers: dict[Path, ranges.FileReader] = {}
 
-    def _dp_degree(self, first: dict[str, Any], reference: Path) -> int:
-        """The DP degree: as the model states record it, checked against the optimizer files present (one per
-        DP rank under ZeRO); without a record, the number of those files."""
-        recorded = first.get(keys.DP_WORLD_SIZE)
-        ranks = sorted({dp for _, dp in self.files.optim_files})
+    @staticmethod
+    def _recorded_degree(states: dict[str, Any], key: str, path: Path) -> int | None:
+        """``mp_world_size`` or ``dp_world_size`` as ``path`` records it; None where it records none."""
+        recorded = states.get(key)
         if recorded is None:
-            if ranks and ranks != list(range(len(ranks))):
-                raise CheckpointError(f"{self.tag_dir}: optimizer files for DP ranks {ranks}: some are missing, and "
-                                      f"{reference.name} records no dp_world_size")
-            return len(ranks) or 1
+            return None
         try:
             degree = int(recorded)
         except (TypeError, ValueError):
-            raise CheckpointError(f"{reference}: dp_world_size is {recorded!r}, not a number") from None
-        if ranks and len(ranks) != degree and max(ranks) >= degree:
-            raise CheckpointError(f"{self.tag_dir}: {reference.name} says DP={degree}, but there are optimizer files "
-                                  f"for {len(ranks)} DP ranks ({ranks[0]}..{ranks[-1]}): files of two checkpoints are "
-                                  "mixed, or the model states are wrong")
+            raise CheckpointError(f"{path}: {key} is {recorded!r}, not a number") from None
+        if degree < 1:
+            raise CheckpointError(f"{path}: {key} is {recorded!r}, not a positive number")
         return degree
 
+    def _degrees(self, first: dict[str, Any], reference: Path) -> tuple[int, int]:
+        """The TP and DP degrees: from the files present (one model-states file per TP rank, one optimizer file
+        per (TP, DP) rank under ZeRO, ZeRO-3's model states per (TP, DP) rank too), checked against what TP rank
+        0's model states record (:meth:`TagFiles.degrees`); a record that is missing is filled from the files.
+        Without per-DP files (ZeRO-0) nothing but ``dp_world_size`` says the DP degree (1 without it)."""
+        recorded_tp = self._recorded_degree(first, keys.MP_WORLD_SIZE, reference)
+        recorded_dp = self._recorded_degree(first, keys.DP_WORLD_SIZE, reference)
+        tp, dp = self.files.degrees(recorded_tp, recorded_dp, reference)
+        return tp, dp if dp is not None else recorded_dp or 1
+
     def _check_model_states_agree(self, first: dict[str, Any]) -> None:
-        """Every TP rank's model states must come from the same save: same step, same TP and DP degrees."""
+        """Every TP rank's model states must come from the same save: same step, same TP and DP degrees (where
+        recorded: as TP rank 0's records them, else as the files present say)."""
         model_files = self.files.model_files
-        reference = model_files[min(model_files)]
-        expected = {key: first.get(key) for key in (keys.GLOBAL_STEPS, keys.MP_WORLD_SIZE, keys.DP_WORLD_SIZE)}
+        reference = model_files[0]
+        expected_step = first.get(keys.GLOBAL_STEPS)
         for tp, path in sorted(model_files.items()):
-            if path == reference:
+            if tp == 0:
                 continue
             states = self.rank_model_states(tp)
-            if states.get(keys.GLOBAL_STEPS) != expected[keys.GLOBAL_STEPS]:
+            if states.get(keys.GLOBAL_STEPS) != expected_step:
                 raise CheckpointError(f"{path}: saved at global step {states.get(keys.GLOBAL_STEPS)}, but "
-                                      f"{reference.name} at step {expected[keys.GLOBAL_STEPS]}: files of two "
-                                      "checkpoints are mixed")
-            for key, what in ((keys.MP_WORLD_SIZE, "TP"), (keys.DP_WORLD_SIZE, "DP")):
-                if states.get(key) != expected[key]:
-                    raise CheckpointError(f"{path}: says {what}={states.get(key)}, but {reference.name} says "
-                                          f"{what}={expected[key]}")
+                                      f"{reference.name} at step {expected_step}: files of two checkpoints are mixed")
+            for key, what, degree in ((keys.MP_WORLD_SIZE, "TP", self.tp_degree),
+                                      (keys.DP_WORLD_SIZE, "DP", self.dp_degree)):
+                says = self._recorded_degree(states, key, path)
+                if says is None or says == degree:
+                    continue
+                if first.get(key) is not None:
+                    raise CheckpointError(f"{path}: says {what}={says}, but {reference.name} says {what}={degree}")
+                raise CheckpointError(f"{path}: says {what}={says}, but the files present say {what}={degree} (and "
+                                      f"{reference.name} records none)")
 
     def _recorded_optimizer_names(self, tp: int) -> list[list[str]] | None:
         """Without ZeRO: the parameter names TP rank ``tp``'s optimizer holds, if deepspeed-ext recorded them."""
@@ -169,15 +176,21 @@ class DeepSpeedCheckpoint:
         return name in self.layouts
 
     def tensors(self) -> Iterator[LogicalTensor]:
-        """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet."""
+        """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet. The files'
+        checksums are checked meanwhile, on a thread (:meth:`raise_if_damaged`)."""
+        if self._content_check is None:
+            from deepspeed_ext.checkpoint.commit import ContentCheck
+            self._content_check = ContentCheck(self.tag_dir)
         module = self.model_states.get(keys.MODULE) or {}
         for name, layout in self.layouts.items():
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
-                return self.step(name) if state == STEP else self.full_tensor(name, state)
+                with self._damage_first():
+                    return self.step(name) if state == STEP else self.full_tensor(name, state)
 
             def range_loader(state: str, low: int, high: int, name: str = name) -> torch.Tensor:
-                return self.full_range(name, state, low, high)
+                with self._damage_first():
+                    return self.full_range(name, state, low, high)
 
             weights = module.get(name)
             yield LogicalTensor(name=name,
@@ -187,6 +200,26 @@ class DeepSpeedCheckpoint:
                                 loader=loader,
                                 dtype=weights.dtype if torch.is_tensor(weights) else torch.float32,
                                 range_loader=range_loader)
+
+    #: The check of every file's checksums, started by the first :meth:`tensors` (a conversion reads it all).
+    _content_check: Any = None
+
+    @contextlib.contextmanager
+    def _damage_first(self) -> Iterator[None]:
+        """A read that fails (shards that do not fit, replicas that differ, a pickle that does not load) is
+        reported as the damaged file behind it, where the checksums find one: that is the cause to fix."""
+        try:
+            yield
+        except CheckpointError as exc:
+            if self._content_check is not None:
+                self._content_check.raise_if_damaged(cause=exc)
+            raise
+
+    def raise_if_damaged(self) -> None:
+        """Raise :class:`CheckpointError` when a file of the tag fails its checksums (the commit marker's, or its
+        zip records' CRC-32s): writers call it before publishing. Nothing to check if nothing was streamed."""
+        if self._content_check is not None:
+            self._content_check.raise_if_damaged()
 
     # ------------------------------------------------------------------ files
     def rank_model_states(self, tp_rank: int) -> dict[str, Any]:

@@ -1,0 +1,89 @@
+"""Making what was written survive a crash or a power loss: fsync of files and directories, pointer files
+replaced whole and durably, and directories swapped atomically.
+
+A file's bytes reach the disk only when it is fsynced; a new name in a directory (a created file, a rename)
+only when the directory is. A save that writes a commit marker must therefore fsync every file it lists, then
+the marker, then the directory holding them, before anything (``latest``) points at them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+__all__ = ["exchange", "fsync_dir", "fsync_file", "fsync_tree", "write_bytes_durably"]
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush ``path``'s data and size to the disk (whoever wrote it: fsync flushes the file, not a descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush ``path``'s entries (names created, renamed or removed in it) to the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a platform without directory descriptors: renames there are as durable as it makes them
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF):  # some file systems cannot sync a directory
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """Every file and directory under ``root`` (and ``root``) flushed to the disk; files already clean cost
+    one system call each."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fsync_file(os.path.join(directory, name))
+        fsync_dir(directory)
+
+
+def write_bytes_durably(path: str | os.PathLike[str], data: bytes) -> None:
+    """``path`` replaced whole by ``data``: written to a temporary name, fsynced, renamed, and the directory
+    fsynced, so after a crash ``path`` holds either its old content or ``data``, never part of it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``): at every instant each name holds one of the two, whole. False where the kernel, the
+    C library or the file system cannot (the caller then renames in two steps)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))

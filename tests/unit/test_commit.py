@@ -1,0 +1,199 @@
+"""Commit markers: what makes a DeepSpeed tag complete, and how every reader finds out (no torchrun here: the tags
+are built with torch.save; tests/e2e/test_save_safety_e2e.py kills real saves)."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspeed_ext.checkpoint import commit, durable, faults
+from deepspeed_ext.checkpoint.formats import detect_all, trainer_checkpoints
+from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.runtime import refuse_incomplete
+
+
+def _tag(directory: Path, tp: int = 2) -> Path:
+    directory.mkdir(parents=True)
+    for rank in range(tp):
+        torch.save({"module": {"w": torch.randn(300_000)}, "mp_world_size": tp},
+                   directory / f"mp_rank_{rank:02d}_model_states.pt")
+    (directory / commit.UC_INFO_FILE).write_text(json.dumps({"format": "deepspeed_ext.uc_info",
+                                                            commit.UC_INFO_KEY: commit.COMMIT_FILE}))
+    return directory
+
+
+def _save(save_dir: Path, tag: str, tp: int = 2, latest: bool = True) -> Path:
+    """A save as the engine hook makes it: built in the staging directory, then committed."""
+    commit.prepare_staging(save_dir, tag)
+    _tag(commit.staging_root(save_dir, tag) / tag, tp)
+    return commit.commit(save_dir, tag, {"tp_degree": tp}, save_latest=latest)
+
+
+def test_a_committed_tag_lists_every_file_with_its_size_and_crc32(tmp_path):
+    tag_dir = _save(tmp_path / "save", "global_step3")
+    marker = json.loads((tag_dir / commit.COMMIT_FILE).read_text())
+    assert sorted(marker["files"]) == sorted(p.name for p in tag_dir.iterdir() if p.name != commit.COMMIT_FILE)
+    for name, entry in marker["files"].items():
+        data = (tag_dir / name).read_bytes()
+        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+    assert (tmp_path / "save" / "latest").read_text() == "global_step3"
+    assert not commit.unfinished_saves(tmp_path / "save")
+    status = commit.require_complete(tag_dir)
+    assert status.state is commit.TagState.COMMITTED and status.complete
+    checked, problems = commit.check_contents(tag_dir)
+    assert not problems and "against the commit marker" in checked
+
+
+def test_every_damage_to_a_committed_tag_is_named(tmp_path):
+    tag_dir = _save(tmp_path / "save", "global_step3")
+    rank1 = tag_dir / "mp_rank_01_model_states.pt"
+    # bytes changed in place (same size): only the checksums see it
+    with open(rank1, "r+b") as handle:
+        handle.seek(rank1.stat().st_size // 2)
+        handle.write(b"\0" * 4096)
+    _, problems = commit.check_contents(tag_dir)
+    assert problems and all(str(rank1) in problem for problem in problems), problems
+    commit.require_complete(tag_dir)  # names and sizes agree: a cheap open does not read the bytes
+    # a file cut short, a file missing, a file of another save beside them
+    with open(rank1, "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(CheckpointError, match="mp_rank_01_model_states.pt: 100 bytes, deepspeed_ext.commit.json says"):
+        commit.require_complete(tag_dir)
+    rank1.unlink()
+    with pytest.raises(CheckpointError, match="mp_rank_01_model_states.pt: missing"):
+        commit.require_complete(tag_dir)
+    torch.save({}, rank1)
+    (tag_dir / "mp_rank_02_model_states.pt").write_bytes(b"x")
+    problems = commit.tag_status(tag_dir).problems
+    assert any("mp_rank_02_model_states.pt: not part of the committed save" in p for p in problems), problems
+
+
+def test_an_unfinished_save_is_refused_naming_the_newest_complete_tag(tmp_path):
+    save_dir = tmp_path / "save"
+    _save(save_dir, "global_step3")
+    commit.prepare_staging(save_dir, "global_step5")
+    staged = _tag(commit.staging_root(save_dir, "global_step5") / "global_step5")
+    hint = "the newest complete tag is global_step3"
+    for tag_dir in (staged, staged.parent):
+        with pytest.raises(CheckpointError, match=f"unfinished save.*{hint}"):
+            commit.require_complete(tag_dir)
+        with pytest.raises(CheckpointError, match="unfinished save"):
+            detect_all(tag_dir)
+    with pytest.raises(CheckpointError, match=f"the save of global_step5 did not finish.*{hint}"):
+        refuse_incomplete(save_dir, "global_step5")
+    refuse_incomplete(save_dir)  # latest: global_step3
+    refuse_incomplete(save_dir, "global_step3")
+    assert detect_all(save_dir) == ["deepspeed"]
+    # the tag moved out of its staging directory by hand, without its marker: deepspeed_ext.json says one is due
+    os.replace(staged, save_dir / "global_step5")
+    with pytest.raises(CheckpointError, match="the save of this tag did not finish"):
+        refuse_incomplete(save_dir, "global_step5")
+
+
+def test_a_save_directory_whose_only_save_never_finished(tmp_path):
+    save_dir = tmp_path / "save"
+    commit.prepare_staging(save_dir, "global_step3")
+    _tag(commit.staging_root(save_dir, "global_step3") / "global_step3")
+    for call in (lambda: detect_all(save_dir), lambda: refuse_incomplete(save_dir)):
+        with pytest.raises(CheckpointError, match="the save of global_step3 did not finish"):
+            call()
+
+
+def test_a_resave_of_a_tag_replaces_it_whole_and_clears_a_killed_save(tmp_path):
+    save_dir = tmp_path / "save"
+    _save(save_dir, "global_step3", tp=2)
+    commit.prepare_staging(save_dir, "global_step3")  # a killed save of the same tag: the old one stays
+    (commit.staging_root(save_dir, "global_step3") / "junk").write_text("x")
+    assert commit.require_complete(save_dir / "global_step3").complete
+    tag_dir = _save(save_dir, "global_step3", tp=1)
+    assert sorted(p.name for p in tag_dir.iterdir()) == [commit.COMMIT_FILE, commit.UC_INFO_FILE,
+                                                          "mp_rank_00_model_states.pt"]
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step3", "latest"]
+
+
+def test_exchange_swaps_two_directories(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "from_a").write_text("")
+    if not durable.exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) here")
+    assert (tmp_path / "b" / "from_a").exists() and not (tmp_path / "a" / "from_a").exists()
+
+
+class _Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("point", ["before-marker", "before-publish", "before-latest", "before-cleanup"])
+def test_the_commit_stopped_at_each_point_leaves_a_committed_tag_under_latest(tmp_path, monkeypatch, point):
+    """The commit stopped dead at ``point`` (as SIGKILL would stop it: tests/e2e/test_save_safety_e2e.py kills real
+    saves) while re-saving an existing tag, the hardest case: ``latest`` names a committed tag, and the tag under
+    its name is complete, the old one or the new one."""
+    save_dir = tmp_path / "save"
+    _save(save_dir, "global_step3", tp=2)
+
+    def reached(name: str) -> None:
+        if name == point:
+            raise _Killed
+
+    monkeypatch.setattr(faults, "reached", reached)
+    with pytest.raises(_Killed):
+        _save(save_dir, "global_step3", tp=1)
+    assert (save_dir / "latest").read_text() == "global_step3"
+    status = commit.require_complete(save_dir / "global_step3")
+    tp1 = not (save_dir / "global_step3" / "mp_rank_01_model_states.pt").exists()
+    assert status.complete and tp1 == (point in ("before-latest", "before-cleanup")), point
+    assert not commit.check_contents(save_dir / "global_step3")[1]
+
+
+def _trainer_checkpoint(output_dir: Path, step: int, complete: bool) -> Path:
+    folder = output_dir / f"checkpoint-{step}"
+    tag = f"global_step{step}"
+    if complete:
+        _save(folder, tag)
+        (folder / "trainer_state.json").write_text("{}")
+    else:
+        commit.prepare_staging(folder, tag)
+        _tag(commit.staging_root(folder, tag) / tag)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_the_newest_complete_trainer_checkpoint_is_chosen_and_the_torn_one_named(tmp_path):
+    out = tmp_path / "out"
+    three = _trainer_checkpoint(out, 3, complete=True)
+    five = _trainer_checkpoint(out, 5, complete=False)
+    chosen, skipped = trainer_checkpoints(out)
+    assert chosen == three and [folder for folder, _ in skipped] == [five]
+    assert "did not finish" in skipped[0][1]
+    with pytest.raises(CheckpointError, match=f"did not finish.*newest complete checkpoint is {three}"):
+        detect_all(five)
+    # the Trainer died after the DeepSpeed save, before trainer_state.json, which it writes last
+    one = _trainer_checkpoint(out, 1, complete=True)
+    (three / "trainer_state.json").unlink()
+    chosen, skipped = trainer_checkpoints(out)
+    assert chosen == one and [folder for folder, _ in skipped] == [five, three]
+    assert "no trainer_state.json" in skipped[1][1]
+
+
+def test_the_trainers_resume_choice_skips_a_torn_checkpoint_under_enable(tmp_path):
+    pytest.importorskip("transformers")
+    import transformers.trainer_utils as trainer_utils
+
+    from deepspeed_ext import runtime
+    out = tmp_path / "out"
+    three = _trainer_checkpoint(out, 3, complete=True)
+    _trainer_checkpoint(out, 5, complete=False)
+    own = trainer_utils.get_last_checkpoint
+    assert own(str(out)).endswith("checkpoint-5")  # transformers alone: the highest N, torn or not
+    runtime._trainer_resume_choice(install=True)
+    try:
+        assert trainer_utils.get_last_checkpoint(str(out)) == str(three)
+    finally:
+        runtime._trainer_resume_choice(install=False)
+    assert trainer_utils.get_last_checkpoint is own
