@@ -204,18 +204,15 @@ def _probe() -> str | None:
     torch.save's file byte for byte; None where it is. A few ms (no fsync)."""
     obj = {"deferred": torch.arange(_PROBE_DEFERRED_BYTES // 4, dtype=torch.float32), "small": torch.arange(3),
            "empty": torch.zeros(0), "text": "probe"}
-    with tempfile.TemporaryDirectory(prefix="deepspeed_ext-probe-") as scratch:
-        reference, ours = os.path.join(scratch, "torch", "probe.pt"), os.path.join(scratch, "zipsave", "probe.pt")
-        os.mkdir(os.path.dirname(reference))
-        os.mkdir(os.path.dirname(ours))
-        torch.save(obj, reference)
-        with _staged(ours, sync=False) as staged:
-            deferred = _write(obj, staged, None, _PROBE_DEFERRED_BYTES)
-        if deferred != 1:
-            return f"the probe save wrote {deferred} storages itself, not 1"
-        if _read(ours) != _read(reference):
-            return "the probe save's file is not torch.save's byte for byte"
-    return None
+    deferred = []
+
+    def write(staged: _Staged) -> None:
+        deferred.append(_write(obj, staged, None, _PROBE_DEFERRED_BYTES))
+
+    same = _same_as_torch_save(obj, write)
+    if deferred != [1]:
+        return f"the probe save wrote {deferred} storages itself, not 1"
+    return None if same else "the probe save's file is not torch.save's byte for byte"
 
 
 @functools.cache
@@ -224,18 +221,23 @@ def _aliases_work() -> bool:
     (the archive named after the symlink); where not, a fallback is written in a hidden directory beside it."""
     obj = {"x": torch.arange(3)}
     try:
-        with tempfile.TemporaryDirectory(prefix="deepspeed_ext-probe-") as scratch:
-            reference, ours = os.path.join(scratch, "torch", "probe.pt"), os.path.join(scratch, "alias", "probe.pt")
-            os.mkdir(os.path.dirname(reference))
-            os.mkdir(os.path.dirname(ours))
-            torch.save(obj, reference)
-            with _staged(ours, sync=False) as staged:
-                torch.save(obj, staged.alias)
-            return _read(ours) == _read(reference)
+        return _same_as_torch_save(obj, lambda staged: torch.save(obj, staged.alias))
     except Exception as exc:
         logger.debug("torch.save through a symlink failed (%s: %s): fallbacks are written in a hidden directory",
                      type(exc).__name__, first_line(exc))
         return False
+
+
+def _same_as_torch_save(obj: Any, write: Callable[[_Staged], None]) -> bool:
+    """Whether ``write`` (given a staged ``probe.pt``) leaves torch.save(obj)'s bytes under that name."""
+    with tempfile.TemporaryDirectory(prefix="deepspeed_ext-probe-") as scratch:
+        reference, ours = os.path.join(scratch, "torch", "probe.pt"), os.path.join(scratch, "staged", "probe.pt")
+        os.mkdir(os.path.dirname(reference))
+        os.mkdir(os.path.dirname(ours))
+        torch.save(obj, reference)
+        with _staged(ours, sync=False) as staged:
+            write(staged)
+        return _read(ours) == _read(reference)
 
 
 def _read(path: str) -> bytes:

@@ -488,6 +488,15 @@ class DeepSpeedCheckpoint:
         return step
 
     # ------------------------------------------------------------------ summary
+    def _commit_summary(self) -> str:
+        """Whether the save of this tag is known to have finished (an unfinished one was refused at opening)."""
+        from deepspeed_ext.checkpoint import commit
+        marker = commit.read_marker(self.tag_dir)
+        if marker is None:
+            return "no commit marker (not saved by deepspeed-ext): verify checks its zip records' CRC-32s"
+        return (f"committed ({commit.COMMIT_FILE}: {len(marker.files)} files, "
+                f"{marker.details.get('committed_at', 'time not recorded')})")
+
     def summary(self) -> dict[str, Any]:
         first = self.model_states
         module = first.get(keys.MODULE) or {}
@@ -505,6 +514,7 @@ class DeepSpeedCheckpoint:
             "global_steps": first.get(keys.GLOBAL_STEPS),
             "deepspeed_version": str(first.get(keys.DS_VERSION)),
             "metadata": self.metadata_source,
+            "commit": self._commit_summary(),
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
             # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
             "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
