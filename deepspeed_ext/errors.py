@@ -11,6 +11,15 @@ class CheckpointError(DeepSpeedExtError):
     """A checkpoint on disk is missing, malformed or inconsistent."""
 
 
+class DamagedFilesError(CheckpointError):
+    """Files of a checkpoint fail their checksums (a commit marker's, or their zip records' CRC-32s): damaged, or
+    never completely written. ``problems``: one line per damaged file or record, naming it."""
+
+    def __init__(self, message: str, problems: list[str]):
+        super().__init__(message)
+        self.problems = problems
+
+
 class MissingConfigError(CheckpointError):
     """A checkpoint that needs a model config (HF weights, a MaxText checkpoint) has none: pass --config."""
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from deepspeed_ext.checkpoint import durable, faults
 from deepspeed_ext.checkpoint.deepspeed import keys
-from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.errors import CheckpointError, DamagedFilesError
 
 COMMIT_FILE = "deepspeed_ext.commit.json"
 COMMIT_FORMAT = "deepspeed_ext.commit"
@@ -294,18 +294,22 @@ class ContentCheck:
         except BaseException as exc:  # handed to the caller's thread
             self._error = exc
 
-    def raise_if_damaged(self, cause: BaseException | None = None) -> None:
-        """Wait for the check; raise :class:`CheckpointError` (one line) when a file failed it (``cause``: the
-        error reading it led to, chained to this one)."""
+    def result(self) -> tuple[str, list[str]]:
+        """Wait for the check: :func:`check_contents`'s (what was checked, the problems)."""
         self._thread.join()
         if self._error is not None:
             raise self._error
         assert self._result is not None
-        problems = self._result[1]
+        return self._result
+
+    def raise_if_damaged(self, cause: BaseException | None = None) -> None:
+        """Wait for the check; raise :class:`DamagedFilesError` (one line) when a file failed it (``cause``: the
+        error reading it led to, chained to this one)."""
+        problems = self.result()[1]
         if problems:
             more = f" (and {len(problems) - 1} more problem(s): deepspeed-ext verify lists them)" \
                 if len(problems) > 1 else ""
-            raise CheckpointError(f"{problems[0]}{more}; nothing was written") from cause
+            raise DamagedFilesError(f"{problems[0]}{more}; nothing was written", problems) from cause
 
 
 def _is_zip(path: Path) -> bool:

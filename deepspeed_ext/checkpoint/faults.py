@@ -1,8 +1,9 @@
 """Fault injection for the save path's tests: a process killed at a named point, deterministically.
 
-``DEEPSPEED_EXT_FAULT=POINT[@TAG][:RANK]`` makes the process SIGKILL itself (as ``kill -9`` or the OOM killer
-would) the first time it reaches ``POINT`` while saving ``TAG`` (any tag when left out), on rank ``RANK`` (every
-rank when left out). The points, in the order a save reaches them:
+``DEEPSPEED_EXT_FAULT=POINT[@TAG][:RANK][=error]`` makes the process SIGKILL itself (as ``kill -9`` or the OOM
+killer would) the first time it reaches ``POINT`` while saving ``TAG`` (any tag when left out), on rank ``RANK``
+(every rank when left out); with ``=error`` it raises an ``OSError`` (EIO) there instead, as a failing disk would
+(one rank's write failing while the others' succeed). The points, in the order a save reaches them:
 
 * ``mid-file``: inside a checkpoint file, after its first block of tensor data is written;
 * ``files-written``: this rank's files are written, before the ranks agree that every rank's were;
@@ -16,6 +17,7 @@ Unset, :func:`reached` is one dictionary look-up.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -27,15 +29,19 @@ current_tag: str | None = None
 
 
 def reached(point: str) -> None:
-    """SIGKILL this process if ``DEEPSPEED_EXT_FAULT`` names ``point`` (for the tag being saved, on this rank)."""
+    """SIGKILL this process (or raise ``OSError``) if ``DEEPSPEED_EXT_FAULT`` names ``point`` (for the tag being
+    saved, on this rank)."""
     spec = os.environ.get(ENV)
     if not spec:
         return
     assert point in POINTS, point
+    spec, _, action = spec.partition("=")
     where, _, rank = spec.partition(":")
     name, _, tag = where.partition("@")
     if name != point or (tag and tag != current_tag):
         return
     if rank and rank != os.environ.get("RANK", "0"):
         return
+    if action == "error":
+        raise OSError(errno.EIO, f"injected I/O error at {point} ({ENV})")
     os.kill(os.getpid(), signal.SIGKILL)

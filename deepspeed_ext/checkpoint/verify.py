@@ -16,7 +16,7 @@ from pathlib import Path
 
 from deepspeed_ext.checkpoint.formats import (DEEPSPEED, HUGGINGFACE, MAXTEXT, checkpoint_path, detect, maxtext_items,
                                               open_checkpoint)
-from deepspeed_ext.errors import CheckpointError, MissingConfigError
+from deepspeed_ext.errors import CheckpointError, DamagedFilesError, MissingConfigError
 
 
 @dataclass
@@ -87,8 +87,9 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         # DeepSpeed writes no manifest: a tag deepspeed-ext saved has its commit marker (every file's size and
         # CRC-32); any other has the CRC-32 of each zip record. Every file must also load with the allow-list;
         # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
-        from deepspeed_ext.checkpoint.commit import check_contents
-        checked, problems = check_contents(root)
+        from deepspeed_ext.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
+        assert isinstance(source, DeepSpeedCheckpoint)
+        checked, problems = source.contents_checked()
         report.problems += problems
         files = sorted(root.glob("*.pt"))
         for file in files:
@@ -110,12 +111,18 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
             tensor = next(tensors)
         except StopIteration:
             break
+        except DamagedFilesError as exc:  # already listed, file by file
+            report.problems += exc.problems
+            break
         except CheckpointError as exc:
             report.problems.append(f"{exc} (tensor checks stopped here)")
             break
         for state in (s for s in tensor.states if s != STEP):
             try:
                 value = finite.check(tensor.name, state, tensor.load_tensor(state))
+            except DamagedFilesError as exc:  # what the read failed on is a damaged file, already listed
+                report.problems += exc.problems
+                continue
             except CheckpointError as exc:  # an unreadable file: report it with the others
                 report.problems.append(str(exc))
                 continue
@@ -133,4 +140,5 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         mismatch = parameter_mismatch(hf_config(source.info.model_config, None, str(root)), shapes)
         if mismatch:
             report.problems.append(f"{root}: {mismatch}")
+    report.problems = list(dict.fromkeys(report.problems))  # one line per problem, however often it was met
     return report

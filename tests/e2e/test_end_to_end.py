@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,6 +250,53 @@ def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
             in proc.stderr)
     assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
     cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "unchecked.log")
+
+
+def _zero_inside_largest_record(path, length: int = 64 * 1024) -> str:
+    """Zero ``length`` bytes in the middle of the data of ``path``'s largest zip record (as a write that never
+    arrived leaves a preallocated file: a hole); the record's name."""
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda item: item.file_size)
+    with open(path, "r+b") as handle:
+        handle.seek(info.header_offset + 26)
+        name_length, extra_length = (int.from_bytes(handle.read(2), "little") for _ in range(2))
+        start = info.header_offset + 30 + name_length + extra_length + (info.file_size - length) // 2
+        handle.seek(start)
+        handle.write(bytes(length))
+    return info.filename
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["no-marker", "committed"])
+def test_a_zeroed_range_in_the_fp32_partition_is_refused_by_verify_and_the_converters(tp2, tmp_path, marked):
+    """Issue 28's reproduction: a complete tag copied, 64 KiB zeroed inside TP rank 0's fp32 partition (a range a
+    killed writer never wrote). Without a marker (plain DeepSpeed, or a torn save whose metadata is gone) the zip
+    record's CRC-32 names the file and the record; with the marker, the file differs from it. verify fails and
+    to-universal / to-hf exit 2 in one line, publishing nothing."""
+    save_dir = tmp_path / "holed"
+    shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
+    tag = save_dir / tp2.tag_dir.name
+    config = tmp_path / "config.json"  # to-hf's model config, which a tag without deepspeed_ext.json lacks
+    config.write_text(json.dumps(json.loads((tag / "deepspeed_ext.json").read_text())["model_config"]))
+    if not marked:
+        without_commit_marker(tag)
+        (tag / "deepspeed_ext.json").unlink()  # as in the report: upstream's universal_checkpoint_info remains
+    victim = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    record = _zero_inside_largest_record(victim)
+    before = {p: p.read_bytes() for p in save_dir.rglob("*") if p.is_file()}
+
+    verified = cli(["verify", str(save_dir)], tmp_path / "verify.log", check=False)
+    assert verified.returncode == 1 and "FAILED" in verified.stdout, verified.stdout + verified.stderr
+    assert f"{victim}" in verified.stdout, verified.stdout
+    if not marked:
+        assert record in verified.stdout, verified.stdout
+    for command, out, extra in (("to-universal", tmp_path / "uni", []),
+                                ("to-hf", tmp_path / "hf", ["--config", str(config)])):
+        proc = cli([command, str(save_dir), "-o", str(out), "-q", *extra], tmp_path / f"{command}.log", check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and victim.name in lines[0], (command, proc.stderr)
+        assert not out.exists() and not Path(f"{out}.partial").exists(), command
+    assert {p: p.read_bytes() for p in save_dir.rglob("*") if p.is_file()} == before
 
 
 def _edit_torch_file(path, edit) -> None:

@@ -182,3 +182,25 @@ def test_a_full_disk_mid_save_fails_every_rank_with_one_reason_and_keeps_the_las
     shutil.copytree(save_dir, resumed)
     _resume_at_tp1(resumed, tmp_path)
     assert sorted(read_losses(tmp_path / "resumed.json")) == [4, 5, 6]
+
+
+def test_one_rank_failing_its_write_stops_every_rank_with_its_reason(tmp_path, monkeypatch):
+    """Only rank 1's write of global_step5 fails (an I/O error injected inside its file); rank 0's succeed. Both
+    ranks raise the same line, naming rank 1 and its file, instead of rank 0 committing half a save or waiting for
+    rank 1; nothing of global_step5 is left and latest still names global_step3."""
+    save_dir = tmp_path / "save"
+    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", f"mid-file@{TORN}:1=error")
+    proc = torchrun_train(2, ["--tp", "2", "--steps", "6", "--save-dir", str(save_dir), "--save-at", "3",
+                              "--save-at", "5"], tmp_path / "failed.log", check=False)
+    monkeypatch.delenv("DEEPSPEED_EXT_FAULT")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "SIGKILL" not in output, output[-3000:]
+    reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
+    assert len(reasons) == 1, output[-3000:]
+    (reason, ) = reasons
+    assert f"saving checkpoint '{TORN}'" in reason and "failed on rank 1:" in reason, reason
+    assert "other rank" not in reason and "mp_rank_01" in reason and "injected I/O error" in reason, reason
+    assert output.count(reason) >= 2  # rank 0 said it too
+    assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)
+    assert sorted(p.name for p in save_dir.iterdir()) == ["global_step3", "latest", "zero_to_fp32.py",
+                                                          "zero_to_torch.py"]

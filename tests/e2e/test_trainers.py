@@ -123,15 +123,16 @@ def test_commands_take_the_trainer_output_dir_and_pick_the_newest_checkpoint(tra
         assert torch.equal(param.data, source.full_tensor(name).to(torch.bfloat16)), name
 
 
+@pytest.mark.parametrize("point", ["mid-file", "before-marker"])
 def test_a_trainer_save_killed_mid_way_is_skipped_and_the_run_resumes_from_the_one_before(trainer_runs, tmp_path,
-                                                                                          monkeypatch):
-    """Every rank SIGKILLed while the Trainer saves checkpoint-6 (before its DeepSpeed save is committed): the
-    commands on the output_dir read checkpoint-3 and name checkpoint-6 as unfinished, checkpoint-6 itself is
-    refused in one line, and resume_from_checkpoint=True resumes from checkpoint-3 at TP=1 (transformers alone
-    would take checkpoint-6)."""
+                                                                                          monkeypatch, point):
+    """Every rank SIGKILLed while the Trainer saves checkpoint-6 (inside a file, or with every file written but
+    before its DeepSpeed save is committed): the commands on the output_dir read checkpoint-3 and name
+    checkpoint-6 as unfinished, checkpoint-6 itself is refused in one line, and resume_from_checkpoint=True resumes
+    from checkpoint-3 at TP=1 (transformers alone would take checkpoint-6)."""
     _, baseline = trainer_runs(1)
     out = tmp_path / "out"
-    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", "before-marker@global_step6")
+    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", f"{point}@global_step6")
     proc = torchrun("hf_trainer.py", 2, ["--tp", "2", "--steps", "6", "--save-steps", "3", "--output-dir", str(out),
                                          "--result", str(tmp_path / "killed.json")], tmp_path / "killed.log",
                     check=False)
@@ -143,10 +144,13 @@ def test_a_trainer_save_killed_mid_way_is_skipped_and_the_run_resumes_from_the_o
     inspected = cli(["inspect", str(out), "--json"], tmp_path / "inspect.log")
     assert json.loads(inspected.stdout)["tag"] == "global_step3"
     assert f"skipping {torn}" in inspected.stderr and "did not finish" in inspected.stderr, inspected.stderr
-    refused = cli(["verify", str(torn)], tmp_path / "verify.log", check=False)
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("deepspeed-ext: error:")]
-    assert refused.returncode != 0 and len(errors) == 1, refused.stderr
-    assert "did not finish" in errors[0] and str(out / "checkpoint-3") in errors[0], errors
+    for args in (["verify", str(torn)], ["inspect", str(torn)],
+                 ["to-universal", str(torn), "-o", str(tmp_path / "uni"), "-q"]):
+        refused = cli(args, tmp_path / f"{args[0]}-torn.log", check=False)
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("deepspeed-ext: error:")]
+        assert refused.returncode != 0 and len(errors) == 1, (args, refused.stderr)
+        assert "did not finish" in errors[0] and str(out / "checkpoint-3") in errors[0], errors
+    assert not (tmp_path / "uni").exists()
     torchrun("hf_trainer.py", 1, ["--tp", "1", "--steps", "6", "--save-steps", "100", "--output-dir", str(out),
                                   "--resume", "latest", "--result", str(tmp_path / "resumed.json")],
              tmp_path / "resumed.log")

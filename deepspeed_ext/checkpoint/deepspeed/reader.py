@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from deepspeed_ext.checkpoint.tensor import LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
 from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info, name_patterns, unsharded_weights
 from deepspeed_ext.module_inject.layout import TPLayout
+
+if TYPE_CHECKING:
+    from deepspeed_ext.checkpoint.commit import ContentCheck
 
 HOW_TO_GET_METADATA = ("save it through deepspeed_ext.initialize with "
                        "\"deepspeed_ext\": {\"universal_checkpoint\": {\"enabled\": true}} in the DeepSpeed config, "
@@ -178,9 +181,7 @@ class DeepSpeedCheckpoint:
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet. The files'
         checksums are checked meanwhile, on a thread (:meth:`raise_if_damaged`)."""
-        if self._content_check is None:
-            from deepspeed_ext.checkpoint.commit import ContentCheck
-            self._content_check = ContentCheck(self.tag_dir)
+        self._start_content_check()
         module = self.model_states.get(keys.MODULE) or {}
         for name, layout in self.layouts.items():
 
@@ -202,7 +203,7 @@ class DeepSpeedCheckpoint:
                                 range_loader=range_loader)
 
     #: The check of every file's checksums, started by the first :meth:`tensors` (a conversion reads it all).
-    _content_check: Any = None
+    _content_check: ContentCheck | None = None
 
     @contextlib.contextmanager
     def _damage_first(self) -> Iterator[None]:
@@ -214,6 +215,18 @@ class DeepSpeedCheckpoint:
             if self._content_check is not None:
                 self._content_check.raise_if_damaged(cause=exc)
             raise
+
+    def _start_content_check(self) -> ContentCheck:
+        if self._content_check is None:
+            from deepspeed_ext.checkpoint.commit import ContentCheck
+            self._content_check = ContentCheck(self.tag_dir)
+        return self._content_check
+
+    def contents_checked(self) -> tuple[str, list[str]]:
+        """Every file of the tag against its checksums (:func:`~deepspeed_ext.checkpoint.commit.check_contents`):
+        (what was checked, in words; one line per problem). The same check the conversions run as they read, run
+        once per opened checkpoint."""
+        return self._start_content_check().result()
 
     def raise_if_damaged(self) -> None:
         """Raise :class:`CheckpointError` when a file of the tag fails its checksums (the commit marker's, or its
