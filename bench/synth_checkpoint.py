@@ -363,9 +363,9 @@ class _Skeleton:
     """A torch file written around placeholders, open for ``pwrite`` of their bytes; published by :meth:`close`."""
 
     def __init__(self, obj: Any, path: Path):
-        from deepspeed_ext.checkpoint.serialization import _without_crc32
+        from deepspeed_ext.checkpoint.serialization import zip_crc32
         self.path, self.tmp = path, path.with_name(path.name + ".tmp")
-        with _without_crc32(), torch.serialization.skip_data():
+        with zip_crc32(False), torch.serialization.skip_data():
             torch.save(obj, self.tmp)
         self._offsets = _storage_offsets(self.tmp, obj)
         self.fd = os.open(self.tmp, os.O_RDWR)

@@ -178,7 +178,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with _without_crc32():
+        with zip_crc32(False):
             torch.save(with_real_classes(obj), tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch reports a failed write (disk full, size limit) as RuntimeError
@@ -202,7 +202,7 @@ def save_streamed(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Te
     tmp = path.with_name(path.name + ".tmp")
     nbytes = placeholder.numel() * placeholder.element_size()
     try:
-        with _without_crc32(), torch.serialization.skip_data():
+        with zip_crc32(False), torch.serialization.skip_data():
             torch.save(obj, tmp)
         offset = _storage_offset(tmp, nbytes)
         checksum = google_crc32c.Checksum()
@@ -271,11 +271,11 @@ def _storage_offset(path: Path, nbytes: int) -> int:
 
 
 @contextmanager
-def _without_crc32() -> Iterator[None]:
-    """torch.save without zip CRC-32 on this thread, then the caller's setting back (torch keeps the switch
-    per thread, so writer threads each set their own)."""
+def zip_crc32(enabled: bool) -> Iterator[None]:
+    """torch.save with (or without) zip CRC-32s on this thread, then the caller's setting back (torch keeps the
+    switch per thread, so writer threads each set their own)."""
     previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
+    torch.serialization.set_crc32_options(enabled)
     try:
         yield
     finally:

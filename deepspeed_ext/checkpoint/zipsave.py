@@ -487,8 +487,9 @@ def _records(handle: Any) -> _Records:
 
 
 def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer: Observer | None) -> int:
-    """``storage``'s bytes at ``offset`` of ``fd`` in cached blocks, each shown to ``observer``'s regions and
-    checksummed from the cache; the CRC-32 of the whole."""
+    """``storage``'s bytes at ``offset`` of ``fd`` in cached blocks, each shown to ``observer``'s regions,
+    checksummed from the cache, and its writeback to the disk started (the file is fsynced once complete: the
+    disk then works while the next blocks are copied, instead of after); the CRC-32 of the whole."""
     data = torch.empty(0, dtype=torch.uint8).set_(storage)
     regions = observer.regions(storage.data_ptr(), storage.nbytes()) if observer is not None else ()
     crc, position = 0, 0
@@ -499,6 +500,7 @@ def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer
             block: Any = data[start:min(stop, start + BLOCK_BYTES)].numpy()
             crc = zlib.crc32(block, crc)
             pwrite_all(fd, block, offset + start)
+            durable.start_writeback(fd, offset + start, block.nbytes)
         position = max(position, stop)
 
     for region in regions:
@@ -510,6 +512,7 @@ def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer
             piece_bytes: Any = piece.view(torch.uint8).numpy()
             crc = zlib.crc32(piece_bytes, crc)
             pwrite_all(fd, piece_bytes, offset + position)
+            durable.start_writeback(fd, offset + position, piece_bytes.nbytes)
             region.consume(piece)
             position += piece_bytes.nbytes
     plain(storage.nbytes())

@@ -8,8 +8,6 @@ import struct
 import time
 import zipfile
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,17 +19,6 @@ from deepspeed_ext.checkpoint import serialization, zipcheck
 from deepspeed_ext.checkpoint.zipcheck import (ZipCheckError, check_zip, check_zips, crc32_combine, file_crc32,
                                                zip_file_crc32)
 from deepspeed_ext.errors import CheckpointError
-
-
-@contextmanager
-def _crc32_on() -> Iterator[None]:
-    """torch.save with zip CRC-32 (its default) whatever this thread's setting was."""
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
 
 
 def _objects() -> dict[str, object]:
@@ -53,7 +40,7 @@ def _objects() -> dict[str, object]:
 def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("zips")
     out = {}
-    with _crc32_on():
+    with serialization.zip_crc32(True):  # torch's default, whatever this thread's setting was
         for name, obj in _objects().items():
             torch.save(obj, root / f"{name}.pt")
             out[name] = root / f"{name}.pt"

@@ -86,8 +86,14 @@ class TagFiles:
         grid: dict[tuple[int, int], Path] = {}
         optim: dict[tuple[int, int], Path] = {}
         templates: dict[str, str] = {}  # optimizer-file naming -> the first file named so
-        # Expert-parallel files (expert_*_mp_rank_XX_model_states.pt, expp_rank_*_mp_rank_XX_optim_states.pt) are
-        # not read yet: none match these patterns, and their EP ranks would be counted here beside TP and DP.
+        # Expert-parallel files hold the experts' weights (taken out of the model states) and moments: read without
+        # them, a conversion would drop the experts and still exit 0. They are not read yet, so they are refused.
+        expert = next((name for name in names if keys.EXPERT_MODEL_STATES_RE.match(name)
+                       or keys.EXPERT_OPTIM_STATES_RE.match(name)), None)
+        if expert is not None:
+            raise CheckpointError(f"{tag_dir / expert}: an expert-parallel (MoE) checkpoint file; deepspeed-ext does "
+                                  "not read DeepSpeed's expert checkpoints yet, and reading the tag without them "
+                                  "would drop the experts")
         for name in names:
             if m := keys.MODEL_STATES_RE.match(name):
                 cls._add(plain, int(m.group(1)), tag_dir / name, f"TP rank {int(m.group(1))}")

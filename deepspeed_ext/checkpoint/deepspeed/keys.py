@@ -19,6 +19,10 @@ ZERO3_MODEL_STATES_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_sta
 MODEL_STATES_GLOB = "*mp_rank_*_model_states.pt"
 #: ZeRO-1/2/3 and BF16_Optimizer: one optimizer file per (DP, TP) rank; groups: prefix, dp, tp.
 OPTIM_STATES_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+#: DeepSpeed's expert-parallel (MoE, AutoEP) files: one model-states file per expert and TP rank, and, without ZeRO,
+#: one optimizer file per EP rank.
+EXPERT_MODEL_STATES_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 # --------------------------------------------------------------------------- model states
 MODULE = "module"  # the module state dict (low-precision weights; under ZeRO-3 empty placeholders)
