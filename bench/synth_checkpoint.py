@@ -420,13 +420,16 @@ def fingerprints(plan: Plan, sums: dict[tuple[str, str], list[float]]) -> Finger
 
 
 def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, log: bool = True) -> Path:
-    """Write the checkpoint (both ranks) under ``save_dir/tag``, ``latest`` last. Returns the tag directory."""
+    """Write the checkpoint (both ranks) under ``save_dir/tag`` as deepspeed-ext's save does: built in its staging
+    directory, committed by its marker, moved into place, ``latest`` last. Returns the tag directory."""
     import deepspeed
     import transformers
 
     import deepspeed_ext
-    tag_dir = save_dir / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
+    from deepspeed_ext.checkpoint import commit
+    staging = commit.prepare_staging(save_dir, tag)
+    tag_dir = staging / tag
+    tag_dir.mkdir()
     sums: dict[tuple[str, str], list[float]] = {}
     for rank in range(plan.tp):
         start = time.perf_counter()
@@ -438,16 +441,17 @@ def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, l
                   model_class=transformers.LlamaForCausalLM.__name__,
                   versions={"deepspeed_ext": deepspeed_ext.__version__, "deepspeed": deepspeed.__version__,
                             "torch": torch.__version__},
-                  fingerprints=fingerprints(plan, sums))
+                  fingerprints=fingerprints(plan, sums), commit_marker=True)
     write_uc_info(tag_dir, info)
-    # The engine copies DeepSpeed's recovery scripts beside the tags.
+    # The engine copies DeepSpeed's recovery scripts beside the tags (the commit moves them out of the staging).
     utils = Path(deepspeed.__file__).parent / "utils"
     for script in ("zero_to_fp32.py", "zero_to_torch.py"):
         if (utils / script).is_file():
-            shutil.copyfile(utils / script, save_dir / script)
-            os.chmod(save_dir / script, 0o744)
-    (save_dir / "latest").write_text(tag)
-    return tag_dir
+            shutil.copyfile(utils / script, staging / script)
+            os.chmod(staging / script, 0o744)
+    details = {"global_steps": plan.steps, "world_size": plan.tp, "tp_degree": plan.tp, "zero_stage": 1,
+               "written_by": dict(info.versions)}
+    return commit.commit(save_dir, tag, details, save_latest=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,7 +18,8 @@ from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from harness.runner import cli, run_logged
-from harness.scenario import assert_losses_continue, assert_universal_matches_live, without_recorded_order
+from harness.scenario import (assert_losses_continue, assert_universal_matches_live, without_commit_marker,
+                              without_recorded_order)
 
 
 def _inspect(scenario, tmp_path) -> dict:
@@ -83,6 +84,7 @@ def test_upstream_converter_cannot_read_checkpoints_without_zero(zero0_fp32, tmp
 def test_stage0_checkpoint_saved_without_optimizer_is_refused_by_name(zero0_fp32, tmp_path):
     copy = tmp_path / zero0_fp32.tag_dir.name
     shutil.copytree(zero0_fp32.tag_dir, copy)
+    without_commit_marker(copy)  # the edit below is to reach the reader's own check, not the marker's
     states = dict(serialization.load(copy / "mp_rank_01_model_states.pt"))
     states["optimizer"] = None
     serialization.save(states, copy / "mp_rank_01_model_states.pt")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import assert_refused_everywhere, digest, make_formats, run
+from harness.scenario import without_commit_marker
 
 
 def spawn(*args: str, **kwargs) -> subprocess.Popen:
@@ -103,6 +104,13 @@ def test_verify_checks_what_a_deepspeed_checkpoint_allows(scenarios, tmp_path, c
     damaged = tmp_path / "ckpt"
     shutil.copytree(tp2.tag_dir, damaged)
     optimizer = next(damaged.glob("*mp_rank_01_optim_states.pt"))
+    size = optimizer.stat().st_size
     optimizer.write_bytes(optimizer.read_bytes()[:5000])
+    # Committed by deepspeed-ext: the file is named against its commit marker.
+    code, out, _ = run(capsys, "verify", str(damaged))
+    assert code == 1 and f"{optimizer}: 5000 bytes, deepspeed_ext.commit.json says {size} (cut short" in out, out
+    assert ": FAILED: " in out, out
+    # Without the marker (a checkpoint deepspeed-ext did not save): the file is named as one that does not load.
+    without_commit_marker(damaged)
     code, out, _ = run(capsys, "verify", str(damaged))
     assert code == 1 and f"{optimizer}: cannot read torch file" in out and ": FAILED: " in out, out
