@@ -13,11 +13,7 @@ class CheckpointError(DeepSpeedExtError):
 
 class DamagedFilesError(CheckpointError):
     """Files of a checkpoint fail their checksums (a commit marker's, or their zip records' CRC-32s): damaged, or
-    never completely written. ``problems``: one line per damaged file or record, naming it."""
-
-    def __init__(self, message: str, problems: list[str]):
-        super().__init__(message)
-        self.problems = problems
+    never completely written."""
 
 
 class MissingConfigError(CheckpointError):

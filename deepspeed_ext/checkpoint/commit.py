@@ -309,7 +309,7 @@ class ContentCheck:
         if problems:
             more = f" (and {len(problems) - 1} more problem(s): deepspeed-ext verify lists them)" \
                 if len(problems) > 1 else ""
-            raise DamagedFilesError(f"{problems[0]}{more}; nothing was written", problems) from cause
+            raise DamagedFilesError(f"{problems[0]}{more}; nothing was written") from cause
 
 
 def _is_zip(path: Path) -> bool:

@@ -111,8 +111,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
             tensor = next(tensors)
         except StopIteration:
             break
-        except DamagedFilesError as exc:  # already listed, file by file
-            report.problems += exc.problems
+        except DamagedFilesError:  # a damaged file, listed above from this same check
             break
         except CheckpointError as exc:
             report.problems.append(f"{exc} (tensor checks stopped here)")
@@ -120,8 +119,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         for state in (s for s in tensor.states if s != STEP):
             try:
                 value = finite.check(tensor.name, state, tensor.load_tensor(state))
-            except DamagedFilesError as exc:  # what the read failed on is a damaged file, already listed
-                report.problems += exc.problems
+            except DamagedFilesError:  # what the read failed on is a damaged file, listed above
                 continue
             except CheckpointError as exc:  # an unreadable file: report it with the others
                 report.problems.append(str(exc))
@@ -140,5 +138,4 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         mismatch = parameter_mismatch(hf_config(source.info.model_config, None, str(root)), shapes)
         if mismatch:
             report.problems.append(f"{root}: {mismatch}")
-    report.problems = list(dict.fromkeys(report.problems))  # one line per problem, however often it was met
     return report

@@ -494,13 +494,16 @@ def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer
     regions = observer.regions(storage.data_ptr(), storage.nbytes()) if observer is not None else ()
     crc, position = 0, 0
 
+    def put(block: Any, start: int) -> None:  # one cached block: checksummed, written, its writeback started
+        nonlocal crc
+        crc = zlib.crc32(block, crc)
+        pwrite_all(fd, block, offset + start)
+        durable.start_writeback(fd, offset + start, block.nbytes)
+
     def plain(stop: int) -> None:  # bytes no region covers (padding, another rank's share, ...)
-        nonlocal crc, position
+        nonlocal position
         for start in range(position, stop, BLOCK_BYTES):
-            block: Any = data[start:min(stop, start + BLOCK_BYTES)].numpy()
-            crc = zlib.crc32(block, crc)
-            pwrite_all(fd, block, offset + start)
-            durable.start_writeback(fd, offset + start, block.nbytes)
+            put(data[start:min(stop, start + BLOCK_BYTES)].numpy(), start)
         position = max(position, stop)
 
     for region in regions:
@@ -510,9 +513,7 @@ def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer
         step = max(region.piece_elements, BLOCK_BYTES // size // region.piece_elements * region.piece_elements)
         for piece in torch.split(flat, step):
             piece_bytes: Any = piece.view(torch.uint8).numpy()
-            crc = zlib.crc32(piece_bytes, crc)
-            pwrite_all(fd, piece_bytes, offset + position)
-            durable.start_writeback(fd, offset + position, piece_bytes.nbytes)
+            put(piece_bytes, position)
             region.consume(piece)
             position += piece_bytes.nbytes
     plain(storage.nbytes())
