@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import deepspeed_ext
-    from deepspeed_ext.checkpoint.fingerprint import engine_fingerprints
+    from deepspeed_ext.checkpoint.engine_fingerprints import engine_fingerprints
     from deepspeed_ext.demo.models import batch, ds_config, finish_distributed
     from deepspeed_ext.runtime import check_resume_fingerprints
     from transformers import AutoConfig, AutoModelForCausalLM

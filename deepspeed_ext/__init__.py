@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from deepspeed_ext.version import __version__ as __version__
 
 if TYPE_CHECKING:
     from deepspeed_ext.api import convert, open_checkpoint, verify

@@ -70,7 +70,12 @@ def convert(source: CheckpointSource | str | Path,
         raise ValueError(f"to={to!r}: choose one of {', '.join(sorted(TARGETS))}")
     target = FORMATS[TARGETS[to]]
     if not isinstance(source, CheckpointSource):
-        source = _open_checkpoint(source, tag=tag, config=config, family=family)
+        path = source
+        if options.get("distributed"):  # every rank opens it; one that cannot is heard by all
+            from deepspeed_ext.checkpoint.collective import on_every_rank
+            source = on_every_rank(lambda: _open_checkpoint(path, tag=tag, config=config, family=family))
+        else:
+            source = _open_checkpoint(path, tag=tag, config=config, family=family)
     if family is not None and target.name == "maxtext":
         options["family"] = family
     if output is None and target.name != "universal":

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, HUGGINGFACE, MAXTEXT
+from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL
 from deepspeed_ext.errors import DeepSpeedExtError
 
 
@@ -68,7 +68,6 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
     checkpoint = args.checkpoint or args.input_folder
     if not checkpoint:
         raise ValueError("to-universal needs a checkpoint (CHECKPOINT or --input_folder)")
-    source = _open(checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
     output, options = args.output, {}
     if args.output_folder:
         output, options = args.output_folder, {"tag_directory": True}
@@ -77,13 +76,17 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         if "RANK" not in os.environ:
             raise ValueError("--distributed runs under torchrun (torchrun --nproc_per_node K -m deepspeed_ext "
                              "to-universal --distributed ...)")
-        from deepspeed_ext.checkpoint.universal import RefusedOnEveryRank
+        from deepspeed_ext.checkpoint.collective import RefusedOnEveryRank, on_every_rank
         dist.init_process_group("gloo")
         try:
+            # Every rank opens the checkpoint; one that cannot is heard by all (the same one line everywhere).
+            source = on_every_rank(lambda: _open(checkpoint, args.tag, accept=_TO_UNIVERSAL_READS))
             out = _write(source, output, "universal", args, distributed=True, **options)
         except RefusedOnEveryRank as exc:
-            # torchrun stops the other ranks as soon as one exits with an error: each says why, then all exit.
-            _say_error(str(exc))
+            # torchrun stops the other ranks as soon as one exits with an error: every rank has the same message,
+            # rank 0 says it, then all exit together.
+            if dist.get_rank() == 0:
+                _say_error(str(exc))
             dist.barrier()
             return 2
         finally:
@@ -91,6 +94,7 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
+        source = _open(checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
         out = _write(source, output, "universal", args, **options)
     if not args.quiet:
         info = source.info
@@ -155,7 +159,8 @@ def cmd_from_hf(args: argparse.Namespace) -> int:
 
 def cmd_reshard_orbax(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh, reshard_orbax
-    from deepspeed_ext.checkpoint.formats import MAXTEXT, detect_all, maxtext_items
+    from deepspeed_ext.checkpoint.formats import detect_all
+    from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
     from deepspeed_ext.errors import CheckpointError
     if MAXTEXT not in detect_all(args.source):
         raise CheckpointError(f"{args.source}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
@@ -180,7 +185,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for key, value in summary.items():
         print(f"{key:>18}: {value}")
     # HF and MaxText checkpoints hold full tensors: there is no TP layout to describe (not "replicated").
-    full_tensors = source.info.format in (HUGGINGFACE, MAXTEXT)
+    from deepspeed_ext.checkpoint.formats import FORMATS
+    full_tensors = FORMATS[source.info.format].holds_full_tensors
     width = max((len(n) for n in layouts), default=0)
     print(f"{'parameters':>18}:" + (" full tensors (the format has no tensor-parallel layout)" if full_tensors else ""))
     for name, layout in layouts.items():

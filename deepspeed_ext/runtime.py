@@ -16,17 +16,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import deepspeed_ext
 from deepspeed_ext.checkpoint.metadata import UCInfo, write_uc_info
 from deepspeed_ext.config import ExtConfig, load_ds_config
 from deepspeed_ext.errors import DeepSpeedExtError
-from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, tp_group_info, unsharded_weights
+from deepspeed_ext.version import __version__
+from deepspeed_ext.checkpoint import engine_private
+from deepspeed_ext.checkpoint.engine_private import tp_group_info
+from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
 
 ENGINE_ATTR = "deepspeed_ext_uc_info"
 logger = logging.getLogger("deepspeed_ext")
@@ -117,7 +118,7 @@ def _trainer_resume_choice(install: bool) -> None:
     if install and own is current:
         @functools.wraps(own)
         def get_last_checkpoint(folder: Any) -> Any:
-            from deepspeed_ext.checkpoint.formats import trainer_checkpoints
+            from deepspeed_ext.checkpoint.locate import trainer_checkpoints
             if own(folder) is None:
                 return None
             newest, skipped = trainer_checkpoints(Path(folder))
@@ -157,15 +158,16 @@ def _model_config_dict(module: torch.nn.Module) -> dict[str, Any] | None:
 
 def _versions() -> dict[str, str]:
     import deepspeed
-    return {"deepspeed_ext": deepspeed_ext.__version__, "deepspeed": deepspeed.__version__, "torch": torch.__version__}
+    return {"deepspeed_ext": __version__, "deepspeed": deepspeed.__version__, "torch": torch.__version__}
 
 
 def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None) -> UCInfo:
     """Tag ``engine.module`` and hook the engine's checkpoint methods. Returns the UC info."""
+    engine_private.check_installed_deepspeed()  # a DeepSpeed release we cannot serve fails here, in one line
     tp_size, tp_rank = tp_group_info()
     grain = int(((ds_config or {}).get("tensor_parallel") or {}).get("tp", {}).get("tp_grain_size", 1) or 1)
     layouts = tag_autotp_model(engine.module, tp_size=tp_size, tp_rank=tp_rank, tp_grain_size=grain)
-    if engine.zero_optimization_partition_weights():
+    if engine_private.partitions_weights(engine):
         refuse_empty_shards_under_zero3(layouts)
     info = UCInfo(tp_size=tp_size,
                   layouts=layouts,
@@ -235,8 +237,7 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit
         tag = str(tag)
         call = signature.bind(save_dir, tag, *args, **kwargs)
-        checkpoint_engine = getattr(engine, "checkpoint_engine", None)
-        if checkpoint_engine is not None and checkpoint_engine.is_decoupled():
+        if engine_private.saves_in_background(engine):
             if fingerprints != "off":  # collective: every rank saves
                 info.fingerprints = _save_fingerprints(engine, _local_sums(engine))
             info.commit_marker = False
@@ -258,13 +259,13 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
         plan = sums = None
         if fingerprints != "off":
             if fuse:
-                from deepspeed_ext.checkpoint.fingerprint import SumsPlan
+                from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
                 plan = SumsPlan(engine)
             else:
                 sums = _SumsThread(engine)
         failures: list[str] = []
         try:
-            with _guarded_writes(checkpoint_engine, plan, failures, zipsave_files=fuse):
+            with _guarded_writes(engine, plan, failures, zipsave_files=fuse):
                 result = original(*call.args, **call.kwargs)
         finally:
             if sums is not None:
@@ -300,7 +301,7 @@ def _commit_details(engine: Any) -> dict[str, Any]:
     tp_size, _ = tp_group_info()
     world = _world_size()
     return {"global_steps": int(engine.global_steps), "world_size": world, "tp_degree": tp_size,
-            "zero_stage": int(engine.zero_optimization_stage()), "written_by": _versions()}
+            "zero_stage": engine_private.zero_stage(engine), "written_by": _versions()}
 
 
 def _world_size() -> int:
@@ -343,7 +344,7 @@ def _read_text(path: str) -> str:
 
 def _write_info(engine: Any, info: UCInfo, tag_dir: str, always: bool = False) -> None:
     if always or engine.global_rank == 0:
-        info.optimizer_param_names = _stage0_optimizer_param_names(engine)
+        info.optimizer_param_names = engine_private.stage0_param_names(engine)
         write_uc_info(tag_dir, info)
 
 
@@ -357,14 +358,9 @@ def _can_fuse(engine: Any) -> bool:
     """Whether DeepSpeed's files can be written by :mod:`~deepspeed_ext.checkpoint.zipsave` (the sums read
     from its blocks): its own torch checkpoint engine (the zip format) on a CPU engine. On an accelerator the
     sums run there and torch.save copies each storage to the host anyway."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
     from deepspeed_ext.checkpoint import zipsave
-    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
-    device = getattr(engine, "device", None)
-    return (type(checkpoint_engine) is TorchCheckpointEngine
-            and bool(getattr(checkpoint_engine, "zipfile_serialization", False))
-            and _device_type(device) == "cpu" and zipsave.supported())
+    return (engine_private.writes_torch_zip_files(engine) and _device_type(getattr(engine, "device", None)) == "cpu"
+            and zipsave.supported())
 
 
 def _device_type(device: Any) -> str:
@@ -394,47 +390,36 @@ def _write_failure(path: str, exc: BaseException) -> str:
     return message
 
 
-@contextlib.contextmanager
-def _guarded_writes(checkpoint_engine: Any, plan: Any, failures: list[str], zipsave_files: bool) -> Iterator[None]:
-    """``checkpoint_engine.save`` replaced, for one ``save_checkpoint``, by a save that is durable (fsynced) when
-    it returns and never raises: a failed write (a full disk) is recorded in ``failures``, its file removed, and
-    the rest of this rank's files skipped, so that every rank reaches DeepSpeed's own barrier and the ranks can
-    then agree that the save failed (:func:`_raise_if_any_rank_failed`). With ``zipsave_files`` the files are
-    written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks as
-    they are written; where zipsave cannot (another torch), torch.save writes the file and what ``plan``
+def _guarded_writes(engine: Any, plan: Any, failures: list[str], zipsave_files: bool) -> Any:
+    """The engine's checkpoint writes replaced, for one ``save_checkpoint``, by a save that is durable (fsynced)
+    when it returns and never raises: a failed write (a full disk) is recorded in ``failures``, its file removed,
+    and the rest of this rank's files skipped, so that every rank reaches DeepSpeed's own barrier and the ranks
+    can then agree that the save failed (:func:`_raise_if_any_rank_failed`). With ``zipsave_files`` the files
+    are written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks
+    as they are written; where zipsave cannot (another torch), torch.save writes the file and what ``plan``
     summed from it is forgotten."""
     from deepspeed_ext.checkpoint import durable, zipsave
-    if checkpoint_engine is None:
-        yield
-        return
-    own = checkpoint_engine.save
-    patched_before = "save" in vars(checkpoint_engine)  # someone else's instance attribute: put it back after
 
-    def save(state_dict: Any, path: str) -> None:
-        if failures:
-            return  # this rank's save has failed already: it will not be committed
-        try:
-            if zipsave_files:
-                mark = plan.mark() if plan is not None else None
-                zipsave.save(state_dict, path, plan,
-                             on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None)
-            else:
-                own(state_dict, path)
-                if os.path.isfile(path):
-                    durable.fsync_file(path)
-        except Exception as exc:  # a failed write: reported by every rank after DeepSpeed's barrier
-            failures.append(f"{path}: {_write_failure(path, exc)}")
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+    def make_save(own: Any) -> Any:
+        def save(state_dict: Any, path: str) -> None:
+            if failures:
+                return  # this rank's save has failed already: it will not be committed
+            try:
+                if zipsave_files:
+                    mark = plan.mark() if plan is not None else None
+                    zipsave.save(state_dict, path, plan,
+                                 on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None)
+                else:
+                    own(state_dict, path)
+                    if os.path.isfile(path):
+                        durable.fsync_file(path)
+            except Exception as exc:  # a failed write: reported by every rank after DeepSpeed's barrier
+                failures.append(f"{path}: {_write_failure(path, exc)}")
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return save
 
-    checkpoint_engine.save = save
-    try:
-        yield
-    finally:
-        if patched_before:
-            checkpoint_engine.save = own
-        else:
-            del checkpoint_engine.save  # the class's own method again
+    return engine_private.checkpoint_files_written_by(engine, make_save)
 
 
 class _SumsThread:
@@ -464,27 +449,14 @@ class _SumsThread:
         return self._local
 
 
-def _stage0_optimizer_param_names(engine: Any) -> list[list[str]] | None:
-    """Parameter names per optimizer param group, in the optimizer's order, for engines without ZeRO.
-
-    DeepSpeed's stage-0 optimizer state is keyed by position only; ZeRO states name their parameters.
-    """
-    from deepspeed_ext.checkpoint.deepspeed import zero0
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None or engine.zero_optimization():
-        return None
-    names = {id(param): name for name, param in engine.module.named_parameters()}
-    return [[names[id(param)] for param in group] for group in zero0.live_param_groups(optimizer)]
-
-
 def _local_sums(engine: Any) -> Any:
-    from deepspeed_ext.checkpoint.fingerprint import local_engine_sums
+    from deepspeed_ext.checkpoint.engine_fingerprints import local_engine_sums
     return local_engine_sums(engine)
 
 
 def _save_fingerprints(engine: Any, local: Any) -> Any:
     """The fingerprints from this rank's sums (collective: every rank saves)."""
-    from deepspeed_ext.checkpoint.fingerprint import reduce_engine_sums
+    from deepspeed_ext.checkpoint.engine_fingerprints import reduce_engine_sums
     found, problems = reduce_engine_sums(local)
     if problems and engine.global_rank == 0:
         logger.warning("saving a training state that is not consistent across ranks: %s", "; ".join(problems))
@@ -494,6 +466,7 @@ def _save_fingerprints(engine: Any, local: Any) -> Any:
 def _hook_load(engine: Any, reshard: bool, fingerprints: str) -> None:
     """``load_checkpoint`` through our restore where it reshards (``reshard``), and checked against the
     checkpoint's resume fingerprints afterwards whoever loaded it (unless ``fingerprints`` is "off")."""
+    from deepspeed_ext.checkpoint.collective import on_every_rank
     original = engine.load_checkpoint
     signature = inspect.signature(original)
 
@@ -501,16 +474,23 @@ def _hook_load(engine: Any, reshard: bool, fingerprints: str) -> None:
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = call.arguments
-        refuse_incomplete(options["load_dir"], options.get("tag"))
-        route = _load_route(engine, options["load_dir"], options.get("tag")) if reshard else None
+
+        def checked_route() -> Any:
+            refuse_incomplete(options["load_dir"], options.get("tag"))
+            return _load_route(engine, options["load_dir"], options.get("tag")) if reshard else None
+
+        # Collective: a rank that refuses the checkpoint (or fails in our restore) is heard by every rank, which
+        # all raise the same line, before any goes on to a collective (DeepSpeed's loader, the fingerprint
+        # check, the next training step) and waits there for it. DeepSpeed's own loader is left as it is.
+        route = on_every_rank(checked_route)
         if options.get("custom_load_fn") is not None or route is None:
             return original(*args, **kwargs), options
-        return route(engine,
-                     options["load_dir"],
-                     options.get("tag"),
-                     load_optimizer_states=options.get("load_optimizer_states", True),
-                     load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
-                     load_module_only=options.get("load_module_only", False)), options
+        return on_every_rank(lambda: route(engine,
+                                           options["load_dir"],
+                                           options.get("tag"),
+                                           load_optimizer_states=options.get("load_optimizer_states", True),
+                                           load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
+                                           load_module_only=options.get("load_module_only", False))), options
 
     @functools.wraps(original)
     def load_checkpoint(*args, **kwargs):
@@ -531,7 +511,7 @@ def refuse_incomplete(load_dir: str | os.PathLike[str], tag: Any = None) -> None
     DeepSpeed's own loader would read such a tag as if whole (an explicit ``tag``), or load nothing and go on
     training from scratch (a save directory whose only save never finished)."""
     from deepspeed_ext.checkpoint import commit
-    from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR
+    from deepspeed_ext.checkpoint.locate import LATEST, ZERO_DIR
     from deepspeed_ext.errors import CheckpointError
     path = Path(load_dir)
     if tag is None:
@@ -561,7 +541,8 @@ def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | N
     on a mismatch logged as a warning (``on_mismatch="warn"``), None when nothing could be checked; raises
     :class:`~deepspeed_ext.errors.CheckpointError` naming the parameters and states on a mismatch otherwise.
     """
-    from deepspeed_ext.checkpoint.fingerprint import compare, engine_fingerprints, mismatch_message
+    from deepspeed_ext.checkpoint.engine_fingerprints import engine_fingerprints
+    from deepspeed_ext.checkpoint.fingerprint import compare, mismatch_message
     from deepspeed_ext.checkpoint.metadata import read_uc_info
     from deepspeed_ext.errors import CheckpointError
     if load_path is None:
@@ -614,7 +595,7 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
     from deepspeed_ext.checkpoint import restore, serialization
     from deepspeed_ext.checkpoint.deepspeed import keys
     from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
-    from deepspeed_ext.checkpoint.formats import LATEST, ZERO_DIR, holds_universal
+    from deepspeed_ext.checkpoint.locate import LATEST, ZERO_DIR, holds_universal
     from deepspeed_ext.errors import CheckpointError
     only_universal = not (Path(load_dir) / LATEST).is_file() or engine.load_universal_checkpoint()
     if tag is None and only_universal and holds_universal(Path(load_dir)):

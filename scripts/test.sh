@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-# Two workers; tests that share trained checkpoints stay together (tests/conftest.py).
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup tests "$@"
+# Two workers; tests that share fixtures stay together, the longest groups first (tests/conftest.py); trained
+# checkpoints are trained once per run whichever worker asks (tests/harness/scenario.py).
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder tests "$@"

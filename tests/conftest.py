@@ -12,16 +12,20 @@ import pytest
 E2E_DIR = Path(__file__).parent / "e2e"
 
 #: scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). A file's tests stay on one
-#: worker, so the trained checkpoints its tests share (session and module fixtures) are built once; these files'
-#: tests share little beyond one quick scenario, so each test function is a group of its own.
+#: worker, so what its tests share (module fixtures, a scenario's resumes) is built once; trained scenarios are
+#: trained once per run whichever worker asks (harness.scenario.shared_scenario). These files' tests share little
+#: beyond scenarios, so each test function is a group of its own.
 SPLIT_BY_FUNCTION = {"test_end_to_end.py", "test_optimizer_paths.py"}
 #: These files' tests are grouped by model family (their ``family`` parameter, or a ``family`` mark): a family's
 #: tests share its trained run.
 SPLIT_BY_FAMILY = {"test_model_families.py"}
-#: These files' tests (each a MaxText run of its own) are each a group.
-SPLIT_EACH = {"test_maxtext_model_code.py"}
-#: The longest groups start first, so neither worker is left alone with one at the end.
-LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py"]
+#: These files' tests (each a MaxText run or conversion of its own, sharing no fixture) are each a group: as one
+#: group, tests/unit/test_maxtext.py alone was most of the fast tier's wall time.
+SPLIT_EACH = {"test_maxtext_model_code.py", "test_maxtext.py"}
+#: The longest groups start first, so neither worker is left alone with one at the end (scripts/test.sh passes
+#: --no-loadscope-reorder, else pytest-xdist orders the groups by their number of tests instead); the rest keep
+#: collection order, the many short unit-test groups last, where they fill in.
+LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py", "test_maxtext.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks, and before xdist reads the groups
@@ -38,7 +42,25 @@ def pytest_collection_modifyitems(items):
             family = callspec.params.get("family") if callspec else None
             group += "::" + str(family or (mark.args[0] if mark else ""))
         elif group in SPLIT_EACH:
-            group += "::" + item.name
+            # pytest-xdist reads a group after the node id's last "@" only if no "]" follows it: no brackets here.
+            group += "::" + item.name.replace("[", "(").replace("]", ")")
         item.add_marker(pytest.mark.xdist_group(group))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller, as each worker's collection arrives
+def pytest_xdist_node_collection_finished(node, ids):
+    """Fail at once, not 15 minutes later, where --dist loadgroup groups nothing. pytest-xdist (3.8) sends a test's
+    group to the scheduler as a ``@group`` suffix it writes into the worker's node id; pytest 9.2 keeps node ids
+    where that write no longer lands (pytest-xdist issue #1386), so every test would run wherever, and a file's
+    module fixtures would be built on both workers. requirements-dev.txt pins a pytest where it lands."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [nodeid for nodeid in ids if nodeid.rfind("@") < nodeid.rfind("]")]  # as pytest-xdist reads the group
+    if lost:
+        import xdist
+        raise pytest.UsageError(
+            f"--dist loadgroup groups nothing with pytest {pytest.__version__} and pytest-xdist {xdist.__version__} "
+            f"({len(lost)} of {len(ids)} node ids from {node.gateway.id} carry no @group, e.g. {lost[0]}): install "
+            "requirements-dev.txt's versions (bash scripts/setup.sh), or run without --dist loadgroup")

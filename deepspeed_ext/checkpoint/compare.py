@@ -145,7 +145,9 @@ def compare_sources(a: CheckpointSource, b: CheckpointSource, tolerance: Toleran
 def _held_in(source: CheckpointSource, tensor: LogicalTensor, state: str) -> torch.dtype | None:
     """The precision a source stores a state in when it hands it out wider: MaxText's bf16 weights come back
     as fp32 (undone from its layout in fp32). None: as loaded."""
-    if source.info.format == "maxtext" and state == MASTER_WEIGHTS:
+    from deepspeed_ext.checkpoint.formats import FORMATS
+    fmt = FORMATS.get(source.info.format)
+    if fmt is not None and fmt.widens_weights and state == MASTER_WEIGHTS:
         return tensor.dtype
     return None
 
@@ -234,7 +236,7 @@ def logits_report(a: CheckpointSource, b: CheckpointSource) -> dict[str, Any]:
 def _logits(source: CheckpointSource) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from deepspeed_ext.checkpoint.hf import hf_config
+    from deepspeed_ext.checkpoint.model_config import hf_config
     from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, required_model_config
     from deepspeed_ext.errors import CheckpointError
     config = hf_config(required_model_config(source.info), torch.float32, str(source.info.given))

@@ -75,21 +75,30 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
         fsync_dir(directory)
 
 
-def write_bytes_durably(path: str | os.PathLike[str], data: bytes) -> None:
-    """``path`` replaced whole by ``data``: written to a temporary name, fsynced, renamed, and the directory
-    fsynced, so after a crash ``path`` holds either its old content or ``data``, never part of it."""
+def replace_file(path: str | os.PathLike[str], data: bytes | str, *, durable: bool = False) -> None:
+    """``path`` replaced whole by ``data`` (text is written as UTF-8): written under a temporary name beside it
+    and renamed, so a reader sees the old content or the new, never part of it. ``durable``: the file and its
+    directory are fsynced too, so the same holds after a crash or a power loss (pointer files, markers); the
+    files of an output that is published whole later need not be (its publication syncs the tree)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+            handle.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_bytes_durably(path: str | os.PathLike[str], data: bytes) -> None:
+    """``path`` replaced whole by ``data``, durably (:func:`replace_file`)."""
+    replace_file(path, data, durable=True)
 
 
 _RENAME_EXCHANGE = 2

@@ -16,93 +16,19 @@ Detection looks at names only (no file is opened), so it is cheap and imports no
 from __future__ import annotations
 
 import importlib
-import json
-import logging
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.locate import (DEEPSPEED, HUGGINGFACE, LATEST, MAXTEXT, ORBAX_METADATA,
+                                             TRAINER_CHECKPOINT_RE, UNIVERSAL, ZERO_DIR, has_deepspeed_files,
+                                             is_deepspeed, is_huggingface, is_maxtext, is_universal, maxtext_root,
+                                             newest_trainer_checkpoint, read_config, trainer_checkpoints)
+from deepspeed_ext.checkpoint.manifest import FilesChecked, manifest_files_checked
 from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions
 from deepspeed_ext.errors import CheckpointError
-
-DEEPSPEED, UNIVERSAL, HUGGINGFACE, MAXTEXT = "deepspeed", "universal", "huggingface", "maxtext"
-logger = logging.getLogger("deepspeed_ext")
-
-# DeepSpeed's file names (its on-disk names all live in deepspeed/keys.py, which imports nothing heavy).
-LATEST, LATEST_UNIVERSAL, ZERO_DIR = keys.LATEST, keys.LATEST_UNIVERSAL, keys.ZERO_DIR
-ORBAX_METADATA = "_METADATA"
-ORBAX_ITEM = "items"
-
-#: What converting a universal checkpoint into the universal form is told instead.
-ALREADY_UNIVERSAL = ("already a universal checkpoint: resume from it with \"checkpoint\": {\"load_universal\": "
-                     "true}, or convert it with to-hf / to-maxtext")
-
-
-def maxtext_items(path: Path) -> Path | None:
-    """The Orbax item directory that ``path`` (item, step or root directory) designates, else None."""
-    if (path / ORBAX_METADATA).is_file():
-        return path
-    if (path / ORBAX_ITEM / ORBAX_METADATA).is_file():
-        return path / ORBAX_ITEM
-    steps = [p for p in path.iterdir() if p.name.isdigit() and (p / ORBAX_ITEM / ORBAX_METADATA).is_file()]
-    return max(steps, key=lambda p: int(p.name)) / ORBAX_ITEM if steps else None
-
-
-#: A Hugging Face Trainer saves each checkpoint as ``<output_dir>/checkpoint-<global step>``.
-TRAINER_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-def newest_trainer_checkpoint(path: Path) -> Path | None:
-    """The newest complete ``checkpoint-N`` in a Hugging Face Trainer ``output_dir`` (the highest N whose save
-    finished), or None; each newer one whose save did not finish is skipped with a warning naming it."""
-    chosen, skipped = trainer_checkpoints(path)
-    for folder, reason in skipped:
-        logger.warning("%s", f"skipping {folder}: {reason}")
-    return chosen
-
-
-def trainer_checkpoints(path: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """(the newest complete ``checkpoint-N`` of a Trainer ``output_dir`` or None, the newer incomplete ones with
-    why). The Trainer's own choice (``get_last_checkpoint``) takes the highest N, complete or not."""
-    found = sorted(((int(m.group(1)), child) for child in path.iterdir()
-                    if child.is_dir() and (m := TRAINER_CHECKPOINT_RE.match(child.name))), reverse=True)
-    # The Trainer writes trainer_state.json last: where any checkpoint-N has one, one without it is unfinished.
-    trainer = any((child / TRAINER_STATE).is_file() for _, child in found)
-    skipped: list[tuple[Path, str]] = []
-    for _, child in found:
-        reason = incomplete_checkpoint_folder(child, trainer)
-        if reason is None:
-            return child, skipped
-        skipped.append((child, reason))
-    return None, skipped
-
-
-def incomplete_checkpoint_folder(folder: Path, trainer: bool = True) -> str | None:
-    """Why the Trainer ``checkpoint-N`` folder's save did not finish, or None when it did."""
-    from deepspeed_ext.checkpoint import commit
-    unfinished = commit.unfinished_saves(folder)
-    if unfinished and not (folder / LATEST).is_file():
-        return f"the DeepSpeed save of {', '.join(sorted(unfinished))} in it did not finish (killed mid-save?)"
-    if trainer and not (folder / TRAINER_STATE).is_file():
-        return f"the Trainer did not finish saving it (no {TRAINER_STATE}, which it writes last)"
-    return None
-
-
-#: What marks a Trainer checkpoint-N folder (beside the DeepSpeed save, config.json and tokenizer files).
-TRAINER_STATE = "trainer_state.json"
-
-
-def trainer_checkpoint_of(path: Path) -> Path | None:
-    """The Trainer ``checkpoint-N`` folder that holds ``path`` (the folder itself, or a DeepSpeed or universal tag
-    directory in it), or None."""
-    for folder in (path, path.parent, path.parent.parent):
-        if (folder / TRAINER_STATE).is_file():
-            return folder
-    return None
 
 
 def checkpoint_path(path: str | Path) -> Path:
@@ -112,34 +38,6 @@ def checkpoint_path(path: str | Path) -> Path:
     if path.is_dir() and not any(fmt.detect(path) for fmt in FORMATS.values()):
         return newest_trainer_checkpoint(path) or path
     return path
-
-
-def _has_deepspeed_files(path: Path) -> bool:
-    return any(path.glob(keys.MODEL_STATES_GLOB)) or (path / LATEST).is_file()
-
-
-def holds_universal(path: Path) -> bool:
-    """A universal directory, or a save directory that names one (it may hold a DeepSpeed tag too)."""
-    return (path / ZERO_DIR).is_dir() or (path / LATEST_UNIVERSAL).is_file()
-
-
-def _is_universal(path: Path) -> bool:
-    # A universal directory holds copies of the model-states files too: zero/ decides. A save directory with
-    # both 'latest' and 'latest_universal' is read as the DeepSpeed checkpoint it is (resuming with
-    # load_universal reads the universal one: deepspeed_ext.runtime).
-    return (path / ZERO_DIR).is_dir() or (holds_universal(path) and not _has_deepspeed_files(path))
-
-
-def _is_deepspeed(path: Path) -> bool:
-    return not (path / ZERO_DIR).is_dir() and _has_deepspeed_files(path)
-
-
-def _is_huggingface(path: Path) -> bool:
-    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
-
-
-def _is_maxtext(path: Path) -> bool:
-    return maxtext_items(path) is not None
 
 
 @dataclass(frozen=True)
@@ -155,6 +53,23 @@ class Format:
     options: str | None = None
     #: The install extra whose libraries reading and writing the format need (deepspeed_ext.extras); None: base.
     extra: str | None = None
+    # Hooks: what commands need to know of a format beyond reading and writing it. A new format sets the ones
+    # that differ from the defaults; verify, compare and inspect never branch on a format's name.
+    #: The format keeps whole tensors (no tensor-parallel layout to describe: ``inspect``).
+    holds_full_tensors: bool = False
+    #: The source hands its weights out wider than it stores them (MaxText's bf16 come back as fp32): ``compare``
+    #: judges a difference at the stored precision.
+    widens_weights: bool = False
+    #: The name of a function in :attr:`module`, ``(source) -> FilesChecked``, that checks the files the
+    #: format's own way (DeepSpeed: its commit marker or zip checksums); None: the manifest deepspeed-ext
+    #: writes with every output, in the directory :attr:`files_root` gives.
+    files_check: str | None = None
+    #: Where an output's manifest is, from ``SourceInfo.path`` (MaxText: the checkpoint's root, above
+    #: ``<step>/items``); None: that path itself.
+    files_root: Callable[[Path], Path] | None = None
+    #: The name of a function in :attr:`module`, ``(source) -> str | None``, saying how the parameters fail to
+    #: fit the model the checkpoint's config describes (Hugging Face: transformers' model), for ``verify``.
+    model_check: str | None = None
 
     def load(self) -> ModuleType:
         if self.extra is not None:
@@ -181,25 +96,35 @@ class Format:
         written: Path = self.load().write(source, out, options)
         return written
 
+    def check_files(self, source: CheckpointSource) -> FilesChecked:
+        """``verify``'s check of the files (checksums, safe loading), whatever the format keeps for it."""
+        if self.files_check is not None:
+            checked: FilesChecked = getattr(self.load(), self.files_check)(source)
+            return checked
+        root = source.info.path if self.files_root is None else self.files_root(source.info.path)
+        return manifest_files_checked(root)
+
+    def check_model(self, source: CheckpointSource) -> str | None:
+        """How ``source``'s parameters fail to fit its model (None: they fit, or the format has no such check)."""
+        if self.model_check is None:
+            return None
+        problem: str | None = getattr(self.load(), self.model_check)(source)
+        return problem
+
 
 #: The most specific first: where a directory holds two (a Hugging Face Trainer checkpoint has the DeepSpeed
 #: save beside the model's safetensors), the first is the default reading.
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format(UNIVERSAL, "universal", _is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions"),
-    Format(DEEPSPEED, "DeepSpeed", _is_deepspeed, "deepspeed_ext.checkpoint.deepspeed"),
-    Format(HUGGINGFACE, "Hugging Face", _is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions", extra="hf"),
-    Format(MAXTEXT, "MaxText (Orbax)", _is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions",
-           extra="maxtext"),
+    Format(UNIVERSAL, "universal", is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions"),
+    Format(DEEPSPEED, "DeepSpeed", is_deepspeed, "deepspeed_ext.checkpoint.deepspeed", files_check="check_files"),
+    Format(HUGGINGFACE, "Hugging Face", is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions", extra="hf",
+           holds_full_tensors=True, model_check="parameter_problem"),
+    Format(MAXTEXT, "MaxText (Orbax)", is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions",
+           extra="maxtext", holds_full_tensors=True, widens_weights=True, files_root=maxtext_root),
 )}
-
-if TYPE_CHECKING:
-    # The modules above are imported by name at run time, which a type checker cannot follow: here every
-    # format's reader is checked against the contract, so one whose source lacks part of CheckpointSource (as
-    # when ``inspect`` called a ``summary`` a reader did not have) is a type error. One entry per format.
-    from deepspeed_ext.checkpoint import deepspeed, hf, maxtext, universal
-    _READERS: dict[str, Callable[[Path, OpenOptions], CheckpointSource]] = {
-        UNIVERSAL: universal.open_source, DEEPSPEED: deepspeed.open_source, HUGGINGFACE: hf.open_source,
-        MAXTEXT: maxtext.open_source}
+# Each module's ``open_source`` is annotated ``-> CheckpointSource`` (or a class mypy checks against it), so a
+# reader missing part of the contract is a type error in its own module; tests/unit/test_types.py checks that
+# every entry's module has the functions its entry names.
 
 #: Output format names users may give (``convert(..., to=...)``), each a registry entry.
 TARGETS = {"universal": UNIVERSAL, "hf": HUGGINGFACE, "huggingface": HUGGINGFACE, "maxtext": MAXTEXT}
@@ -239,7 +164,7 @@ def _unfinished_save(path: Path) -> str | None:
     from deepspeed_ext.checkpoint import commit
     if commit.is_staging(path):
         return commit.refusal(path)
-    if not path.is_dir() or (path / LATEST).is_file() or _has_deepspeed_files(path):
+    if not path.is_dir() or (path / LATEST).is_file() or has_deepspeed_files(path):
         return None
     message = commit.unfinished_save_message(path)
     if message is None:
@@ -254,19 +179,6 @@ def _unfinished_save(path: Path) -> str | None:
 def detect(path: str | Path, tag: str | None = None) -> str:
     """The format at ``path`` (the most specific, where there are several)."""
     return detect_all(path, tag)[0]
-
-
-def read_config(config_path: str | Path) -> dict[str, Any]:
-    """A model config (HF ``config.json``) given with ``--config``."""
-    try:
-        config = json.loads(Path(config_path).read_text())
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"{config_path}: no such file (--config)") from exc
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{config_path}: cannot read a JSON model config: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{config_path}: not a JSON object (an HF config.json)")
-    return config
 
 
 def open_checkpoint(path: str | Path,

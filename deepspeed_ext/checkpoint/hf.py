@@ -21,7 +21,6 @@ read back by ``safetensors.safe_open`` in the tests. Reading uses ``safe_open`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -36,13 +35,15 @@ from typing import Any, TypeVar
 
 import torch
 
-from deepspeed_ext.checkpoint import output, serialization
+from deepspeed_ext.checkpoint import durable, output, serialization
 from deepspeed_ext.checkpoint.fingerprint import FINGERPRINTS_KEY, Fingerprint, Fingerprints
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.families import EXPERT, LAYER, ExpertSplit, hf_expert_splits
 from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
-                                             protected_paths, required_model_config)
-from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor, StreamCheck, record_check
+                                             protected_paths, record_check, required_model_config)
+from deepspeed_ext.checkpoint.model_config import (ConfigFit, output_dtype, safetensors_dtype_code,
+                                                   torch_dtype)
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -60,31 +61,8 @@ SINGLE_FILE = "model.safetensors"
 FILENAME_PATTERN = "model{suffix}.safetensors"
 #: The safetensors ``__metadata__`` entry holding the fingerprints of the weights whose first piece is in the file.
 METADATA_FINGERPRINTS = f"deepspeed_ext.{FINGERPRINTS_KEY}"
-DTYPES = ("source", "bfloat16", "float32")
 #: The parameter a tied output projection shares (all supported families).
 TIED_PAIR = ("lm_head.weight", "model.embed_tokens.weight")
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def output_dtype(choice: str, source_dtype: torch.dtype) -> torch.dtype:
-    """``--dtype``: ``source`` keeps the dtype the source model had; otherwise the named dtype."""
-    if choice == "source":
-        return source_dtype
-    if choice not in _TORCH_DTYPES:
-        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {choice!r}")
-    return _TORCH_DTYPES[choice]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """A dtype from its numpy/torch/safetensors name (``bfloat16``, ``float32``, ``BF16``, ...)."""
-    name = str(name).replace("torch.", "")
-    by_name = {**_TORCH_DTYPES, **{code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}}
-    if name not in by_name:
-        raise CheckpointError(f"unsupported tensor dtype {name!r} (supported: float32, bfloat16, float16)")
-    return by_name[name]
-
 
 # --------------------------------------------------------------------------- model names <-> file names
 @dataclass(frozen=True)
@@ -196,7 +174,7 @@ def _header(entries: list[FileTensor], metadata: Mapping[str, str], reserve: int
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for entry in entries:
-        header[entry.name] = {"dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+        header[entry.name] = {"dtype": safetensors_dtype_code(entry.dtype), "shape": list(entry.shape),
                               "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -221,117 +199,6 @@ def _fingerprints_room(names: Iterable[str]) -> int:
     for name in names:
         widest.add(name, MASTER_WEIGHTS, Fingerprint(-(10**19), -1.2345678901234567e-308, -1.2345678901234567e-308))
     return len(json.dumps(METADATA_FINGERPRINTS)) + len(json.dumps(_fingerprints_text(widest))) + 2
-
-
-def causal_lm_class(model_type: str) -> str | None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    name: str | None = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    return name
-
-
-def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source: str) -> Any:
-    """The transformers config object of a recorded config dict (validated by transformers itself)."""
-    from transformers import AutoConfig
-    values = dict(model_config)
-    model_type = values.pop("model_type", None)
-    try:
-        config = AutoConfig.for_model(model_type, **values)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"{source}: the model config is not one transformers knows "
-                              f"(model_type {model_type!r}): {exc}") from exc
-    if not config.architectures:
-        architecture = causal_lm_class(model_type)
-        config.architectures = [architecture] if architecture else None
-    if dtype is not None:
-        config.dtype = dtype
-    return config
-
-
-def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
-    """The parameters transformers' model for ``config`` has (built on the meta device: no memory)."""
-    from transformers import AutoModelForCausalLM
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except ValueError:
-        return None  # a model type with no causal-LM class: nothing to check against
-    from deepspeed_ext.checkpoint.tensor import persistent_buffers
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    # Persistent buffers are in the files too (DeepSeek's router bias).
-    expected.update((name, tuple(b.shape)) for name, b in persistent_buffers(model).items())
-    return expected
-
-
-def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str | None:
-    """How parameter names/shapes ``have`` fail to fit transformers' model for ``config``; None if they fit."""
-    expected = _expected_parameters(config)
-    if expected is None or dict(have) == expected:
-        return None
-    missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
-    wrong = sorted(n for n in set(have) & set(expected) if have[n] != expected[n])
-    detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
-              f"{wrong[0]} is {list(have[wrong[0]])}, the config says {list(expected[wrong[0]])}")
-    return f"parameters do not fit {type(config).__name__}'s model ({detail})"
-
-
-def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Refuse parameters that do not fit the model ``config`` describes (``config``: a transformers config or
-    a config dict), naming the first that does not."""
-    if isinstance(config, Mapping):
-        config = hf_config(config, None, source)
-    mismatch = parameter_mismatch(config, have)
-    if mismatch:
-        raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
-
-
-class ConfigFit(StreamCheck):
-    """Whether a checkpoint's parameters fit transformers' model for its config, found on a thread.
-
-    Importing transformers' config and model code and building the model on the meta device takes 2-4 s of a
-    command's start; a writer starts this first and streams tensors meanwhile (torch's kernels and file I/O
-    release the GIL). Each tensor read polls it (:meth:`stream`, :meth:`loader`), so a wrong config still
-    stops the conversion within seconds of its start, and the writer takes :meth:`result` (transformers'
-    config) before it publishes anything.
-    """
-
-    blockwise = True
-
-    def __init__(self, model_config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str,
-                 dtype: torch.dtype | None = None):
-        from concurrent.futures import ThreadPoolExecutor
-        executor = ThreadPoolExecutor(1, thread_name_prefix="deepspeed-ext-config-check")
-        self._future = executor.submit(self._fits, dict(model_config), dict(shapes), source, dtype)
-        executor.shutdown(wait=False)
-
-    @staticmethod
-    def _fits(model_config: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str,
-               dtype: torch.dtype | None) -> Any:
-        config = hf_config(model_config, dtype, source)
-        check_fits_config(config, shapes, source)
-        return config
-
-    def poll(self) -> None:
-        """Raise the check's error if it has found one by now."""
-        if self._future.done():
-            self._future.result()
-
-    def result(self) -> Any:
-        """transformers' config, once the parameters are known to fit it (or the error saying why not)."""
-        return self._future.result()
-
-    @contextlib.contextmanager
-    def first(self) -> Iterator[None]:
-        """A conversion error raised inside waits for this check and gives way to its error: a config that does
-        not fit the parameters is the cause to name, not what went wrong downstream of it."""
-        try:
-            yield
-        except CheckpointError:
-            self.result()
-            raise
-
-    def check(self, name: str, state: str, value: _T) -> _T:
-        self.poll()
-        return value
 
 
 @dataclass(frozen=True)
@@ -404,9 +271,7 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
                 index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
                                       "total_size": split.metadata["total_size"]},
                          "weight_map": dict(sorted(split.tensor_to_filename.items()))}
-                tmp = partial / (INDEX_FILE + ".tmp")
-                tmp.write_text(json.dumps(index, indent=2) + "\n")
-                os.replace(tmp, partial / INDEX_FILE)
+                durable.replace_file(partial / INDEX_FILE, json.dumps(index, indent=2) + "\n")
             ManifestRecorder(partial).write()
     return Path(given)
 
@@ -414,7 +279,7 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
 def companion_files(info: SourceInfo) -> list[Path]:
     """The generation config and tokenizer files of the model folder ``info`` was read from: the HF directory
     itself, or the Trainer ``checkpoint-N`` folder holding a DeepSpeed or universal tag."""
-    from deepspeed_ext.checkpoint.formats import HUGGINGFACE, trainer_checkpoint_of
+    from deepspeed_ext.checkpoint.locate import HUGGINGFACE, trainer_checkpoint_of
     folder = info.path if info.format == HUGGINGFACE else trainer_checkpoint_of(info.path)
     if folder is None:
         return []
@@ -544,6 +409,15 @@ def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:
 
 
 # --------------------------------------------------------------------------- source
+def parameter_problem(source: CheckpointSource) -> str | None:
+    """``verify``'s model check (the format hook): how the parameters fail to fit transformers' model for the
+    checkpoint's config, or None."""
+    from deepspeed_ext.checkpoint.model_config import hf_config, parameter_mismatch
+    assert source.info.model_config is not None
+    shapes = {name: layout.shape for name, layout in source.info.layouts.items()}
+    return parameter_mismatch(hf_config(source.info.model_config, None, str(source.info.path)), shapes)
+
+
 def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
     return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config)

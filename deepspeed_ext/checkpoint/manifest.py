@@ -12,11 +12,12 @@ checks an output against it: a file that is missing, has another size or other b
 from __future__ import annotations
 
 import json
-import os
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepspeed_ext.checkpoint import durable
 from deepspeed_ext.errors import CheckpointError
 
 MANIFEST_FILE = "deepspeed_ext.manifest.json"
@@ -75,9 +76,26 @@ class ManifestRecorder:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    durable.replace_file(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+@dataclass
+class FilesChecked:
+    """What checking a checkpoint's files found (``verify``): the directory reported on, what was checked in
+    words, each problem (one line naming the file), and the files a manifest does not list."""
+
+    root: Path
+    description: str
+    problems: list[str] = field(default_factory=list)
+    unlisted: list[Path] = field(default_factory=list)
+
+
+def manifest_files_checked(root: Path) -> FilesChecked:
+    """``root``'s files against the manifest there; a checkpoint without one is reported as not checked."""
+    if not (root / MANIFEST_FILE).is_file():
+        return FilesChecked(root, "no manifest (not written by deepspeed-ext: file checksums not checked)")
+    count, problems, unlisted = check_manifest(root)
+    return FilesChecked(root, f"{count} files against the manifest", problems, unlisted)
 
 
 def check_manifest(root: Path) -> tuple[int, list[str], list[Path]]:

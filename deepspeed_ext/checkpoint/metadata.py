@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
+from deepspeed_ext.checkpoint import durable
 from deepspeed_ext.checkpoint.commit import COMMIT_FILE, UC_INFO_FILE
 from deepspeed_ext.checkpoint.commit import UC_INFO_KEY as COMMIT_KEY
 from deepspeed_ext.checkpoint.fingerprint import FINGERPRINTS_KEY, Fingerprints
@@ -82,9 +83,7 @@ def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / METADATA_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(info.to_json(), indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    durable.replace_file(path, json.dumps(info.to_json(), indent=1, sort_keys=True))
     return path
 
 

@@ -5,6 +5,10 @@ of its own choosing). MaxText restores fastest when each chunk is exactly one de
 target mesh. Only Orbax's internal write-spec builder takes that shard ("write") shape. This module
 wraps it, plus the numpy handler hooks that write lazy leaves one at a time.
 
+Orbax takes a step's custom metadata before it writes the arrays and has no public API to add to it
+afterwards; what is known only once every array is written (the fingerprints of lazily read tensors) is added
+by rewriting the step's metadata file, whose name and layout are Orbax's own (:func:`add_step_custom_metadata`).
+
 ``check_orbax_internals()`` verifies every internal this module uses. The writer calls it before it
 relies on them, and ``tests/test_maxtext.py::test_orbax_internals_we_rely_on_are_still_there`` runs it
 too, so an Orbax upgrade that moves them fails loudly instead of writing silently different chunks.
@@ -12,23 +16,61 @@ too, so an Orbax upgrade that moves them fails loudly instead of writing silentl
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from deepspeed_ext.checkpoint import durable
 from deepspeed_ext.errors import CheckpointError
 
 TESTED_ORBAX = "0.12.8"
 #: Slab writes a lazy leaf keeps in flight (each holds its block until tensorstore has written it).
 WRITES_IN_FLIGHT = 2
+#: Orbax's step metadata file (``<step>/_CHECKPOINT_METADATA``, JSON) and its entry holding the custom metadata
+#: given to ``CheckpointManager.save``.
+STEP_METADATA = "_CHECKPOINT_METADATA"
+CUSTOM_METADATA = "custom_metadata"
 
 
 def _internals() -> dict[str, Any]:
     from orbax.checkpoint import type_handlers
+    from orbax.checkpoint._src.metadata import checkpoint as step_metadata
+    from orbax.checkpoint._src.metadata import step_metadata_serialization
     from orbax.checkpoint._src.serialization import ocdbt_utils
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-    return {"NumpyHandler": type_handlers.NumpyHandler, "ts_utils": ts_utils, "ocdbt_utils": ocdbt_utils}
+    return {"NumpyHandler": type_handlers.NumpyHandler, "ts_utils": ts_utils, "ocdbt_utils": ocdbt_utils,
+            "step_metadata": step_metadata,
+            "InternalCheckpointMetadata": step_metadata_serialization.InternalCheckpointMetadata}
+
+
+def _write_problems(parts: dict[str, Any]) -> list[str]:
+    """What the shard-aligned writes of lazy leaves need and the installed Orbax lacks."""
+    spec_params = inspect.signature(parts["ts_utils"].build_array_write_spec).parameters
+    handler = parts["NumpyHandler"]
+    problems = [name for name in ("global_shape", "local_shape", "dtype", "use_ocdbt", "process_index",
+                                  "metadata_key") if name not in spec_params]
+    problems += [f"NumpyHandler.{name}" for name in ("_background_serialize", "_open_and_write")
+                 if not inspect.iscoroutinefunction(getattr(handler, name, None))]
+    if not hasattr(parts["ocdbt_utils"], "get_process_index_for_subdir"):
+        problems.append("ocdbt_utils.get_process_index_for_subdir")
+    return problems
+
+
+def _step_metadata_problems(parts: dict[str, Any]) -> list[str]:
+    """Where the installed Orbax's step metadata file is not what :func:`add_step_custom_metadata` rewrites."""
+    problems = []
+    name = getattr(parts["step_metadata"], "_STEP_METADATA_FILENAME", None)
+    if name != STEP_METADATA:
+        problems.append(f"step metadata file {name!r}, not {STEP_METADATA!r}")
+    fields = {field.name for field in dataclasses.fields(parts["InternalCheckpointMetadata"])}
+    if CUSTOM_METADATA not in fields:
+        problems.append(f"no {CUSTOM_METADATA!r} in the step metadata")
+    return problems
 
 
 def check_orbax_internals() -> None:
@@ -37,19 +79,25 @@ def check_orbax_internals() -> None:
     version = getattr(ocp, "__version__", "?")
     try:
         parts = _internals()
-        spec_params = inspect.signature(parts["ts_utils"].build_array_write_spec).parameters
-        handler = parts["NumpyHandler"]
-        problems = [name for name in ("global_shape", "local_shape", "dtype", "use_ocdbt", "process_index",
-                                      "metadata_key") if name not in spec_params]
-        problems += [f"NumpyHandler.{name}" for name in ("_background_serialize", "_open_and_write")
-                     if not inspect.iscoroutinefunction(getattr(handler, name, None))]
-        if not hasattr(parts["ocdbt_utils"], "get_process_index_for_subdir"):
-            problems.append("ocdbt_utils.get_process_index_for_subdir")
-    except (ImportError, AttributeError) as exc:
+        problems = _write_problems(parts) + _step_metadata_problems(parts)
+    except (ImportError, AttributeError, TypeError) as exc:  # TypeError: no longer a dataclass
         problems = [str(exc)]
     if problems:
         raise CheckpointError(f"orbax-checkpoint {version} changed internals deepspeed-ext uses for shard-aligned "
-                              f"writes (tested with {TESTED_ORBAX}): {problems}")
+                              f"writes and step metadata (tested with {TESTED_ORBAX}): {problems}")
+
+
+def add_step_custom_metadata(step_dir: Path, key: str, entries: Mapping[str, Any]) -> None:
+    """Add ``entries`` to ``key``'s entry of the custom metadata Orbax recorded for the step saved in ``step_dir``.
+
+    Runs once the step is written (Orbax has renamed it into place): the step's metadata file is read as JSON,
+    extended, and replaced whole, so a reader sees it without the entries or with them, never part of it.
+    """
+    check_orbax_internals()
+    path = step_dir / STEP_METADATA
+    data = json.loads(path.read_text())
+    data.setdefault(CUSTOM_METADATA, {}).setdefault(key, {}).update(entries)
+    durable.replace_file(path, json.dumps(data))
 
 
 def lazy_leaf_handler() -> Any:

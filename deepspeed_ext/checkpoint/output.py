@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from deepspeed_ext.checkpoint import durable
 from deepspeed_ext.errors import CheckpointError
 
 PARTIAL_SUFFIX = ".partial"
@@ -162,9 +163,7 @@ def _try_lock(directory: Path) -> int | None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    durable.replace_file(path, text)
 
 
 def _publish(partial: Path, out: Path) -> None:

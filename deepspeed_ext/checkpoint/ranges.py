@@ -25,12 +25,15 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from deepspeed_ext.module_inject.layout import TPLayout
 
 PAGE = serialization.PAGE
 #: iovecs per ``preadv`` (the kernel refuses more).
@@ -165,3 +168,13 @@ def readers(pieces: PieceFinder) -> tuple[Callable[[int, int, int], torch.Tensor
         return gather(found).view(count, length)
 
     return read_flat, read_rows
+
+
+def resharded_range(source: TPLayout, target: TPLayout, rank: int, low: int, high: int,
+                    pieces: PieceFinder) -> torch.Tensor:
+    """Elements ``[low, high)`` of rank ``rank``'s shard under ``target`` of a tensor saved under ``source``
+    (a full tensor is a replicated source of one rank), flattened, in a new tensor: ``pieces`` says where each
+    saved shard's elements lie, and only those ranges are read, with ``pread``. The one range read of the
+    restore, for every source that reads ranges (a DeepSpeed tag's TP slices and ZeRO partitions, a universal
+    checkpoint's full tensors)."""
+    return source.reshard_range(target, rank, low, high, *readers(pieces))

@@ -16,15 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from deepspeed_ext.errors import CheckpointError
 
-#: The states of a parameter, in the names DeepSpeed's universal layout uses: fp32 master weights, the Adam
-#: moments, and the optimizer step.
-MASTER_WEIGHTS = "fp32"
-ADAM_STATES = ("exp_avg", "exp_avg_sq")
-STEP = "step"
+from deepspeed_ext.checkpoint.states import ADAM_STATES as ADAM_STATES
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS as MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.states import STEP as STEP
 
 if TYPE_CHECKING:  # torch-free at import: reshard-orbax and the CLI's help need no torch
     from deepspeed_ext.checkpoint.fingerprint import Fingerprints
-    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck
     from deepspeed_ext.module_inject.layout import TPLayout
 
 
@@ -94,6 +92,20 @@ class CheckpointSource(Protocol):
         ...
 
 
+@runtime_checkable
+class CarriesDeepSpeedStates(Protocol):
+    """A source that holds DeepSpeed's own engine files (a DeepSpeed tag): the universal writer copies its
+    model-states files and optimizer summary, where it writes fresh ones for any other source."""
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        """What ``zero/optimizer_state.pt`` keeps: the optimizer's summary without its per-parameter states."""
+        ...
+
+    def copy_model_states(self, directory: Path) -> None:
+        """Copy the model-states files (engine state: step, scheduler, client state) into ``directory``."""
+        ...
+
+
 @dataclass(frozen=True)
 class WriteOptions:
     """What every writer takes."""
@@ -121,6 +133,25 @@ def finite_check(source: CheckpointSource, options: WriteOptions) -> FiniteCheck
     """The NaN/Inf check ``options.check_finite`` asks for, reporting against the path the source was named by."""
     from deepspeed_ext.checkpoint.tensor import FiniteCheck
     return FiniteCheck(str(source.info.given)) if options.check_finite else None
+
+
+def record_check(info: SourceInfo) -> RecordCheck | None:
+    """The check of what a writer reads against the source's record, where the source has one."""
+    from deepspeed_ext.checkpoint.tensor import RecordCheck
+    return RecordCheck(info.fingerprints, str(info.given)) if info.fingerprints is not None else None
+
+
+def check_against_record(info: SourceInfo, found: Fingerprints, names: list[str]) -> None:
+    """Refuse to publish tensors that disagree with the fingerprints their source recorded: the source was
+    damaged after it was saved, or read wrongly. ``names``: the tensors written, each with every state the
+    record has. Nothing to check where the source recorded none."""
+    from deepspeed_ext.checkpoint.fingerprint import SOURCE_WRONG, compare, mismatch_message
+    recorded = info.fingerprints
+    if recorded is None:
+        return
+    checked, mismatches = compare(recorded.subset(names), found, check_step=False)
+    if mismatches:
+        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked, SOURCE_WRONG))
 
 
 def required_model_config(info: SourceInfo) -> dict[str, Any]:

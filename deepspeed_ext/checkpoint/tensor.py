@@ -19,10 +19,9 @@ import torch
 # Re-exported (``X as X``: explicitly, for type checkers).
 from deepspeed_ext.checkpoint.fingerprint import (SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message,
                                                   partial_sums)
-from deepspeed_ext.checkpoint.source import ADAM_STATES as ADAM_STATES
-from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS as MASTER_WEIGHTS
-from deepspeed_ext.checkpoint.source import STEP as STEP
-from deepspeed_ext.checkpoint.source import SourceInfo
+from deepspeed_ext.checkpoint.states import ADAM_STATES as ADAM_STATES
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS as MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.states import STEP as STEP
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -191,14 +190,15 @@ class RecordCheck(StreamCheck):
 
     blockwise = True
 
-    def __init__(self, info: SourceInfo):
-        self.info = info
+    def __init__(self, recorded: Fingerprints, source: str):
+        #: The fingerprints the source recorded; ``source``: the path errors name.
+        self.recorded = recorded
+        self.source = source
         self.found = Fingerprints()
         self._ranges: dict[tuple[str, str], dict[tuple[int, int], tuple[int, float, float]]] = {}
 
     def check_range(self, name: str, state: str, low: int, high: int, value: torch.Tensor) -> torch.Tensor:
-        if state != STEP and self.info.fingerprints is not None \
-                and self.info.fingerprints.get(name, state) is not None:
+        if state != STEP and self.recorded.get(name, state) is not None:
             ranges = self._ranges.setdefault((name, state), {})
             if (low, high) not in ranges:
                 ranges[(low, high)] = partial_sums(value)
@@ -214,8 +214,7 @@ class RecordCheck(StreamCheck):
         return found
 
     def check(self, name: str, state: str, value: _T) -> _T:
-        if state != STEP and self.found.get(name, state) is None and self.info.fingerprints is not None \
-                and self.info.fingerprints.get(name, state) is not None:
+        if state != STEP and self.found.get(name, state) is None and self.recorded.get(name, state) is not None:
             if isinstance(value, torch.Tensor):
                 self.found.add(name, state, Fingerprint.of(value))
             elif isinstance(value, np.ndarray):  # sums do not see order: as laid out, with no copy
@@ -225,38 +224,11 @@ class RecordCheck(StreamCheck):
     def raise_if_wrong(self) -> None:
         """Refuse to publish where a state read disagrees with the source's record (only the states read: a
         writer may leave some out, as to-maxtext does the moments of a buffer no optimizer steps)."""
-        recorded = self.info.fingerprints
-        if recorded is None:
-            return
+        recorded = self.recorded
         found = self._found()
         read = Fingerprints({name: {state: fingerprint for state, fingerprint in recorded.tensors[name].items()
                                     if state in states}
                              for name, states in found.tensors.items() if name in recorded.tensors})
         checked, mismatches = compare(read, found, check_step=False)
         if mismatches:
-            raise CheckpointError(mismatch_message(str(self.info.given), mismatches, checked, SOURCE_WRONG))
-
-
-def check_against_record(info: SourceInfo, found: Fingerprints, names: list[str]) -> None:
-    """Refuse to publish tensors that disagree with the fingerprints their source recorded: the source was
-    damaged after it was saved, or read wrongly. ``names``: the tensors written, each with every state the
-    record has. Nothing to check where the source recorded none."""
-    recorded = info.fingerprints
-    if recorded is None:
-        return
-    checked, mismatches = compare(recorded.subset(names), found, check_step=False)
-    if mismatches:
-        raise CheckpointError(mismatch_message(str(info.given), mismatches, checked, SOURCE_WRONG))
-
-
-def record_check(info: SourceInfo) -> RecordCheck | None:
-    """The check of what a writer reads against the source's record, where the source has one."""
-    return RecordCheck(info) if info.fingerprints is not None else None
-
-
-def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's floating-point buffers that its state dict saves (DeepSeek-V3's router
-    ``e_score_correction_bias``): model state no optimizer steps, which checkpoints carry as tensors."""
-    persistent = set(module.state_dict(keep_vars=True))
-    return {name: buffer for name, buffer in module.named_buffers()
-            if name in persistent and buffer.is_floating_point()}
+            raise CheckpointError(mismatch_message(self.source, mismatches, checked, SOURCE_WRONG))

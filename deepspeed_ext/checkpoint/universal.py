@@ -31,22 +31,21 @@ from collections.abc import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from deepspeed_ext.checkpoint import output, ranges, serialization
-from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint, keys, resolve_tag_dir
-from deepspeed_ext.checkpoint.fingerprint import (SOURCE_WRONG, Fingerprint, Fingerprints, compare, mismatch_message,
-                                                  partial_sums)
-from deepspeed_ext.checkpoint.formats import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
+from deepspeed_ext.checkpoint import collective, output, ranges, serialization
+from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
+from deepspeed_ext.checkpoint.fingerprint import (Fingerprint, Fingerprints, partial_sums)
+from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
-from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
-                                             protected_paths, required_model_config)
-from deepspeed_ext.checkpoint.tensor import (ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor,
-                                           check_against_record)
+from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
+                                             check_against_record, protected_paths, required_model_config)
+from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
 if TYPE_CHECKING:
-    from deepspeed_ext.checkpoint.hf import ConfigFit
+    from deepspeed_ext.checkpoint.model_config import ConfigFit
 
 OPTIMIZER_STATE_FILE = keys.UNIVERSAL_OPTIMIZER_STATE_FILE
 TENSOR_STATES = (MASTER_WEIGHTS, *ADAM_STATES)
@@ -62,10 +61,15 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _entry(tensor: torch.Tensor, layout: TPLayout) -> dict[str, Any]:
-    entry: dict[str, Any] = {"param": _standalone(tensor)}
+    """A per-parameter file's dictionary, with the keys upstream's ``ds_to_universal`` writes for it."""
+    entry: dict[str, Any] = {keys.PARAM: _standalone(tensor)}
     if not layout.is_replicated and layout.view_shape is None and len(layout.sub_param_sizes) == 1:
         # Lets DeepSpeed's legacy (non-AutoTP) restore path chunk the tensor along the right dim.
-        entry["cat_dim"] = layout.partition_dim
+        entry[keys.CAT_DIM] = layout.partition_dim
+    if layout.role == "vocab":
+        # As upstream marks a vocabulary-parallel table. Its loader pads the table only where the model carries
+        # no AutoTP restore metadata; the tensor itself is the unpadded vocabulary either way.
+        entry[keys.VOCAB_TENSOR] = True
     return entry
 
 
@@ -101,9 +105,19 @@ def write(source: CheckpointSource, out: str | Path | None = None,
     and published whole, and may not touch the source (:mod:`deepspeed_ext.checkpoint.output`).
 
     Streams one parameter and one state at a time: memory stays at about one full tensor.
+
+    ``options.distributed``: a refusal on any rank is raised on every rank, the same one line
+    (:mod:`.collective`), at the first agreement point after it: no rank is left waiting for one that gave up.
     """
+    if not options.distributed:
+        return _write(source, out, options, rank=0)
+    # The last agreement point doubles as the barrier: nobody returns before the output and its pointer are in
+    # place, and a failure of rank 0's publishing reaches the ranks that finished their share.
+    return collective.on_every_rank(lambda: _write(source, out, options, rank=_rank()))
+
+
+def _write(source: CheckpointSource, out: str | Path | None, options: UniversalOptions, rank: int) -> Path:
     info = source.info
-    rank = _rank() if options.distributed else 0
     with contextlib.ExitStack() as stack:
         refusal: Exception | None = None
         try:
@@ -121,7 +135,7 @@ def write(source: CheckpointSource, out: str | Path | None = None,
         except Exception as exc:  # under --distributed every rank must hear of it (below)
             refusal = exc
         if options.distributed:
-            _all_ranks_agree(refusal, f"{info.given}: another rank refused the conversion; its message says why")
+            collective.agree(refusal)
         elif refusal is not None:
             raise refusal
         finite = finite_check(source, options)
@@ -131,7 +145,7 @@ def write(source: CheckpointSource, out: str | Path | None = None,
         else:
             fit = None
             if options.check_config_fit:
-                from deepspeed_ext.checkpoint.hf import ConfigFit
+                from deepspeed_ext.checkpoint.model_config import ConfigFit
                 fit = ConfigFit(required_model_config(info), {name: layout.shape for name, layout in
                                                               info.layouts.items()}, str(info.given))
             with fit.first() if fit is not None else contextlib.nullcontext():
@@ -142,9 +156,6 @@ def write(source: CheckpointSource, out: str | Path | None = None,
                     fit.result()
                 _write_uc_info(source, universal, written)
                 manifest.write()
-    if options.distributed:
-        import torch.distributed as dist
-        dist.barrier()  # nobody returns before the output and its pointer are in place
     return publish / inner if inner else publish
 
 
@@ -162,21 +173,6 @@ def _prepare(source: CheckpointSource, out: str | Path | None, options: Universa
     if options.tag_directory:
         return output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), None
     return output.prepare(out, protected_paths(source, options), overwrite=options.overwrite), name
-
-
-class RefusedOnEveryRank(CheckpointError):
-    """A ``--distributed`` conversion refused by every rank together (:func:`_all_ranks_agree`), each with its
-    own message: the ranks can still meet to exit together."""
-
-
-def _all_ranks_agree(error: BaseException | None, elsewhere: str) -> None:
-    """Collective: raise on every rank if any rank failed (its own error there, ``elsewhere`` on the others),
-    so no rank is left waiting for one that gave up."""
-    import torch.distributed as dist
-    failed = torch.tensor([0 if error is None else 1])
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise RefusedOnEveryRank(str(error) if error is not None else elsewhere) from error
 
 
 def _rank() -> int:
@@ -222,9 +218,7 @@ def _write_distributed(source: CheckpointSource, universal: Path, progress: str 
     error = attempt(write_share)
     if error is None and rank != 0:
         error = attempt(lambda: manifest.write_rank_part(rank))
-    _all_ranks_agree(error, f"{universal}: another rank failed; its error is in its output")
-    shares: list[Any] = [None] * world
-    dist.all_gather_object(shares, written.to_json())
+    shares = collective.agree(error, written.to_json() if error is None else None)
     if rank == 0:  # every rank's files are in place: the manifest is the output's last file
         for share in shares:
             written.merge(Fingerprints.from_json(share))
@@ -307,7 +301,7 @@ def _write_summary(source: CheckpointSource, partial: Path) -> None:
     A DeepSpeed source has its own (copied); a source that never ran in DeepSpeed gets a fresh optimizer
     summary and a model-states file at TP=1, DP=1 that records its step."""
     info = source.info
-    if isinstance(source, DeepSpeedCheckpoint):
+    if isinstance(source, CarriesDeepSpeedStates):
         serialization.save(source.optimizer_state_for_universal(), partial / ZERO_DIR / OPTIMIZER_STATE_FILE)
         source.copy_model_states(partial)
     else:
@@ -390,7 +384,7 @@ class UniversalCheckpoint:
         """The full tensor of ``name``/``state``, memory-mapped: only pages that are touched get read."""
         path = self.file(name, state)
         data = serialization.load(path)
-        tensor = data.get("param") if isinstance(data, dict) else data
+        tensor = data.get(keys.PARAM) if isinstance(data, dict) else data
         if not torch.is_tensor(tensor):
             raise CheckpointError(f"{path}: no tensor under 'param'")
         return tensor
@@ -443,8 +437,7 @@ class UniversalCheckpoint:
             reads.stored = ranges.stored(full.reshape(-1))
         here: ranges.Stored = reads.stored
         whole = TPLayout.replicated(target.shape, 1)  # the full tensor: a replicated source of one rank
-        return whole.reshard_range(target, rank, low, high,
-                                   *ranges.readers(lambda _, start, stop: [(here, start, stop - start)]))
+        return ranges.resharded_range(whole, target, rank, low, high, lambda _, start, stop: [(here, start, stop - start)])
 
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)

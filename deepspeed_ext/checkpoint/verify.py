@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepspeed_ext.checkpoint.formats import (DEEPSPEED, HUGGINGFACE, MAXTEXT, checkpoint_path, detect, maxtext_items,
-                                              open_checkpoint)
+from deepspeed_ext.checkpoint.formats import FORMATS, checkpoint_path, detect, open_checkpoint
 from deepspeed_ext.errors import CheckpointError, DamagedFilesError, MissingConfigError
 
 
@@ -64,11 +63,8 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
     and :class:`MissingConfigError` when a model config is needed and there is none (nothing to verify
     against); a damaged checkpoint is a report with problems, not an exception. ``strict``: files beside a
     manifest that it does not list are problems too (by default they are reported only)."""
-    from deepspeed_ext.checkpoint import serialization
-    from deepspeed_ext.checkpoint.hf import hf_config, parameter_mismatch
-    from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, check_manifest
     from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
-    kind = detect(path)  # not a checkpoint at all: an error, not a failed verification
+    fmt = FORMATS[detect(path)]  # not a checkpoint at all: an error, not a failed verification
     path = checkpoint_path(path)  # a Trainer output_dir: its newest checkpoint-N
     try:
         source = open_checkpoint(path, config=config, family=family)
@@ -76,34 +72,12 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         raise
     except CheckpointError as exc:
         return VerifyReport(Path(path), "", problems=[str(exc)], opened=False)
-    # Where the manifest of each output sits: a MaxText output's at its root (MaxText loads <root>/0/items).
-    root = source.info.path
-    if kind == MAXTEXT:
-        items = maxtext_items(Path(path))
-        assert items is not None
-        root = items.parent.parent if items.parent.name.isdigit() else items.parent
-    report = VerifyReport(root, "", strict=strict)
-    if kind == DEEPSPEED:
-        # DeepSpeed writes no manifest: a tag deepspeed-ext saved has its commit marker (every file's size and
-        # CRC-32); any other has the CRC-32 of each zip record. Every file must also load with the allow-list;
-        # merging each tensor below checks that the TP shards fit their layouts and that replicas agree.
-        from deepspeed_ext.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
-        assert isinstance(source, DeepSpeedCheckpoint)
-        checked, problems = source.contents_checked()
-        report.problems += problems
-        files = sorted(root.glob("*.pt"))
-        for file in files:
-            try:
-                serialization.load(file)
-            except CheckpointError as exc:
-                report.problems.append(str(exc))
-        report.files_checked = f"DeepSpeed checkpoint: {checked}; {len(files)} files load safely"
-    elif (root / MANIFEST_FILE).is_file():
-        count, problems, report.unlisted = check_manifest(root)
-        report.problems += problems
-        report.files_checked = f"{count} files against the manifest"
-    else:
-        report.files_checked = "no manifest (not written by deepspeed-ext: file checksums not checked)"
+    # The files, checked the format's way (its hook); the report names the directory that check covers (a
+    # MaxText output's root, where its manifest is).
+    files = fmt.check_files(source)
+    root = files.root
+    report = VerifyReport(root, files.description, problems=list(files.problems), unlisted=files.unlisted,
+                          strict=strict)
     finite = FiniteCheck(str(root))
     tensors = source.tensors()
     while True:
@@ -132,10 +106,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
                 report.problems.append(f"{root}: {tensor.name} ({state}) is {value.dtype}, not a floating-point "
                                        "tensor")
     report.problems += [f"{root}: {name} ({'/'.join(states)}) has NaN/Inf" for name, states in finite.offenders.items()]
-    if kind == HUGGINGFACE:
-        assert source.info.model_config is not None
-        shapes = {name: layout.shape for name, layout in source.info.layouts.items()}
-        mismatch = parameter_mismatch(hf_config(source.info.model_config, None, str(root)), shapes)
-        if mismatch:
-            report.problems.append(f"{root}: {mismatch}")
+    mismatch = fmt.check_model(source)
+    if mismatch:
+        report.problems.append(f"{root}: {mismatch}")
     return report

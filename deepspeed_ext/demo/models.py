@@ -1,7 +1,8 @@
 """Tiny transformer configs built in code (never downloaded), used by the demo and the tests.
 
-Sizes are chosen to exercise the hard cases: GQA (16 query / 4 KV heads), a vocabulary (101) and an
-MLP width (160) that do not divide by 3, so TP=3 and TP=4 cut uneven shards.
+Every family's tiny config is here, once, in two sizes. The training sizes exercise the hard cases of tensor
+parallelism: GQA (16 query / 4 KV heads), a vocabulary (101) and an MLP width (160) that do not divide by 3, so
+TP=3 and TP=4 cut uneven shards. The MaxText sizes are what the tests run MaxText's own model code on.
 """
 
 from __future__ import annotations
@@ -11,64 +12,115 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "phi3", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "mistral",
-            "llama3.1")
+#: A family trained with AutoTP only (explicit partition specs, see :func:`tensor_parallel_section`): no MaxText
+#: mapping, so it is not in the family registry.
+AUTOTP_ONLY = ("phi3", )
+#: Test variants of a family (a config of its own, the family's mapping): deepseek-v3 with DeepSeek-V3's own yarn
+#: RoPE, whose MaxText settings differ from the plain RoPE model's.
+VARIANTS = {"deepseek-v3-yarn": "deepseek-v3"}
 
 
-def tiny_config(family: str = "llama", kv_heads: int = 4) -> Any:
-    """``kv_heads``: fewer KV heads than TP ranks is legal in DeepSpeed (the ranks beyond the head count hold
-    empty attention shards), a geometry the tests train with 2."""
-    common = dict(vocab_size=101,
-                  hidden_size=64,
-                  intermediate_size=160,
-                  num_hidden_layers=2,
-                  num_attention_heads=16,
-                  num_key_value_heads=kv_heads,
-                  max_position_embeddings=64,
-                  tie_word_embeddings=False)
-    if family == "llama":
+def tiny_families() -> tuple[str, ...]:
+    """Every family a tiny config is built for: the registry's (:mod:`deepspeed_ext.checkpoint.families`, in its
+    spelling), then the AutoTP-only ones. Tests take their family lists from here, so a new family is tested
+    without a test listing it."""
+    from deepspeed_ext.checkpoint.families import family_names
+    return (*family_names(), *AUTOTP_ONLY)
+
+
+FAMILIES = tiny_families()
+
+
+def tiny_config(family: str = "llama", kv_heads: int = 4, *, maxtext_head_dim: int | None = None) -> Any:
+    """The tiny config of ``family`` (the registry's spelling, ``qwen3-moe``; the HF one, ``qwen3_moe``, works
+    too), of a name in :data:`VARIANTS`, or of ``phi3``.
+
+    Training sizes by default. ``kv_heads``: fewer KV heads than TP ranks is legal in DeepSpeed (the ranks beyond
+    the head count hold empty attention shards), a geometry the tests train with 2.
+
+    ``maxtext_head_dim``: the MaxText sizes instead: heads of that size (64 / it query heads, 32 / it KV heads),
+    vocabulary 256, MLP 128, and the family's RoPE and norm constants as the MaxText tests set them (head_dim 8
+    makes the 1/sqrt(head_dim) query scaling of some families round, which the round-trip tests need).
+    """
+    family = family.replace("_", "-")
+    maxtext = maxtext_head_dim is not None
+    head_dim = maxtext_head_dim or 4  # training: 64 / 16 heads
+    if maxtext:
+        common: dict[str, Any] = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=64 // head_dim, num_key_value_heads=32 // head_dim,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    else:
+        common = dict(vocab_size=101, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=16, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    head = {"head_dim": head_dim}
+    maxtext_head = head if maxtext else {}  # training: only the families whose config needs it spelled out
+
+    def eps(value: float) -> dict[str, float]:
+        """MaxText sizes: the family's RMSNorm epsilon as the MaxText tests set it (training: transformers')."""
+        return {"rms_norm_eps": value} if maxtext else {}
+
+    moe_width = 32 if maxtext else 48
+    extra: dict[str, Any] = {}  # a family's settings beyond the sizes
+    if family in ("llama", "llama3.1"):
         from transformers import LlamaConfig
-        return LlamaConfig(**common)
-    if family == "llama3.1":  # Llama with Llama 3.1's RoPE scaling (MaxText's llama3.1 constants)
-        from transformers import LlamaConfig
-        return LlamaConfig(**common, rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 8192})
+        if family == "llama3.1":  # Llama with Llama 3.1's RoPE scaling (MaxText's llama3.1 constants)
+            extra["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0 if maxtext else 500000.0,
+                                        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                        "original_max_position_embeddings": 8192}
+        elif maxtext:
+            extra["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        if maxtext:
+            extra["max_position_embeddings"] = 16384
+        return LlamaConfig(**{**common, **extra}, **maxtext_head, **eps(1e-5))
     if family == "mistral":
         from transformers import MistralConfig
-        return MistralConfig(**common, sliding_window=None)
+        extra = {"rope_theta": 10000.0} if maxtext else {}
+        return MistralConfig(**common, **maxtext_head, **extra, **eps(1e-5), sliding_window=None)
     if family == "phi3":  # fused qkv_proj (q, k, v of unequal size) and fused gate_up_proj
         from transformers import Phi3Config
-        return Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family == "qwen2":  # q/k/v projections with biases (column-split with their weights)
+        return Phi3Config(**common, **maxtext_head, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen2":  # q/k/v projections with biases (column-split with their weights); no head_dim setting
         from transformers import Qwen2Config
-        return Qwen2Config(**common)
+        extra = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}} if maxtext else {}
+        return Qwen2Config(**common, **extra, **eps(1e-6))
     if family == "qwen3":  # q/k norms and tied embeddings: AutoTP makes embedding + lm_head vocab-parallel
         from transformers import Qwen3Config
-        return Qwen3Config(**{**common, "tie_word_embeddings": True}, head_dim=4)
-    if family == "qwen3_moe":  # 4 experts, top-2 routing; transformers stores each layer's experts fused (3-D)
+        return Qwen3Config(**{**common, "tie_word_embeddings": True}, **head, **eps(1e-6))
+    if family == "qwen3-moe":  # 4 experts, top-2 routing; transformers stores each layer's experts fused (3-D)
         from transformers import Qwen3MoeConfig
-        return Qwen3MoeConfig(**common, head_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                              decoder_sparse_step=1, norm_topk_prob=True)
+        return Qwen3MoeConfig(**common, **head, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=moe_width, decoder_sparse_step=1, norm_topk_prob=True,
+                              **eps(1e-6))
     if family == "mixtral":  # 4 experts, top-2; its router and fused experts stay whole under AutoTP
         from transformers import MixtralConfig
-        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(**common, **maxtext_head, num_local_experts=4, num_experts_per_tok=2, **eps(1e-5))
     if family == "gemma3":  # 7 layers: five sliding-window layers, one global, one past the cycle; tied
         from transformers import Gemma3TextConfig
-        return Gemma3TextConfig(**{**common, "num_hidden_layers": 7, "tie_word_embeddings": True}, head_dim=4,
-                                query_pre_attn_scalar=4, sliding_window=8)
-    if family == "gpt_oss":  # attention sinks, biases, interleaved gate/up experts, sliding/global layers
+        return Gemma3TextConfig(**{**common, "num_hidden_layers": 7, "tie_word_embeddings": True}, **head,
+                                query_pre_attn_scalar=head_dim, sliding_window=8)
+    if family == "gpt-oss":  # attention sinks, biases, interleaved gate/up experts, sliding/global layers
         from transformers import GptOssConfig
-        return GptOssConfig(**{**common, "max_position_embeddings": 131072}, head_dim=4, num_local_experts=4,
+        return GptOssConfig(**{**common, "max_position_embeddings": 131072}, **head, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=8)
-    if family == "deepseek_v3":  # MLA, one dense layer then two MoE layers (8 experts in 2 groups, 1 shared)
+    # deepseek-v3: MLA, one dense layer then two MoE layers (8 experts in 2 groups, top-1 group, 1 shared expert)
+    if family in ("deepseek-v3", "deepseek-v3-yarn"):
         from transformers import DeepseekV3Config
+        if maxtext:
+            extra["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+        if family == "deepseek-v3-yarn":  # DeepSeek-V3's own RoPE: yarn, 40x context, attention rescaled
+            extra["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                        "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+            extra["max_position_embeddings"] = 163840
         # MLA has one key per head: transformers requires num_key_value_heads == num_attention_heads.
-        return DeepseekV3Config(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 16}, first_k_dense_replace=1,
-                                moe_intermediate_size=48,
-                                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        return DeepseekV3Config(**{**common, "num_hidden_layers": 3,
+                                   "num_key_value_heads": common["num_attention_heads"], **extra},
+                                first_k_dense_replace=1, moe_intermediate_size=moe_width, n_routed_experts=8,
+                                n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
+                                kv_lora_rank=16, qk_rope_head_dim=8 if maxtext else 4, qk_nope_head_dim=head_dim,
+                                v_head_dim=head_dim, **eps(1e-6))
+    raise ValueError(f"unknown family {family!r}; expected one of {', '.join((*FAMILIES, *VARIANTS))}")
 
 
 def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> torch.nn.Module:

@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
     p.add_argument("--save-dir")
     p.add_argument("--save-at", type=int, action="append", default=[],
-                   help="save_checkpoint after this global step (repeat it to save several times)")
+                   help="save_checkpoint after this global step (repeat it to save several times; 0 saves before "
+                   "the first step, with a fresh optimizer)")
     p.add_argument("--load-dir", help="resume from this checkpoint: universal, or a regular DeepSpeed one saved at "
                    "other TP/DP degrees (read directly, resharded at load time)")
     p.add_argument("--load-tag", help="the tag to load from --load-dir (default: the one its 'latest' names)")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
 
-    from deepspeed_ext.module_inject.autotp import tp_group_info
+    from deepspeed_ext.checkpoint.engine_private import tp_group_info
     tp_size, tp_rank = tp_group_info()
     dp_size, dp_rank = world // tp_size, dist.get_rank() // tp_size  # TP groups are consecutive ranks
     timing = {"rank": dist.get_rank(), "tp": tp_size, "dp": dp_size}
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
             hooks.after_load(engine, tp_rank)
 
     losses, probed = {}, {}
+    if args.save_dir and 0 in args.save_at and engine.global_steps == 0:  # before any optimizer step
+        if hooks.before_save:
+            hooks.before_save(engine, tp_rank)
+        engine.save_checkpoint(args.save_dir)
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
         value = torch.zeros(())
@@ -163,7 +168,8 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
 
 def _optimizer_state_bytes(engine: Any) -> int:
     """Bytes of the tensors in the (wrapped) torch optimizer's state."""
-    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    from deepspeed_ext.checkpoint import engine_private
+    optimizer = engine_private.base_optimizer(engine)
     storages = {value.untyped_storage().data_ptr(): value.untyped_storage().nbytes()
                 for state in getattr(optimizer, "state", {}).values() for value in state.values()
                 if torch.is_tensor(value)}
@@ -185,11 +191,11 @@ def _reset_peak_rss() -> int:
 def _share_bytes(engine: Any) -> int:
     """This rank's share of the fp32 masters and both Adam moments: under ZeRO-3 its partition of its TP slice,
     else its TP slice (what ZeRO-1/2 at DP=1 load)."""
-    from deepspeed_ext.checkpoint.restore import zero3_partition
+    from deepspeed_ext.checkpoint import engine_private
     elements = 0
     for param in engine.module.parameters():
-        if hasattr(param, "ds_id"):
-            start, stop, _ = zero3_partition(param)
+        if engine_private.is_zero3_param(param):
+            start, stop, _ = engine_private.zero3_partition(param)
             elements += stop - start
         else:
             elements += param.numel()

@@ -1,5 +1,6 @@
-"""Fuzz: damaged files of a real DeepSpeed TP=2 engine checkpoint make the reader raise only deepspeed-ext's
-documented errors (see tests/unit/test_fuzz.py)."""
+"""Fuzz: damaged files of a real DeepSpeed TP=2 engine checkpoint, saved through deepspeed-ext (so its commit
+marker lists every file but itself): every change to a listed file is detected by the read (the converters' check)
+and by ``verify``; damage to the marker is detected or touches nothing a reader uses (see tests/unit/test_fuzz.py)."""
 
 from __future__ import annotations
 

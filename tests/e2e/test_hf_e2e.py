@@ -12,11 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deepspeed_ext.checkpoint.hf import HFCheckpoint
 from deepspeed_ext.cli import main
-from deepspeed_ext.demo.models import batch, build_model, eval_batch
+from deepspeed_ext.demo.models import batch, build_model
 from harness.cli import universal_in
-from harness.hf import SHARD, assert_to_hf_matches_live, cli, load_hf, read_files, save_pretrained
+from harness.hf import assert_to_hf_matches_live, cli, read_files, save_pretrained
 from harness.runner import read_losses, torchrun_train
 from harness.scenario import KV2_SCENARIOS
 

@@ -13,61 +13,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from deepspeed_ext.checkpoint.families import get_family
 from deepspeed_ext.checkpoint.maxtext import ModelDims, partition_spec, plan_leaves, write_maxtext
-from deepspeed_ext.checkpoint.tensor import persistent_buffers
+from deepspeed_ext.checkpoint.model_config import persistent_buffers
+from deepspeed_ext.demo.models import VARIANTS, tiny_config
 from harness.maxtext_reference import ReferenceConfig
 
 MESH_SHAPE = {"fsdp": 2, "tensor": 2}
 TOKENS = [3, 17, 250, 42, 42, 7, 99, 128, 5, 61, 200, 13]
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
-
 
 def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
+    """The family's tiny model at the MaxText sizes (deepspeed_ext.demo.models.tiny_config), its weights made to
+    show mistakes: peaky attention, norms away from 1, nonzero biases and router bias."""
     import transformers
-    COMMON = {**globals()["COMMON"], "head_dim": head_dim, "num_attention_heads": 64 // head_dim,
-              "num_key_value_heads": 32 // head_dim}
-    if family in ("llama", "llama3.1"):
-        rope = {"rope_type": "default", "rope_theta": 10000.0}
-        if family == "llama3.1":  # the constants MaxText's llama3.1 RoPE uses
-            rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        config = transformers.LlamaConfig(**{**COMMON, "max_position_embeddings": 16384}, rope_parameters=rope,
-                                          rms_norm_eps=1e-5)
-    elif family == "mistral":
-        config = transformers.MistralConfig(**COMMON, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None)
-    elif family == "qwen3":
-        config = transformers.Qwen3Config(**COMMON, tie_word_embeddings=True, rms_norm_eps=1e-6)
-    elif family == "qwen3-moe":
-        config = transformers.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                             decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6)
-    elif family == "qwen2":  # no head_dim in Qwen2's config: hidden / heads
-        config = transformers.Qwen2Config(**{k: v for k, v in COMMON.items() if k != "head_dim"},
-                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6)
-    elif family == "mixtral":
-        config = transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5)
-    elif family == "gemma3":  # 7 layers: five local, one global, and one past the cycle (MaxText's remainder)
-        config = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 7}, query_pre_attn_scalar=head_dim,
-                                               sliding_window=8)
-    elif family == "gpt-oss":  # sliding window 8 < the 12 tokens, so the local layers differ from the global ones
-        config = transformers.GptOssConfig(**{**COMMON, "max_position_embeddings": 131072}, num_local_experts=4,
-                                           num_experts_per_tok=2, sliding_window=8)
-    elif family.startswith("deepseek-v3"):  # one dense layer, two MoE layers; 8 experts in 2 groups, top-1 group
-        rope = {"rope_type": "default", "rope_theta": 10000.0}
-        if family == "deepseek-v3-yarn":  # DeepSeek-V3's own RoPE: yarn, 40x context, attention rescaled
-            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
-                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-        config = transformers.DeepseekV3Config(
-            vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-            first_k_dense_replace=1, num_attention_heads=64 // head_dim, num_key_value_heads=64 // head_dim,
-            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
-            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=head_dim, v_head_dim=head_dim,
-            max_position_embeddings=163840 if family == "deepseek-v3-yarn" else 64, rms_norm_eps=1e-6,
-            rope_parameters=rope)
-    else:
-        raise ValueError(family)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, maxtext_head_dim=head_dim),
+                                                          attn_implementation="eager").float().eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -156,7 +116,7 @@ def maxtext_settings(model, family: str, scan_layers: bool) -> list[str]:
 
 def base_family(name: str) -> str:
     """The family of a test model variant (``deepseek-v3-yarn`` is a deepseek-v3 with yarn RoPE)."""
-    return name.removesuffix("-yarn")
+    return VARIANTS.get(name, name)
 
 
 def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharded: bool = False,
@@ -167,11 +127,11 @@ def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharde
     must come out split."""
     import subprocess
     from pathlib import Path
-    repo = Path(__file__).resolve().parents[2]
-    python = repo / ".venv-maxtext" / "bin" / "python"
+
+    from harness.environments import MAXTEXT_PYTHON
     tokens_file, logits = Path(workdir) / "tokens.npy", Path(workdir) / "maxtext_logits.npy"
     np.save(tokens_file, np.array([TOKENS if tokens is None else list(tokens)], dtype=np.int32))
-    cmd = [str(python), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--items", str(items),
+    cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--items", str(items),
            "--tokens", str(tokens_file), "--logits", str(logits), "--output-dir", str(Path(workdir) / "maxtext_out")]
     for setting in maxtext_settings(model, family, scan_layers):
         cmd += ["--setting", setting]

@@ -8,6 +8,7 @@ the fp16 loss scales a run recorded.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ from deepspeed_ext.demo.runner import read_losses
 
 #: The demo training script plus the probes (state dumps, loss scales) tests read.
 TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
+#: The CLI, stopped by a signal it sends itself at a named point of a conversion.
+STOPPED_CLI_WORKER = Path(__file__).parent / "workers" / "stopped_cli.py"
 
-__all__ = ["child_env", "cli", "read_loss_scales", "read_losses", "run_logged", "torchrun_train"]
+__all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_train"]
 
 
 def child_env(python: str = sys.executable) -> dict[str, str]:
@@ -66,6 +69,19 @@ def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.exe
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
     """``deepspeed-ext ARGS`` in a subprocess of ``python``'s environment."""
     return run_logged([python, "-m", "deepspeed_ext", *args], log, check=check)
+
+
+def cli_stopped(args: list[str], log: Path, *, point: str, count: int,
+                sig: signal.Signals = signal.SIGKILL) -> subprocess.CompletedProcess:
+    """``deepspeed-ext ARGS`` in a subprocess that sends itself ``sig`` the ``count``-th time the conversion
+    reaches ``point`` (workers/stopped_cli.py: ``range-read``). Raises unless it was stopped there: a conversion
+    that finished first, or ended any other way, would test nothing."""
+    proc = run_logged([sys.executable, str(STOPPED_CLI_WORKER), point, str(count), sig.name, "--", *args], log,
+                      check=False)
+    if f"stopped at {point} #{count}" not in proc.stdout:
+        raise AssertionError(f"deepspeed-ext {' '.join(args)} never reached {point} #{count} (exit "
+                             f"{proc.returncode}; log {log}):\n{_failure_tail(proc.stdout + proc.stderr)}")
+    return proc
 
 
 def read_loss_scales(path: Path) -> dict[int, float | None]:

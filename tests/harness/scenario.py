@@ -1,9 +1,14 @@
-"""End-to-end scenarios: the real DeepSpeed engine under torchrun (gloo, CPU), built once per session
-(``scenarios`` in tests/e2e/conftest.py)."""
+"""End-to-end scenarios: the real DeepSpeed engine under torchrun (gloo, CPU), trained once per test run and
+shared by the workers (``shared_scenario``; the ``scenarios`` fixture in tests/e2e/conftest.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import hashlib
 import json
+import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,13 +73,23 @@ class Scenario:
                             ["--allow-cpu-fp16"] if self.dtype == "fp16" else [])
 
     def train(self) -> Scenario:
-        result = self.root / "baseline.json"
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
-                                       str(result), "--dump", str(self.dump_dir)]
+                                       str(self.root / "baseline.json"), "--dump", str(self.dump_dir)]
         torchrun_train(self.tp * self.dp,
                        args + (["--plain"] if self.plain else []),
                        self.root / "train.log",
                        python=self.python)
+        return self.read_baseline()
+
+    def spec(self) -> str:
+        """What the run is (every parameter but where it lives and what it has found), as text: two scenarios
+        with equal specs train the same run, however their parameters were spelled."""
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                           if f.name not in ("root", "baseline", "resumed", "loss_scales")}, sort_keys=True)
+
+    def read_baseline(self) -> Scenario:
+        """The uninterrupted run's losses and loss scales, from what ``train`` left in ``root``."""
+        result = self.root / "baseline.json"
         self.baseline = read_losses(result)
         self.loss_scales["baseline"] = read_loss_scales(result)
         return self
@@ -129,8 +144,41 @@ class Scenario:
         return [torch.load(self.dump_dir / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(self.tp)]
 
 
+def scenario_cache_dir(basetemp: Path) -> Path:
+    """Where a test run keeps its trained scenarios: beside the workers' own base directories (pytest-xdist gives
+    each worker ``<the run's basetemp>/popen-gwN``), so every worker of one run finds them and no other run does."""
+    return (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / "trained-scenarios"
+
+
+def shared_scenario(name: str, root: Path, cache: Path, convert: bool = True, **kwargs) -> Scenario:
+    """``Scenario(root, **kwargs)`` trained (and converted), trained once per test run whichever worker asks.
+
+    The first worker to ask trains it in its own ``root`` and publishes a copy, as it was before any test used it,
+    to ``cache`` (a staging copy renamed into place); a worker asking meanwhile waits on the scenario's file lock,
+    then copies the published one into its own ``root``. Each worker has a private copy, as when each trained its
+    own: tests may write beside or into it (an ``--overwrite`` conversion, resume logs) without racing another
+    worker. ``root`` is an empty directory of this worker's."""
+    spec = json.dumps({"name": name, "convert": convert}) + "\n" + Scenario(root, **kwargs).spec()
+    key = f"{name}-{hashlib.sha1(spec.encode()).hexdigest()[:12]}"
+    published = cache / key
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if training fails
+        if published.is_dir():
+            shutil.copytree(published, root, symlinks=True, dirs_exist_ok=True)
+            return Scenario(root=root, **kwargs).read_baseline()
+        scenario = Scenario(root=root, **kwargs).train()
+        if convert:
+            scenario.convert()
+        staging = cache / f"{key}.partial-{os.getpid()}"
+        shutil.copytree(root, staging, symlinks=True)
+        staging.rename(published)
+        (cache / f"{key}.json").write_text(spec)  # which parameters the key stands for, for whoever looks
+        return scenario
+
+
 #: Tiny models with 2 KV heads: at TP=3 and TP=4 the ranks beyond the head count hold empty attention shards.
-#: Shared by the test files that use them (the session builds each once, by name).
+#: Shared by the test files that use them (the run trains each once: ``shared_scenario``).
 KV2_SCENARIOS = {
     "kv2_llama_tp2": dict(tp=2, kv_heads=2),
     "kv2_llama_tp3": dict(tp=3, kv_heads=2),
@@ -211,6 +259,13 @@ def upstream_ds_to_universal(tag_dir: Path, out: Path) -> Path:
     return out
 
 
+#: Keys our universal files carry where upstream's converter writes none, each with why upstream's loader reads
+#: the file the same. ``cat_dim``: upstream 0.19.8 writes it only on its non-AutoTP path; its AutoTP loader takes the
+#: slice from the live parameter's restore metadata and never reads it, and its legacy loader (a model without that
+#: metadata, as under DeepSpeed 0.18.8) needs it to chunk a row-parallel weight along dim 1 instead of dim 0.
+EXTRA_KEYS_UPSTREAM_READS_THE_SAME = {"cat_dim"}
+
+
 def differences_from_upstream(ours: Path, upstream: Path) -> list[str]:
     """``param/state`` entries where two universal checkpoints differ (names, shapes, bits or steps)."""
     from deepspeed_ext.checkpoint import serialization
@@ -220,10 +275,18 @@ def differences_from_upstream(ours: Path, upstream: Path) -> list[str]:
     diffs += [f"{name}: only upstream's" for name in theirs_names if name not in names]
     for name in (n for n in names if n in theirs_names):
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            a = serialization.load(ours / "zero" / name / f"{state}.pt")["param"]
-            b = serialization.load(upstream / "zero" / name / f"{state}.pt")["param"]
+            entry = serialization.load(ours / "zero" / name / f"{state}.pt")
+            theirs = serialization.load(upstream / "zero" / name / f"{state}.pt")
+            a, b = entry["param"], theirs["param"]
             if a.shape != b.shape or not torch.equal(a, b):
                 diffs.append(f"{name}/{state}: ours {tuple(a.shape)}, upstream {tuple(b.shape)}")
+            # The file level: every key upstream writes, with upstream's value (cat_dim, vocab_tensor, ...).
+            for key in sorted(set(theirs) - {"param"}):
+                if key not in entry or entry[key] != theirs[key]:
+                    diffs.append(f"{name}/{state}.pt: {key} is {entry.get(key, 'missing')!r} in ours, "
+                                 f"{theirs[key]!r} in upstream's")
+            diffs += [f"{name}/{state}.pt: {key} only in ours" for key in sorted(set(entry) - set(theirs))
+                      if key not in EXTRA_KEYS_UPSTREAM_READS_THE_SAME]
         steps = [serialization.load(d / "zero" / name / "step.pt") for d in (ours, upstream)]
         if float(steps[0]) != float(steps[1]):
             diffs.append(f"{name}/step: ours {steps[0]}, upstream {steps[1]}")

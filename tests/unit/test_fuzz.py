@@ -1,14 +1,16 @@
-"""Fuzz: damaged checkpoint files make the readers raise only deepspeed-ext's documented errors.
+"""Fuzz: damaged checkpoint files are detected, or the damage is of a class no reader can detect.
 
-Each example copies a small, valid checkpoint (HF safetensors, universal, a real DeepSpeed TP=2 engine
-checkpoint), damages one file (truncation, a flipped bit, a renamed key), and reads everything: the source is
-opened as the CLI opens it and every state of every tensor is loaded. The only acceptable outcomes are
-success (the damage hit bytes nothing reads, or made another valid value) or a DeepSpeedExtError subclass,
-whose message names the file. Anything else (a raw library exception, a crash) fails.
+Each example copies a small, valid checkpoint (HF safetensors as transformers writes them, a universal and a
+MaxText output of deepspeed-ext; a real DeepSpeed TP=2 engine checkpoint in tests/e2e/test_fuzz_e2e.py), damages
+one file (truncation, a flipped bit, a renamed key), reads it as the converters do (every state of every tensor,
+then their checksum check) and checks it with ``verify``. Readers and ``verify`` may raise only a
+DeepSpeedExtError naming the file; a change to a file a manifest or commit marker lists must be detected; damage
+that goes undetected passes only if the harness shows it to be one of the named classes no reader can detect
+(unread bytes, a tensor's bytes or a JSON value in a file nothing checksums: tests/harness/fuzz.py,
+UNDETECTABLE). Anything else fails, naming the file and the damage.
 
-Quick mode runs in the suite; ``python bench/fuzz.py`` runs the long mode (DEEPSPEED_EXT_FUZZ_EXAMPLES). The
-strategies and the reading are in tests/harness/fuzz.py; the DeepSpeed reader's case (it trains first) is in
-tests/e2e/test_fuzz_e2e.py.
+Quick mode runs in the suite; ``python bench/fuzz.py`` runs the long mode (DEEPSPEED_EXT_FUZZ_EXAMPLES) and counts
+the outcomes.
 """
 
 from __future__ import annotations

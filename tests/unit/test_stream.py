@@ -51,7 +51,7 @@ def test_checks_see_every_block():
     info = SourceInfo(format="test", given=Path("src"), path=Path("src"), layouts={"w": TPLayout.replicated(full.shape, 1)},
                       states=(MASTER_WEIGHTS, ),
                       fingerprints=Fingerprints({"w": {MASTER_WEIGHTS: Fingerprint.of(full)}}))
-    record, finite = RecordCheck(info), FiniteCheck("src")
+    record, finite = RecordCheck(info.fingerprints, str(info.given)), FiniteCheck("src")
     (checked, ) = finite.stream(record.stream([_tensor(full)]))
     for _ in checked.blocks(MASTER_WEIGHTS, block_elements=40):
         pass
@@ -60,7 +60,7 @@ def test_checks_see_every_block():
 
     damaged = full.clone()
     damaged[50, 3] = float("nan")
-    record, finite = RecordCheck(info), FiniteCheck("src")
+    record, finite = RecordCheck(info.fingerprints, str(info.given)), FiniteCheck("src")
     (checked, ) = finite.stream(record.stream([_tensor(damaged)]))
     for _ in checked.blocks(MASTER_WEIGHTS, block_elements=40):
         pass

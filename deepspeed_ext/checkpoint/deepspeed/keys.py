@@ -88,3 +88,9 @@ LATEST_UNIVERSAL = "latest_universal"  # names the newest universal tag director
 ZERO_DIR = "zero"  # <tag>_universal/zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt
 UNIVERSAL_OPTIMIZER_STATE_FILE = "optimizer_state.pt"  # zero/optimizer_state.pt: hyper-parameters, no tensors
 UNIVERSAL_TAG_SUFFIX = "_universal"
+#: The keys of a universal per-parameter file (``zero/<param>/fp32.pt`` and the moments): the full tensor, the
+#: dimension DeepSpeed's legacy restore chunks it along, and the mark of a vocabulary-parallel table (upstream's
+#: legacy restore pads such a table to the target degree's padded vocabulary).
+PARAM = "param"
+CAT_DIM = "cat_dim"
+VOCAB_TENSOR = "vocab_tensor"

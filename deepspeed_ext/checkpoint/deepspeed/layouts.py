@@ -98,6 +98,14 @@ class OptimizerLayout:
         """The optimizer step of flat group ``group`` (TP rank 0), or None."""
         return (self.base_state(0, dp)[keys.STATE].get(group) or {}).get(STEP)
 
+    def has_stepped(self) -> bool:
+        """Whether the optimizer has taken a step. torch's Adam creates a group's step and moments at its first
+        step, so a save before it (``save_checkpoint`` at step 0) holds only the fp32 masters: ZeRO-1/2 save an
+        empty ``state``, ZeRO-3 an empty one per group (DeepSpeed's stage-0 wrappers take a step of zeros at
+        start and save moments). TP rank 0, DP rank 0 answer for all: :meth:`check` refuses files at mixed steps."""
+        groups = self.base_state(0, 0).get(keys.STATE) or {}
+        return any(bool(group) for group in groups.values())
+
     def optimizer_state_for_universal(self) -> dict[str, Any]:
         """What upstream stores as ``zero/optimizer_state.pt``: the TP0/DP0 state minus its tensors."""
         state = self.wrapper_state(0, 0)

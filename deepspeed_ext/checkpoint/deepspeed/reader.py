@@ -19,14 +19,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepspeed_ext.checkpoint import output, ranges, serialization
-from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed import keys, reconcile
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
-from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP, OpenOptions, SourceInfo
+from deepspeed_ext.checkpoint.manifest import FilesChecked
+from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
-from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
-from deepspeed_ext.module_inject.autotp import layouts_from_universal_checkpoint_info, name_patterns, unsharded_weights
+from deepspeed_ext.errors import CheckpointError, LayoutError
+from deepspeed_ext.module_inject.upstream import (name_patterns,
+                                                  unsharded_weights)
 from deepspeed_ext.module_inject.layout import TPLayout
 
 if TYPE_CHECKING:
@@ -37,10 +39,27 @@ HOW_TO_GET_METADATA = ("save it through deepspeed_ext.initialize with "
                        "or with DeepSpeed >= 0.18.9, whose AutoTP stores universal_checkpoint_info")
 
 
-def open_source(path: Path, options: OpenOptions) -> DeepSpeedCheckpoint:
+def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
     config = dict(options.model_config) if options.model_config is not None else None
     return DeepSpeedCheckpoint(path, options.tag, model_config=config)
+
+
+def check_files(source: CheckpointSource) -> FilesChecked:
+    """``verify``'s file check of a DeepSpeed tag (the format hook). DeepSpeed writes no manifest: a tag
+    deepspeed-ext saved has its commit marker (every file's size and CRC-32), any other the CRC-32 of each zip
+    record; every file must also load with the allow-list. (Merging each tensor, which verify does next, checks
+    that the TP shards fit their layouts and that replicas agree.)"""
+    assert isinstance(source, DeepSpeedCheckpoint)
+    root = source.info.path
+    checked, problems = source.contents_checked()
+    files = sorted(root.glob("*.pt"))
+    for file in files:
+        try:
+            serialization.load(file)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return FilesChecked(root, f"DeepSpeed checkpoint: {checked}; {len(files)} files load safely", problems)
 
 
 class DeepSpeedCheckpoint:
@@ -60,8 +79,9 @@ class DeepSpeedCheckpoint:
         dims = first.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
         if int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1) != 1:
             raise CheckpointError(f"{reference}: pipeline parallelism is not supported")
-        self.tp_degree, self.dp_degree = self._degrees(first, reference)
-        self._check_model_states_agree(first)
+        self.tp_degree, self.dp_degree = reconcile.degrees(self.files, first, reference)
+        reconcile.check_model_states_agree(self.files.model_files, self.rank_model_states, self.tp_degree,
+                                           self.dp_degree)
         self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
                                                         self._recorded_optimizer_names)
         # Per thread, the memory-mapped optimizer-file pieces its last read returned, released before its next
@@ -71,53 +91,6 @@ class DeepSpeedCheckpoint:
         # What the restore reads with pread: each flat tensor's file and offset, and one descriptor per file.
         self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
         self._readers: dict[Path, ranges.FileReader] = {}
-
-    @staticmethod
-    def _recorded_degree(states: dict[str, Any], key: str, path: Path) -> int | None:
-        """``mp_world_size`` or ``dp_world_size`` as ``path`` records it; None where it records none."""
-        recorded = states.get(key)
-        if recorded is None:
-            return None
-        try:
-            degree = int(recorded)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{path}: {key} is {recorded!r}, not a number") from None
-        if degree < 1:
-            raise CheckpointError(f"{path}: {key} is {recorded!r}, not a positive number")
-        return degree
-
-    def _degrees(self, first: dict[str, Any], reference: Path) -> tuple[int, int]:
-        """The TP and DP degrees: from the files present (one model-states file per TP rank, one optimizer file
-        per (TP, DP) rank under ZeRO, ZeRO-3's model states per (TP, DP) rank too), checked against what TP rank
-        0's model states record (:meth:`TagFiles.degrees`); a record that is missing is filled from the files.
-        Without per-DP files (ZeRO-0) nothing but ``dp_world_size`` says the DP degree (1 without it)."""
-        recorded_tp = self._recorded_degree(first, keys.MP_WORLD_SIZE, reference)
-        recorded_dp = self._recorded_degree(first, keys.DP_WORLD_SIZE, reference)
-        tp, dp = self.files.degrees(recorded_tp, recorded_dp, reference)
-        return tp, dp if dp is not None else recorded_dp or 1
-
-    def _check_model_states_agree(self, first: dict[str, Any]) -> None:
-        """Every TP rank's model states must come from the same save: same step, same TP and DP degrees (where
-        recorded: as TP rank 0's records them, else as the files present say)."""
-        model_files = self.files.model_files
-        reference = model_files[0]
-        expected_step = first.get(keys.GLOBAL_STEPS)
-        for tp, path in sorted(model_files.items()):
-            if tp == 0:
-                continue
-            states = self.rank_model_states(tp)
-            if states.get(keys.GLOBAL_STEPS) != expected_step:
-                raise CheckpointError(f"{path}: saved at global step {states.get(keys.GLOBAL_STEPS)}, but "
-                                      f"{reference.name} at step {expected_step}: files of two checkpoints are mixed")
-            for key, what, degree in ((keys.MP_WORLD_SIZE, "TP", self.tp_degree),
-                                      (keys.DP_WORLD_SIZE, "DP", self.dp_degree)):
-                says = self._recorded_degree(states, key, path)
-                if says is None or says == degree:
-                    continue
-                if first.get(key) is not None:
-                    raise CheckpointError(f"{path}: says {what}={says}, but {reference.name} says {what}={degree}")
-                raise CheckpointError(f"{path}: says {what}={says}, but the files present say {what}={degree} (and "
-                                      f"{reference.name} records none)")
 
     def _recorded_optimizer_names(self, tp: int) -> list[list[str]] | None:
         """Without ZeRO: the parameter names TP rank ``tp``'s optimizer holds, if deepspeed-ext recorded them."""
@@ -141,7 +114,7 @@ class DeepSpeedCheckpoint:
                           given=self.given,
                           path=self.tag_dir,
                           layouts=self.layouts,
-                          states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
+                          states=self._states,
                           global_step=int(self.model_states.get(keys.GLOBAL_STEPS) or 0),
                           tp_degree=self.tp_degree,
                           dp_degree=self.dp_degree,
@@ -157,7 +130,7 @@ class DeepSpeedCheckpoint:
     def _trainer_model_config(self) -> dict[str, Any] | None:
         """The model's ``config.json`` in the Hugging Face Trainer ``checkpoint-N`` folder that holds this tag
         (the Trainer writes it there; a checkpoint saved without deepspeed-ext records no config of its own)."""
-        from deepspeed_ext.checkpoint.formats import read_config, trainer_checkpoint_of
+        from deepspeed_ext.checkpoint.locate import read_config, trainer_checkpoint_of
         folder = trainer_checkpoint_of(self.tag_dir)
         if folder is None or not (folder / "config.json").is_file():
             return None
@@ -172,11 +145,20 @@ class DeepSpeedCheckpoint:
     def names(self) -> list[str]:
         return list(self.layouts)
 
-    #: Every parameter has master weights and Adam moments (a checkpoint without them is refused).
-    has_optimizer_states = True
+    @cached_property
+    def has_optimizer_states(self) -> bool:
+        """Every parameter has master weights, and Adam moments and a step once the optimizer has stepped (a
+        stepped checkpoint without them is refused). A save before the first step has the masters alone: it
+        converts to what a weights-only source gives (fp32 files, no moments, no step), and a resume from it
+        keeps the engine's fresh optimizer, as one from pretrained weights does."""
+        return self.optimizer.has_stepped()
+
+    @property
+    def _states(self) -> tuple[str, ...]:
+        return (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer_states else (MASTER_WEIGHTS, )
 
     def has(self, name: str, state: str = MASTER_WEIGHTS) -> bool:
-        return name in self.layouts
+        return name in self.layouts and (state == MASTER_WEIGHTS or self.has_optimizer_states)
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet. The files'
@@ -197,7 +179,7 @@ class DeepSpeedCheckpoint:
             yield LogicalTensor(name=name,
                                 shape=layout.shape,
                                 layout=layout,
-                                states=(MASTER_WEIGHTS, *ADAM_STATES, STEP),
+                                states=self._states,
                                 loader=loader,
                                 dtype=weights.dtype if torch.is_tensor(weights) else torch.float32,
                                 range_loader=range_loader)
@@ -302,57 +284,19 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def layouts(self) -> dict[str, TPLayout]:
-        """Every parameter's TP layout: ours if saved, else rebuilt from upstream's UC info."""
-        model_files = self.files.model_files
-        if self.uc_info is not None:
-            layouts = self.uc_info.layouts
-            if self.uc_info.tp_size != self.tp_degree:
-                raise CheckpointError(f"{self.tag_dir}: deepspeed_ext.json describes TP={self.uc_info.tp_size}, "
-                                      f"model states say TP={self.tp_degree}")
-        elif self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO):
-            layouts = layouts_from_universal_checkpoint_info(self.model_states[keys.UNIVERSAL_CHECKPOINT_INFO],
-                                                             self._saved_shapes,
-                                                             source=str(model_files[0]))
-        elif self.tp_degree == 1:
-            layouts = {name: TPLayout.replicated(shapes[0], 1) for name, shapes in self._saved_shapes.items()
-                       if shapes[0] is not None}
-        else:
-            raise MissingMetadataError(
-                f"{model_files[0]}: TP={self.tp_degree} checkpoint has no tensor-parallel metadata (neither "
-                f"deepspeed_ext.json nor universal_checkpoint_info), so its slices cannot be merged; "
-                f"{HOW_TO_GET_METADATA}")
-        for name, shapes in self._saved_shapes.items():
-            layout = layouts.get(name)
-            if layout is None:
-                raise MissingMetadataError(f"{self.tag_dir}: no TP layout for parameter {name!r}")
-            for tp, shape in enumerate(shapes):
-                expected = layout.local_shape(tp)
-                if shape is None and math.prod(expected) != 0:
-                    raise CheckpointError(f"{model_files[tp]}: parameter {name!r} is missing, but its layout "
-                                          f"({layout.describe()}) gives TP rank {tp} a shard of {expected}")
-                if shape is not None and expected != shape:
-                    raise CheckpointError(f"{model_files[tp]}: parameter {name!r} has shape {shape} but its "
-                                          f"layout ({layout.describe()}) expects {expected}")
-        params = {name: layouts[name] for name in self._saved_shapes}
-        # Persistent buffers after the parameters, held whole (replicated) on every TP rank.
-        return {**params, **{name: TPLayout.replicated(tuple(buffer.shape), self.tp_degree)
-                             for name, buffer in self.buffers.items()}}
+        """Every parameter's TP layout: ours if saved, else rebuilt from upstream's UC info; checked against the
+        shapes every rank saved (:func:`.reconcile.layouts`)."""
+        return reconcile.layouts(self.uc_info, self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO),
+                                 self._saved_shapes, self.tp_degree, self.files.model_files, self.tag_dir,
+                                 self.buffers, HOW_TO_GET_METADATA)
 
     @cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's persistent floating-point buffers (the module state dict's non-parameters, such as
         DeepSeek-V3's router ``e_score_correction_bias``): state the optimizer does not step but the model needs.
         They are carried as tensors with zero Adam moments; every TP rank's copy must agree."""
-        module = self.model_states.get(keys.MODULE) or {}
-        names = self.model_states.get(keys.BUFFER_NAMES) or []
-        found = {name: module[name] for name in names
-                 if torch.is_tensor(module.get(name)) and module[name].is_floating_point() and module[name].numel()}
-        for tp in range(1, self.tp_degree):
-            other = self.rank_model_states(tp).get(keys.MODULE) or {}
-            for name, buffer in found.items():
-                if not torch.is_tensor(other.get(name)) or not torch.equal(other[name], buffer):
-                    raise CheckpointError(f"{self.files.model_files[tp]}: buffer {name!r} differs from TP rank 0's")
-        return found
+        return reconcile.buffers([self.rank_model_states(tp) for tp in range(self.tp_degree)],
+                                 self.files.model_files)
 
     # ------------------------------------------------------------------ reading tensors
     @cached_property
@@ -426,9 +370,8 @@ class DeepSpeedCheckpoint:
         if name in self.buffers:
             return target.slice(self.full_tensor(name, state), rank).reshape(-1)[low:high]
         try:
-            return self.layouts[name].reshard_range(
-                target, rank, low, high,
-                *ranges.readers(lambda src, start, stop: self._stored_pieces(name, src, state, start, stop)))
+            return ranges.resharded_range(self.layouts[name], target, rank, low, high,
+                                          lambda src, start, stop: self._stored_pieces(name, src, state, start, stop))
         except LayoutError as exc:
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r}: {exc}") from exc
 
@@ -525,6 +468,9 @@ class DeepSpeedCheckpoint:
             "model_dtypes": lp_dtypes,
             "optimizer_dtype": str(self.optimizer.flat(0, 0, 0, MASTER_WEIGHTS).dtype).replace("torch.", ""),
             "global_steps": first.get(keys.GLOBAL_STEPS),
+            **({} if self.has_optimizer_states else
+               {"optimizer_state": "fp32 masters only (saved before the first optimizer step: no moments, no step; "
+                                   "a resume starts the optimizer fresh)"}),
             "deepspeed_version": str(first.get(keys.DS_VERSION)),
             "metadata": self.metadata_source,
             "commit": self._commit_summary(),

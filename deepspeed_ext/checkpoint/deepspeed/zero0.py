@@ -8,9 +8,9 @@ DeepSpeed runs a stage-0 optimizer through one of three wrappers, and each lays 
   torch state keyed by it;
 * no wrapper (fp32): the torch optimizer steps the parameters themselves.
 
-This module is the one decoder of those layouts: for a live engine (:func:`live_slots`, used by the
-restore, the runtime's record of parameter order and the tests' state dumps) and for a saved one
-(:class:`SavedStage0`, used by the checkpoint reader).
+This module decodes those layouts as a checkpoint saved them (:class:`SavedStage0`, used by the checkpoint
+reader). A live engine's are read by :mod:`deepspeed_ext.checkpoint.engine_private` (``live_slots``), under the
+same wrapper names and the same key names (``deepspeed/keys.py``), so the two read one layout.
 """
 
 from __future__ import annotations
@@ -29,68 +29,6 @@ from deepspeed_ext.errors import CheckpointError
 FP16_OPTIMIZER = "FP16_Optimizer"
 FP16_UNFUSED_OPTIMIZER = "FP16_UnfusedOptimizer"
 TORCH_OPTIMIZER = "torch optimizer (no ZeRO)"
-
-
-# --------------------------------------------------------------------------- a live engine
-@dataclass
-class LiveSlot:
-    """Where one parameter's fp32 master and moments live in a running stage-0 optimizer."""
-
-    master: torch.Tensor  # 1-D fp32 tensor holding the master at [start, start + numel)
-    key: torch.Tensor  # the wrapped torch optimizer's state key (the flat group, the fp32 master or the param)
-    start: int
-    numel: int
-
-    def master_of(self) -> torch.Tensor:
-        return self.master.narrow(0, self.start, self.numel)
-
-    def moment_of(self, torch_optimizer: torch.optim.Optimizer, state: str) -> torch.Tensor:
-        moment: torch.Tensor = torch_optimizer.state[self.key][state]
-        return moment.view(-1).narrow(0, self.start, self.numel)
-
-
-def wrapped_optimizer(optimizer: Any) -> Any:
-    """The torch optimizer a wrapper steps (a bare torch optimizer is its own)."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def live_kind(optimizer: Any) -> str:
-    if hasattr(optimizer, keys.FP32_GROUPS_FLAT):
-        return FP16_OPTIMIZER
-    if hasattr(optimizer, keys.FP32_GROUPS):
-        return FP16_UNFUSED_OPTIMIZER
-    return TORCH_OPTIMIZER
-
-
-def live_param_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
-    """The model's parameters per param group, in the order the optimizer holds (and saves) their state.
-
-    The FP16 wrappers keep them in ``fp16_groups`` (their ``param_groups`` hold the fp32 masters instead).
-    """
-    if live_kind(optimizer) == TORCH_OPTIMIZER:
-        return [list(group[keys.PARAMS]) for group in optimizer.param_groups]
-    return [list(group) for group in optimizer.fp16_groups]
-
-
-def live_slots(optimizer: Any) -> dict[torch.nn.Parameter, LiveSlot]:
-    """Each optimizer parameter's slot in a running stage-0 optimizer."""
-    slots: dict[torch.nn.Parameter, LiveSlot] = {}
-    kind = live_kind(optimizer)
-    if kind == FP16_OPTIMIZER:
-        for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
-            offset = 0
-            for param in params:
-                slots[param] = LiveSlot(flat.data, flat, offset, param.numel())
-                offset += param.numel()
-    elif kind == FP16_UNFUSED_OPTIMIZER:
-        for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
-            for param, master in zip(params, masters, strict=True):
-                slots[param] = LiveSlot(master.data.view(-1), master, 0, master.numel())
-    else:
-        for params in live_param_groups(optimizer):
-            for param in params:
-                slots[param] = LiveSlot(param.data.view(-1), param, 0, param.numel())
-    return slots
 
 
 # --------------------------------------------------------------------------- a saved checkpoint
@@ -173,9 +111,12 @@ class SavedStage0:
         elif keys.STATE in optimizer and keys.PARAM_GROUPS in optimizer:
             optimizer = indexed_state(optimizer, source)
             kind, base = TORCH_OPTIMIZER, optimizer
+            # Before the first step (a save at step 0) no parameter has state, and every one is converted (its
+            # master alone); after it, one without state was never stepped (frozen). An empty entry is no state.
+            stepped = any(bool(state) for state in optimizer[keys.STATE].values())
             for group in optimizer[keys.PARAM_GROUPS]:
                 for name, key in zip(take(len(group[keys.PARAMS])), group[keys.PARAMS], strict=True):
-                    if key not in optimizer[keys.STATE]:
+                    if stepped and not optimizer[keys.STATE].get(key):
                         continue  # frozen, or never stepped: nothing to convert (as ZeRO leaves it out)
                     slots[name] = SavedSlot(int(key), 0, shape(name))
                     masters[key] = module[name].reshape(-1)

@@ -24,9 +24,9 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 def _stage0_live_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Without ZeRO DeepSpeed has no fragment API: read its optimizer's own objects, where deepspeed-ext's
     stage-0 decoder (the one the restore uses) says each parameter's state lies."""
-    from deepspeed_ext.checkpoint.deepspeed import zero0
-    slots = zero0.live_slots(engine.optimizer)
-    torch_optimizer = zero0.wrapped_optimizer(engine.optimizer)
+    from deepspeed_ext.checkpoint import engine_private
+    slots = engine_private.live_slots(engine.optimizer)
+    torch_optimizer = engine_private.wrapped_optimizer(engine.optimizer)
     state = {}
     for name, param in engine.module.named_parameters():
         slot = slots.get(param)
@@ -57,7 +57,7 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
             # A rank beyond the KV-head count holds no attention shard; DeepSpeed leaves such empty
             # parameters out of the optimizer, so they have no fp32 master or moments to ask for.
             state[name] = {key: torch.zeros(shape) for key in STATES}
-    from deepspeed_ext.checkpoint.tensor import persistent_buffers
+    from deepspeed_ext.checkpoint.model_config import persistent_buffers
     for name, buffer in persistent_buffers(engine.module).items():  # carried as tensors no optimizer steps
         state[name] = {"fp32": buffer.detach().float().clone(), "exp_avg": torch.zeros(buffer.shape),
                            "exp_avg_sq": torch.zeros(buffer.shape)}

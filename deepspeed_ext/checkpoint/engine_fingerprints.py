@@ -1,0 +1,179 @@
+"""The fingerprints of a live DeepSpeed engine's training state (what a save records and a resume checks),
+summed where each rank holds its share and added up over the ranks with one all-reduce.
+
+Where each state lives in the engine is asked of :mod:`~deepspeed_ext.checkpoint.engine_private`; the sums and
+their comparison are :mod:`~deepspeed_ext.checkpoint.fingerprint`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.checkpoint import engine_private
+from deepspeed_ext.checkpoint.fingerprint import ROW_ELEMENTS, Fingerprint, Fingerprints, partial_sums
+from deepspeed_ext.checkpoint.model_config import persistent_buffers
+from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.zipsave import Region
+from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR
+
+
+def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerprints, list[str]]:
+    """The fingerprints of a live DeepSpeed engine's training state, and any problem found on the way.
+
+    Collective: every rank of the engine calls it. Each rank sums what it owns (its TP slice, or TP rank 0 for
+    a replicated tensor; its ZeRO partition, or DP rank 0 without ZeRO), then one all-reduce over all ranks
+    adds the sums up; the full tensors are never assembled.
+    """
+    return reduce_engine_sums(local_engine_sums(engine, with_moments))
+
+
+@dataclass
+class LocalSums:
+    """One rank's share of an engine's fingerprints, before the all-reduce that adds the ranks' shares up."""
+
+    params: list[str]
+    states: tuple[str, ...]
+    sums: torch.Tensor  # [param, state, (numel, sum, sum of squares)], float64
+    buffers: list[tuple[str, torch.dtype]]
+    buffer_sums: torch.Tensor  # [buffer, (numel, sum, sum of squares)]
+    spread: torch.Tensor  # (max step, -min step, max global steps, -min global steps)
+    with_moments: bool
+
+
+def local_engine_sums(engine: Any, with_moments: bool = True) -> LocalSums:
+    """This rank's share of :func:`engine_fingerprints`: no collective, so it can run on a thread while the
+    engine saves (nothing it reads changes during a save)."""
+    return SumsPlan(engine, with_moments).finish()
+
+
+class SumsPlan:
+    """What this rank sums for :func:`local_engine_sums`, before it is summed: each owned state is summed either
+    from the bytes a checkpoint writer reads anyway (the plan is a :class:`zipsave.Observer`: a state that lies
+    inside a storage being written is summed block by block from the cache as the block is written) or, for
+    whatever no writer showed, by :meth:`finish`. Either way a state's rows of ``ROW_ELEMENTS`` are the same."""
+
+    def __init__(self, engine: Any, with_moments: bool = True):
+        tp_size, tp_rank = engine_private.tp_group_info()
+        states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
+        params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
+        stage0 = engine_private.stage0_slots(engine)
+        base = engine_private.base_optimizer(engine)
+        distributed = dist.is_available() and dist.is_initialized()
+        dp_group = engine_private.data_parallel_group(engine)
+        dp_rank = dist.get_rank(group=dp_group) if distributed else 0
+
+        dp_size = (dist.get_world_size() // tp_size) if distributed else 1
+        #: (param index, state index) -> the tensor this rank sums; removed once a writer claimed it
+        self.pending: dict[tuple[int, int], torch.Tensor] = {}
+        for i, (_, param) in enumerate(params):
+            layout = getattr(param, LAYOUT_ATTR, None)
+            # A tensor every TP rank holds whole: TP rank 0 speaks for it. Unless ZeRO-3 partitioned it over the
+            # TP ranks too (a model built under zero.Init before AutoTP ran, as the HF Trainer does): then the
+            # ranks' partitions cover it once between them.
+            over_tp = (engine_private.is_zero3_param(param)
+                       and dist.get_world_size(group=engine_private.zero3_process_group(param)) > dp_size)
+            if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
+                continue
+            for j, state in enumerate(states):
+                local = engine_private.owned_state(param, state, stage0, base, dp_rank)
+                if local is not None and local.numel():
+                    self.pending[i, j] = local.detach()
+        self.sums = torch.zeros(len(params), len(states), 3, dtype=torch.float64)
+        self._claimed: list[tuple[tuple[int, int], torch.Tensor]] = []
+        # Persistent buffers (DeepSeek-V3's router bias) are checkpointed state too: whole on every rank.
+        self._buffers = [(name, buffer) for name, buffer in persistent_buffers(engine.module).items()
+                         if name not in dict(params)]
+        self._sum_buffers = tp_rank == 0 and dp_rank == 0
+        steps = engine_private.live_steps(engine)
+        # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
+        self._spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
+        self._params = [name for name, _ in params]
+        self._states = states
+        self._with_moments = with_moments
+
+    def regions(self, address: int, nbytes: int) -> list[Any]:
+        """The pending states that lie whole in ``nbytes`` of memory at ``address`` (a storage being written),
+        claimed: each is summed from the pieces the writer shows it."""
+        found = []
+        for key, tensor in self.pending.items():
+            start = tensor.data_ptr() - address
+            if (tensor.is_contiguous() and tensor.device.type == "cpu" and tensor.dtype.is_floating_point
+                    and 0 <= start and start + tensor.numel() * tensor.element_size() <= nbytes):
+                found.append((start, key, tensor))
+        found.sort(key=lambda item: item[0])
+        regions, end = [], 0
+        for start, key, tensor in found:
+            if start < end:  # overlaps the previous one: left to finish()
+                continue
+            del self.pending[key]
+            self._claimed.append((key, tensor))
+            regions.append(Region(start, tensor.reshape(-1), functools.partial(self._add, key), ROW_ELEMENTS))
+            end = start + tensor.numel() * tensor.element_size()
+        return regions
+
+    def _add(self, key: tuple[int, int], piece: torch.Tensor) -> None:
+        numel, total, total_sq = partial_sums(piece)
+        row = self.sums[key]
+        row[0] += numel
+        row[1] += total
+        row[2] += total_sq
+
+    def mark(self) -> int:
+        """A point to :meth:`rollback` to if the write that follows fails."""
+        return len(self._claimed)
+
+    def rollback(self, mark: int) -> None:
+        """Forget what was summed since ``mark`` (the write failed midway): those states are pending again."""
+        while len(self._claimed) > mark:
+            key, tensor = self._claimed.pop()
+            self.sums[key] = 0.0
+            self.pending[key] = tensor
+
+    def finish(self) -> LocalSums:
+        """This rank's sums: what no writer showed is summed now."""
+        for key, tensor in self.pending.items():
+            self.sums[key] = torch.tensor(partial_sums(tensor), dtype=torch.float64)
+        self.pending = {}
+        buffer_sums = torch.zeros(len(self._buffers), 3, dtype=torch.float64)
+        if self._sum_buffers:
+            for i, (_, buffer) in enumerate(self._buffers):
+                buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
+        return LocalSums(self._params, self._states, self.sums,
+                         [(name, buffer.dtype) for name, buffer in self._buffers], buffer_sums, self._spread,
+                         self._with_moments)
+
+
+def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
+    """The engine's fingerprints from every rank's :class:`LocalSums` (collective: one all-reduce each of the
+    sums and the steps), and any disagreement between the ranks."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(local.sums)
+        dist.all_reduce(local.buffer_sums)
+        dist.all_reduce(local.spread, op=dist.ReduceOp.MAX)
+    found, problems = Fingerprints(), []
+    for i, name in enumerate(local.params):
+        for j, state in enumerate(local.states):
+            numel, total, total_sq = local.sums[i, j].tolist()
+            if numel:
+                found.add(name, state, Fingerprint(int(numel), total, total_sq))
+    for (name, dtype), row in zip(local.buffers, local.buffer_sums.tolist(), strict=True):
+        if row[0]:
+            found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
+            if dtype in (torch.bfloat16, torch.float16):
+                found.roundings[name] = float(torch.finfo(dtype).eps)
+            if local.with_moments:  # no optimizer steps a buffer: checkpoints carry its moments as zeros
+                for state in ADAM_STATES:
+                    found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
+    spread = local.spread
+    for index, key in ((0, "step"), (2, "global_steps")):
+        high, low = spread[index].item(), -spread[index + 1].item()
+        if high != low:
+            problems.append(f"the {key} differs between ranks ({int(low)}..{int(high)})")
+        elif high >= 0:
+            setattr(found, key, int(high))
+    return found, problems

@@ -1,0 +1,514 @@
+"""DeepSpeed's live engine, fenced: the one module that reads or writes a running engine's and optimizer's
+internals (flat groups, ``_hp_mapping`` fragments, ZeRO-3 partitions, the loss scaler, swapped states, the
+checkpoint engine, tensor-parallel groups).
+
+DeepSpeed changes these between releases without notice; everything deepspeed-ext does to a live engine (the
+restore, the save's fingerprints, the save hooks, the tests' state dumps) goes through the functions here, so a
+new release is adapted in one file. :func:`check_installed_deepspeed` runs at ``initialize`` and names, in one
+line, any part of the installed DeepSpeed that is not what these functions expect, instead of failing deep inside
+a save or a load. What a *saved* checkpoint holds is the readers' business (``checkpoint/deepspeed/``): nothing
+here touches files.
+
+Without ZeRO (stage 0) DeepSpeed runs the optimizer through one of three wrappers, and each keeps its state
+differently (the saved form of each is decoded by :mod:`~deepspeed_ext.checkpoint.deepspeed.zero0`, under the
+same names):
+
+* ``FP16_Optimizer`` (fp16/bf16 with a fused Adam): one flat fp32 master per param group, the group's parameters
+  concatenated without padding; the torch optimizer's state is keyed by that flat master;
+* ``FP16_UnfusedOptimizer`` (fp16/bf16 with any other optimizer): one fp32 master per parameter, and the torch
+  state keyed by it;
+* no wrapper (fp32): the torch optimizer steps the parameters themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.zero0 import FP16_OPTIMIZER, FP16_UNFUSED_OPTIMIZER, TORCH_OPTIMIZER
+from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.errors import DeepSpeedExtError
+
+# --------------------------------------------------------------------------- the up-front check
+#: What the functions below use of DeepSpeed, by module: ``(attribute path, what uses it)``. An attribute path
+#: ``Class.name`` is looked up on the class; ``Class:field`` is a dataclass field.
+_REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
+    "deepspeed.utils": (
+        ("safe_set_local_fp32_param", "restoring ZeRO-3 fp32 partitions"),
+        ("safe_set_local_optimizer_state", "restoring ZeRO-3 optimizer partitions"),
+    ),
+    "deepspeed.utils.groups": (
+        ("get_tensor_model_parallel_world_size", "the AutoTP degree"),
+        ("get_tensor_model_parallel_rank", "the AutoTP rank"),
+    ),
+    "deepspeed.utils.tensor_fragment": (
+        ("tensor_fragment.get_hp_fragment", "ZeRO-1/2 fp32 fragments"),
+        ("tensor_fragment.set_optim_state_fragment", "linking restored Adam moments"),
+        ("tensor_fragment:lp_fragment_address", "where a ZeRO-1/2 fragment starts"),
+        ("tensor_fragment:hp_fragment_address", "where a ZeRO-1/2 fragment lies in its flat partition"),
+        ("tensor_fragment:param_group_index", "a fragment's param group"),
+        ("tensor_fragment:optim_fragment", "a fragment's optimizer state"),
+    ),
+    "deepspeed.runtime.zero.stage3": (
+        ("DeepSpeedZeroOptimizer_Stage3._get_fp32_opt_state_partition", "restoring ZeRO-3 partitions in place"),
+        ("DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters",
+         "refreshing ZeRO-3's low-precision partitions"),
+        ("DeepSpeedZeroOptimizer_Stage3.get_local_fp32_param", "ZeRO-3 fingerprints"),
+    ),
+    "deepspeed.runtime.engine": (
+        ("DeepSpeedEngine.save_checkpoint", "the save hook"),
+        ("DeepSpeedEngine.load_checkpoint", "the load hook"),
+        ("DeepSpeedEngine.zero_optimization", "the ZeRO stage"),
+        ("DeepSpeedEngine.zero_optimization_stage", "the ZeRO stage"),
+        ("DeepSpeedEngine.zero_optimization_partition_weights", "ZeRO-3"),
+        ("DeepSpeedEngine.train_batch_size", "the restored sample count"),
+    ),
+    "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": (
+        ("TorchCheckpointEngine.save", "writing DeepSpeed's files through deepspeed-ext"),
+        ("TorchCheckpointEngine.is_decoupled", "telling a decoupled (asynchronous) checkpoint engine"),
+    ),
+    "deepspeed.runtime.fp16.fused_optimizer": (("FP16_Optimizer", "stage-0 fp16/bf16 with a fused optimizer"), ),
+    "deepspeed.runtime.fp16.unfused_optimizer": (("FP16_UnfusedOptimizer", "stage-0 fp16/bf16"), ),
+}
+
+#: What ``docs/architecture.md`` says to do when a check fails.
+_HOW_TO_ADAPT = "see 'Adding a DeepSpeed release' in deepspeed-ext's docs/architecture.md"
+
+
+def _has(module: Any, path: str) -> bool:
+    owner_name, _, field_name = path.partition(":")
+    if field_name:
+        owner = getattr(module, owner_name, None)
+        return owner is not None and is_dataclass(owner) and field_name in {f.name for f in fields(owner)}
+    target = module
+    for part in path.split("."):
+        if not hasattr(target, part):
+            return False
+        target = getattr(target, part)
+    return True
+
+
+def missing_deepspeed_parts() -> list[str]:
+    """Each part of the installed DeepSpeed the live-engine functions use that is not there, in words."""
+    missing = []
+    for module_name, required in _REQUIRED.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            missing.append(f"{module_name} does not import ({exc})")
+            continue
+        missing += [f"{module_name}.{path.replace(':', '.')} (used for {use})" for path, use in required
+                    if not _has(module, path)]
+    return missing
+
+
+@functools.cache
+def check_installed_deepspeed() -> None:
+    """Raise :class:`DeepSpeedExtError` in one line when the installed DeepSpeed lacks anything deepspeed-ext
+    reads of a live engine (run once per process, at ``initialize``)."""
+    missing = missing_deepspeed_parts()
+    if missing:
+        import deepspeed
+        from deepspeed_ext.version import __version__
+        raise DeepSpeedExtError(
+            f"DeepSpeed {deepspeed.__version__} changed what deepspeed-ext {__version__} reads of a live engine: "
+            f"{'; '.join(missing[:3])}{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} is missing; "
+            f"deepspeed-ext supports DeepSpeed 0.18.8 and 0.19.8 ({_HOW_TO_ADAPT})")
+
+
+# --------------------------------------------------------------------------- groups and the engine's shape
+def tp_group_info() -> tuple[int, int]:
+    """``(tp_size, tp_rank)`` of this process, from DeepSpeed's groups (1, 0 when TP is off)."""
+    try:
+        from deepspeed.utils import groups
+        size = groups.get_tensor_model_parallel_world_size()
+        rank = groups.get_tensor_model_parallel_rank()
+        return int(size or 1), int(rank or 0)
+    except Exception:  # groups not initialised: no tensor parallelism
+        return 1, 0
+
+
+def uses_zero(engine: Any) -> bool:
+    """Whether ZeRO (stage 1-3) runs the engine's optimizer."""
+    return bool(engine.zero_optimization())
+
+
+def zero_stage(engine: Any) -> int:
+    return int(engine.zero_optimization_stage())
+
+
+def partitions_weights(engine: Any) -> bool:
+    """ZeRO-3: each rank holds a flat partition of the low-precision weights, not ``param.data``."""
+    return bool(engine.zero_optimization_partition_weights())
+
+
+def data_parallel_group(engine: Any) -> Any:
+    return getattr(engine, "data_parallel_group", None)
+
+
+def is_zero3_param(param: Any) -> bool:
+    """Whether ZeRO-3 manages ``param`` (its data lives in partitions)."""
+    return hasattr(param, "ds_id")
+
+
+def zero3_process_group(param: Any) -> Any:
+    """The group ZeRO-3 partitions ``param`` over."""
+    return param.ds_process_group
+
+
+# --------------------------------------------------------------------------- stage 0: the three wrappers
+@dataclass
+class LiveSlot:
+    """Where one parameter's fp32 master and moments live in a running stage-0 optimizer."""
+
+    master: torch.Tensor  # 1-D fp32 tensor holding the master at [start, start + numel)
+    key: torch.Tensor  # the wrapped torch optimizer's state key (the flat group, the fp32 master or the param)
+    start: int
+    numel: int
+
+    def master_of(self) -> torch.Tensor:
+        return self.master.narrow(0, self.start, self.numel)
+
+    def moment_of(self, torch_optimizer: torch.optim.Optimizer, state: str) -> torch.Tensor:
+        # ``get``: a look-up must not add an empty entry to the optimizer's state (a defaultdict), which a save
+        # would then write for a parameter that has not stepped
+        moment: torch.Tensor = torch_optimizer.state.get(self.key, {})[state]
+        return moment.view(-1).narrow(0, self.start, self.numel)
+
+
+def wrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a wrapper steps (a bare torch optimizer is its own)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def base_optimizer(engine: Any) -> Any:
+    """The torch optimizer the engine's optimizer (a ZeRO or FP16 wrapper, or none) steps; None without one."""
+    optimizer = getattr(engine, "optimizer", None)
+    return wrapped_optimizer(optimizer) if optimizer is not None else None
+
+
+def live_kind(optimizer: Any) -> str:
+    if hasattr(optimizer, keys.FP32_GROUPS_FLAT):
+        return FP16_OPTIMIZER
+    if hasattr(optimizer, keys.FP32_GROUPS):
+        return FP16_UNFUSED_OPTIMIZER
+    return TORCH_OPTIMIZER
+
+
+def live_param_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
+    """The model's parameters per param group, in the order the optimizer holds (and saves) their state.
+
+    The FP16 wrappers keep them in ``fp16_groups`` (their ``param_groups`` hold the fp32 masters instead).
+    """
+    if live_kind(optimizer) == TORCH_OPTIMIZER:
+        return [list(group[keys.PARAMS]) for group in optimizer.param_groups]
+    return [list(group) for group in optimizer.fp16_groups]
+
+
+def live_slots(optimizer: Any) -> dict[torch.nn.Parameter, LiveSlot]:
+    """Each optimizer parameter's slot in a running stage-0 optimizer."""
+    slots: dict[torch.nn.Parameter, LiveSlot] = {}
+    kind = live_kind(optimizer)
+    if kind == FP16_OPTIMIZER:
+        for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat, strict=True):
+            offset = 0
+            for param in params:
+                slots[param] = LiveSlot(flat.data, flat, offset, param.numel())
+                offset += param.numel()
+    elif kind == FP16_UNFUSED_OPTIMIZER:
+        for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+            for param, master in zip(params, masters, strict=True):
+                slots[param] = LiveSlot(master.data.view(-1), master, 0, master.numel())
+    else:
+        for params in live_param_groups(optimizer):
+            for param in params:
+                slots[param] = LiveSlot(param.data.view(-1), param, 0, param.numel())
+    return slots
+
+
+def stage0_slots(engine: Any) -> dict[torch.nn.Parameter, LiveSlot]:
+    """Each parameter's slot in DeepSpeed's stage-0 optimizer (empty under ZeRO, or without an optimizer)."""
+    if getattr(engine, "optimizer", None) is None or uses_zero(engine):
+        return {}
+    return live_slots(engine.optimizer)
+
+
+def stage0_param_names(engine: Any) -> list[list[str]] | None:
+    """Parameter names per optimizer param group, in the optimizer's order, for engines without ZeRO (None
+    otherwise). DeepSpeed's stage-0 optimizer state is keyed by position only; ZeRO states name their
+    parameters."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or uses_zero(engine):
+        return None
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    return [[names[id(param)] for param in group] for group in live_param_groups(optimizer)]
+
+
+# --------------------------------------------------------------------------- where a state lives
+def state_targets(param: torch.nn.Parameter, state: str | None, engine: Any,
+                  stage0: Mapping[torch.nn.Parameter, LiveSlot]) -> list[tuple[torch.Tensor, int]] | None:
+    """Where this rank keeps ``state`` (None: the fp32 master) of a ZeRO-0/1/2 parameter: ``(1-D tensor, start)``
+    pairs, each holding elements ``[start, start + numel)`` of the TP-local parameter flattened; None if no
+    optimizer manages the parameter.
+
+    ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly in
+    another DP rank's partition, and then this rank keeps nothing of it.
+    """
+    slot = stage0.get(param)
+    if slot is not None:
+        return [(slot.master_of() if state is None else slot.moment_of(base_optimizer(engine), state), 0)]
+    if not hasattr(param, "_hp_mapping"):
+        return None
+    mapping = param._hp_mapping
+    if mapping is None:
+        return []
+    return [(mapping.get_hp_fragment(state), int(mapping.lp_fragment_address.start))]
+
+
+def owned_state(param: Any, state: str, stage0: Mapping[Any, LiveSlot], base: Any,
+                dp_rank: int) -> torch.Tensor | None:
+    """The part of ``param``'s ``state`` this rank owns: its ZeRO partition, the whole tensor on DP rank 0
+    without ZeRO, or None (another rank's, or the state does not exist yet)."""
+    master = state == MASTER_WEIGHTS
+    slot = stage0.get(param)
+    if slot is not None:
+        if dp_rank != 0:
+            return None
+        try:
+            whole: torch.Tensor = slot.master_of() if master else slot.moment_of(base, state)
+        except KeyError:
+            return None
+        return whole
+    if is_zero3_param(param):  # the flat partition is padded to equal sizes; keep the real part
+        try:
+            local: torch.Tensor | None = param._z3_optimizer.get_local_fp32_param(param, None if master else state)
+        except KeyError:
+            return None
+        if local is None:
+            return None
+        start, stop, _ = zero3_partition(param)
+        return local.reshape(-1)[:stop - start]
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    if master:
+        fragment: torch.Tensor = mapping.get_hp_fragment()
+        return fragment
+    # DeepSpeed links the moment fragments lazily (at the next step after a load): read them from the flat
+    # partition's state, where the fragment sits at the same address as the master's.
+    flat = base.param_groups[mapping.param_group_index][keys.PARAMS][0]
+    moment = base.state.get(flat, {}).get(state)
+    if moment is None:
+        return None
+    address = mapping.hp_fragment_address
+    narrowed: torch.Tensor = moment.narrow(0, address.start, address.numel)
+    return narrowed
+
+
+def live_steps(engine: Any) -> tuple[int, int, int]:
+    """(the lowest and the highest step of the optimizer's states, the engine's step counter); -1 where there
+    is none."""
+    base = base_optimizer(engine)
+    steps = set()
+    for state in (base.state.values() if base is not None else ()):
+        step = state.get("step") if isinstance(state, Mapping) else None
+        if step is not None:
+            steps.add(int(step.item()) if torch.is_tensor(step) else int(step))
+    low, high = (min(steps), max(steps)) if steps else (-1, -1)
+    return low, high, int(getattr(engine, "global_steps", -1))
+
+
+# --------------------------------------------------------------------------- ZeRO-3 partitions
+def zero3_partition(param: Any) -> tuple[int, int, int]:
+    """This rank's ZeRO-3 partition of ``param``: ``(start, stop)`` of the elements it holds in the parameter
+    flattened, and the partition's size. Every rank's partition has that size; the last ones are padded past
+    the parameter's end, so ``stop - start`` may be smaller, even 0."""
+    import torch.distributed as dist
+    size, numel = int(param.ds_tensor.ds_numel), int(param.ds_numel)
+    start = min(dist.get_rank(group=param.ds_process_group) * size, numel)
+    return start, min(start + size, numel), size
+
+
+def zero3_numel(param: Any) -> int:
+    """The elements of ``param`` (its TP-local shape) that ZeRO-3 partitions."""
+    return int(param.ds_numel)
+
+
+def zero3_partition_in_place(param: Any, state: str, size: int) -> torch.Tensor | None:
+    """The ZeRO-3 optimizer's own fp32 partition of ``state`` for ``param`` (a view of its flat sub-group
+    buffer), to restore in place; ``None`` where it is not simply there: optimizer states swapped to NVMe,
+    or a DeepSpeed whose internals differ. DeepSpeed's public setter takes the whole partition as one tensor,
+    a transient copy as large as the partition (the whole TP slice at DP=1); writing into the buffer block
+    by block keeps the restore's memory at a block."""
+    optimizer = getattr(param, "_z3_optimizer", None)
+    partition_of = getattr(optimizer, "_get_fp32_opt_state_partition", None)
+    if partition_of is None or getattr(optimizer, "swap_optimizer", True):
+        return None
+    key = None if state == MASTER_WEIGHTS else state
+    try:
+        partition, _ = partition_of(param, release_swap_buffers=False, optim_state_key=key)
+    except (AttributeError, KeyError, TypeError):
+        return None
+    if not isinstance(partition, torch.Tensor) or partition.numel() != size or not partition.is_contiguous():
+        return None
+    return partition
+
+
+def set_zero3_partition(param: Any, state: str, value: torch.Tensor) -> None:
+    """Set this rank's whole ZeRO-3 partition of ``state`` through DeepSpeed's public setters (the path for
+    swapped optimizer states, where :func:`zero3_partition_in_place` has nothing)."""
+    from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+    if state == MASTER_WEIGHTS:
+        safe_set_local_fp32_param(param, value)
+    else:
+        safe_set_local_optimizer_state(param, value, state)
+
+
+def refresh_zero3_partitions(engine: Any) -> None:
+    """Copy ZeRO-3's restored fp32 partitions into the low-precision partitions the forward pass gathers, as
+    its own step does after updating them."""
+    optimizer = engine.optimizer
+    for sub_group in range(len(optimizer.fp16_groups)):
+        optimizer._reassign_or_swap_out_partitioned_parameters(sub_group)
+
+
+# --------------------------------------------------------------------------- restoring optimizer state
+def ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
+                      stage0: Mapping[torch.nn.Parameter, LiveSlot]) -> None:
+    """Create the Adam buffers a fresh engine does not have yet and link each parameter's fragment to them.
+
+    Adam creates its state at the first step, so before that there is nowhere to put restored
+    moments. The buffers have the shape of the tensor the optimizer steps (a flat fp32 partition, or
+    the parameter), exactly what Adam would create, so Adam then updates them in place.
+    """
+    base = base_optimizer(engine)
+    # torch's Adam counts steps in a float tensor; DeepSpeed's fused and CPU Adams in a plain int.
+    fresh_step = (lambda: torch.tensor(0.0)) if isinstance(base, torch.optim.Adam | torch.optim.AdamW) else int
+
+    def ensure(key: torch.Tensor) -> dict[str, Any]:
+        state: dict[str, Any] = base.state[key]
+        if any(name not in state for name in ADAM_STATES):
+            state.setdefault("step", fresh_step())
+            for name in ADAM_STATES:
+                state.setdefault(name, torch.zeros_like(key, memory_format=torch.preserve_format))
+        return state
+
+    if partitions_weights(engine):
+        # ZeRO-3 steps one flat fp32 partition per sub-group (its param groups list them only during a step).
+        for flat in engine.optimizer.fp32_partitioned_groups_flat:
+            ensure(flat)
+        return
+    for _, param in params:
+        if param in stage0:
+            ensure(stage0[param].key)
+            continue
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            continue
+        flat = base.param_groups[mapping.param_group_index][keys.PARAMS][0]
+        state = ensure(flat)
+        if not mapping.optim_fragment or any(key not in mapping.optim_fragment for key in ADAM_STATES):
+            mapping.set_optim_state_fragment(flat, state)
+
+
+def set_optimizer_step_and_groups(engine: Any, step: torch.Tensor | int | None, saved: Mapping[str, Any]) -> None:
+    """The optimizer's step (every state's, in the type it keeps it), loss scaling, gradient clipping and each
+    param group's hyperparameters, from ``saved`` (the summary ``zero/optimizer_state.pt`` keeps)."""
+    base = base_optimizer(engine)
+    if step is not None:
+        # Every tensor the optimizer steps (ZeRO-3's flat partitions are in its param groups only mid-step).
+        for state in base.state.values():
+            old = state.get("step")
+            state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
+                             if torch.is_tensor(old) else type(old)(step) if old is not None else step)
+    _restore_loss_scale(engine.optimizer, saved)
+    if keys.CLIP_GRAD in saved and hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = saved[keys.CLIP_GRAD]
+    saved_groups = saved.get(keys.PARAM_GROUPS) or []
+    for live, saved_group in zip(base.param_groups, saved_groups, strict=False):
+        for key, value in saved_group.items():
+            if key != keys.PARAMS:
+                live[key] = value
+
+
+#: The running state of a dynamic loss scaler; its policy (factor, window, minimum) comes from the
+#: resuming run's config.
+_LOSS_SCALE_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _restore_loss_scale(optimizer: Any, saved: Mapping[str, Any]) -> None:
+    """Continue fp16 loss scaling where the saved run left it, instead of re-running the overflow search.
+
+    ZeRO optimizers save a ``loss_scaler`` object; the stage-0 FP16 wrappers save its fields flat
+    (``cur_scale``, ``cur_iter``, ...) and keep them in ``loss_scale_config``. Either source goes into
+    either target.
+    """
+    scaler = saved.get(keys.LOSS_SCALER)
+    found = dict(vars(scaler)) if scaler is not None and hasattr(scaler, "__dict__") else {}
+    found.update({key: saved[key] for key in _LOSS_SCALE_STATE if key in saved})
+    target = getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+    if target is None:
+        return
+    for key in _LOSS_SCALE_STATE:
+        if found.get(key) is not None and hasattr(target, key):
+            setattr(target, key, found[key])
+
+
+def set_engine_counters(engine: Any, states: Mapping[str, Any], load_lr_scheduler: bool) -> None:
+    """The engine's step and sample counters, the saved degrees it reports, and the LR scheduler, from the
+    model states of a checkpoint."""
+    if load_lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and states.get(keys.LR_SCHEDULER):
+        engine.lr_scheduler.load_state_dict(states[keys.LR_SCHEDULER])
+    engine.global_steps = int(states.get(keys.GLOBAL_STEPS, 0))
+    engine.global_samples = int(states.get(keys.GLOBAL_SAMPLES, engine.global_steps * engine.train_batch_size()))
+    engine.skipped_steps = int(states.get(keys.SKIPPED_STEPS, 0))
+    engine.loaded_checkpoint_mp_world_size = states.get(keys.MP_WORLD_SIZE)
+    engine.loaded_checkpoint_dp_world_size = states.get(keys.DP_WORLD_SIZE)
+
+
+# --------------------------------------------------------------------------- the checkpoint engine
+def checkpoint_engine(engine: Any) -> Any:
+    """The engine's checkpoint engine (what writes DeepSpeed's files), or None."""
+    return getattr(engine, "checkpoint_engine", None)
+
+
+def saves_in_background(engine: Any) -> bool:
+    """Whether a decoupled checkpoint engine writes the files after ``save_checkpoint`` returns."""
+    writer = checkpoint_engine(engine)
+    return writer is not None and bool(writer.is_decoupled())
+
+
+def writes_torch_zip_files(engine: Any) -> bool:
+    """Whether DeepSpeed's own torch checkpoint engine, in the zip format, writes the engine's files."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    writer = checkpoint_engine(engine)
+    return type(writer) is TorchCheckpointEngine and bool(getattr(writer, "zipfile_serialization", False))
+
+
+@contextlib.contextmanager
+def checkpoint_files_written_by(engine: Any,
+                                make_save: Callable[[Callable[[Any, str], None]], Callable[[Any, str], None]]
+                                ) -> Iterator[None]:
+    """For the ``with`` block, every file DeepSpeed's checkpoint engine writes (``save(state_dict, path)``) is
+    written by ``make_save(its own save)`` instead; the checkpoint engine's own method is put back after."""
+    writer = checkpoint_engine(engine)
+    if writer is None:
+        yield
+        return
+    own = writer.save
+    patched_before = "save" in vars(writer)  # someone else's instance attribute: put it back after
+    writer.save = make_save(own)
+    try:
+        yield
+    finally:
+        if patched_before:
+            writer.save = own
+        else:
+            del writer.save  # the class's own method again

@@ -1,0 +1,124 @@
+"""Orbax PyTrees the way MaxText writes and reads them: lazy leaves (data produced only when Orbax writes the
+leaf), the save as step 0 of a checkpoint manager with item ``items`` (OCDBT + zarr3), and one leaf read back
+through a partial restore. Orbax's internals (the handler that writes lazy leaves) are in
+:mod:`deepspeed_ext.checkpoint.orbax_private`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deepspeed_ext.checkpoint.maxtext.names import ITEM, STEP_DIR
+from deepspeed_ext.errors import CheckpointError, first_line
+
+
+class LazyLeaf:
+    """A numpy-like stand-in Orbax accepts as a leaf; the data is produced only when written.
+
+    ``write_shape`` is the storage chunk (zarr3 chunk). The data comes whole from ``produce``, or from
+    ``slabs``: an iterator of ``(index, array)`` pieces that together cover the leaf, each covering whole
+    storage chunks, so the writer writes them one by one (no chunk is read back or rewritten) and never holds
+    the leaf: a scanned stack a layer at a time, a large tensor a block of rows at a time.
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray] | None,
+                 write_shape: tuple[int, ...] | None = None,
+                 slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]] | None = None):
+        if (produce is None) == (slabs is None):
+            raise CheckpointError("internal: a lazy leaf needs exactly one of `produce` and `slabs`")
+        self.shape = tuple(shape)
+        self.write_shape = tuple(write_shape) if write_shape else None
+        self.slabs = slabs
+        self.dtype = np.dtype(dtype)
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        self._produce = produce
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if self._produce is not None:
+            array = self._produce()
+        else:  # asked for whole (the writer normally takes it slab by slab)
+            assert self.slabs is not None
+            array = np.empty(self.shape, dtype=self.dtype)
+            for index, piece in self.slabs():
+                array[index] = piece
+        if array.shape != self.shape or array.dtype != self.dtype:
+            raise CheckpointError(f"internal: produced {array.shape} {array.dtype}, planned {self.shape} {self.dtype}")
+        return array if dtype is None else array.astype(dtype)
+
+
+_registered = False
+
+
+def _register_lazy_leaf() -> None:
+    global _registered
+    if not _registered:
+        from orbax.checkpoint import type_handlers
+
+        from deepspeed_ext.checkpoint.orbax_private import lazy_leaf_handler
+        type_handlers.register_type_handler(LazyLeaf, lazy_leaf_handler(), override=True)
+        _registered = True
+
+
+def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
+               finish: Callable[[], None] | None = None) -> None:
+    """Save ``tree`` (lazy leaves allowed) into the staging directory ``out`` as step 0, item ``items``, the
+    way MaxText's own writers do, then its manifest; ``finish`` runs after the save (it may refuse it)."""
+    import orbax.checkpoint as ocp
+    _register_lazy_leaf()
+    try:
+        # MaxText's own storage choice: OCDBT + zarr3. Orbax writes the step into a temporary directory
+        # and renames it when complete, so an interrupted run leaves no "0/" that looks finished.
+        manager = ocp.CheckpointManager(
+            out,
+            item_names=(ITEM, ),
+            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
+            options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
+        manager.save(int(STEP_DIR), args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
+                     custom_metadata=dict(custom_metadata))
+        manager.wait_until_finished()
+        manager.close()
+        if finish is not None:
+            finish()
+        from deepspeed_ext.checkpoint.manifest import ManifestRecorder
+        ManifestRecorder(out).write()
+    except (ValueError, OSError) as exc:  # tensorstore reports failed writes (disk full) as ValueError
+        raise CheckpointError(f"{out}: cannot write the Orbax checkpoint: {first_line(exc)}") from exc
+
+
+def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...], restore_type: type,
+                 dtype: Any = None) -> Any:
+    """One leaf of a saved Orbax PyTree (``tree``: its metadata tree), through a partial restore.
+
+    The request holds only ``path``, shaped like the saved tree: a saved list must be asked for at full
+    length, with None for the entries not wanted.
+    """
+    import orbax.checkpoint as ocp
+
+    def build(node: Any, depth: int, value: Any) -> Any:
+        if depth == len(path):
+            return value
+        key = path[depth]
+        if isinstance(node, (list, tuple)):
+            out = [None] * len(node)
+            out[int(key)] = build(node[int(key)], depth + 1, value)
+            return out
+        return {key: build(node[key], depth + 1, value)}
+
+    item = build(tree, 0, np.empty(0) if restore_type is np.ndarray else 0)
+    args = build(tree, 0, ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
+    try:
+        value = checkpointer.restore(items, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                                         partial_restore=True))
+    except (ValueError, OSError) as exc:  # tensorstore reports corrupt or truncated data files as ValueError
+        if restore_type is not np.ndarray:
+            raise
+        raise CheckpointError(f"{items}: cannot read array {'/'.join(path)}: {first_line(exc)}") from exc
+    for key in path:
+        value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
+    return value

@@ -1,0 +1,258 @@
+"""The source behind ``from-maxtext`` (and ``to-hf``, ``inspect``, ``verify`` of a MaxText checkpoint): a MaxText
+Orbax checkpoint read back as HF-named fp32 tensors, each undone from MaxText's layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
+from deepspeed_ext.checkpoint.fingerprint import Fingerprints
+from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
+from deepspeed_ext.checkpoint.maxtext.names import (CUSTOM_METADATA, FAMILY_KEY, FINGERPRINTS_KEY, ITEM, METADATA,
+                                                    METADATA_KEY, MODEL_CONFIG_KEY, MOMENT_PREFIX, OPTIMIZER_COUNT,
+                                                    PARAMS_COLLECTION, PARAMS_PREFIX, STEP_DIR, STEP_KEY,
+                                                    STEP_METADATA)
+from deepspeed_ext.checkpoint.maxtext.orbax_io import restore_leaf
+from deepspeed_ext.checkpoint.maxtext.plan import layer_blocks, rule_blocks
+from deepspeed_ext.checkpoint.maxtext.settings import maxtext_settings, settings_text
+from deepspeed_ext.checkpoint.maxtext.transforms import TRANSFORMS, ModelDims, from_maxtext, join_parts
+from deepspeed_ext.checkpoint.source import CheckpointSource, OpenOptions, SourceInfo
+from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, STEP
+from deepspeed_ext.errors import CheckpointError, MissingConfigError, first_line
+
+if TYPE_CHECKING:  # torch only where tensors are handed over
+    from deepspeed_ext.checkpoint.tensor import LogicalTensor
+    from deepspeed_ext.module_inject.layout import TPLayout
+
+
+def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`): the checkpoint with its HF config
+    and family, given, else what to-maxtext recorded."""
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    items = maxtext_items(path)
+    if items is None:
+        raise CheckpointError(f"{path}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
+    stored = stored_model_info(items)
+    if options.model_config is not None:
+        config = dict(options.model_config)
+    elif stored.get(MODEL_CONFIG_KEY):
+        config = stored[MODEL_CONFIG_KEY]
+    else:
+        raise MissingConfigError(f"{items}: no model config recorded with this MaxText checkpoint (it was not written "
+                                 "by deepspeed-ext); pass --config config.json (the model's HF config)")
+    family_name = options.family or stored.get(FAMILY_KEY)
+    family = get_family(family_name) if family_name else infer_family(config)
+    # The fingerprints to-maxtext recorded describe what a read returns with the recorded config and family;
+    # another config (--config, --family) reads the arrays differently, so the record does not apply.
+    recorded = stored.get(FINGERPRINTS_KEY)
+    as_written = config == stored.get(MODEL_CONFIG_KEY) and family.name == stored.get(FAMILY_KEY)
+    fingerprints = (Fingerprints.from_json(recorded, f"{items.parent / STEP_METADATA} ({CUSTOM_METADATA})")
+                    if recorded is not None and as_written else None)
+    return MaxTextCheckpoint(items, family, config, given=path, fingerprints=fingerprints)
+
+
+class MaxTextCheckpoint:
+    """A MaxText Orbax checkpoint (``<root>/<step>/items``) as a stream of HF-named fp32 tensors.
+
+    Arrays are read one leaf at a time through Orbax's partial restore; a scanned stack stays cached
+    while its layers are handed out, with its two moments' stacks (and, for a fused expert tensor, the
+    stacks of its other half), so memory stays at a few of the largest arrays. It plugs into the universal writer like a
+    DeepSpeed source with a single TP rank. When the checkpoint has optax adamw's state (MaxText's
+    default optimizer) its moments and count become the universal ``exp_avg`` / ``exp_avg_sq`` / step;
+    otherwise the optimizer state is fresh (zero moments, step 0).
+    """
+
+    def __init__(self, items: str | Path, family: Family, model_config: Mapping[str, Any],
+                 given: str | Path | None = None, fingerprints: Fingerprints | None = None):
+        """``given``: the path the user named (the root, a step or the item directory); errors name it.
+        ``fingerprints``: what to-maxtext recorded of the tensors a read returns, checked by the writers."""
+        import orbax.checkpoint as ocp
+        self.items = Path(items).absolute()
+        self.given = Path(given) if given is not None else self.items
+        if not (self.items / METADATA).is_file():
+            hint = " (point at <root>/0/items)" if (self.items / STEP_DIR / ITEM / METADATA).is_file() else ""
+            raise CheckpointError(f"{self.items}: not an Orbax checkpoint item directory (no _METADATA){hint}")
+        self.tag_dir = self.items
+        self.fingerprints = fingerprints
+        self.family = family
+        self.model_config = dict(model_config)
+        self.dims = ModelDims.from_config(model_config, source="--config")
+        self._checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+        try:
+            metadata = ocp.PyTreeCheckpointer().metadata(self.items)
+            if metadata is None or metadata.item_metadata is None:
+                raise ValueError("_METADATA is unreadable or empty")
+            self._tree = metadata.item_metadata.tree
+            flat = ocp.tree.to_flat_dict(self._tree, sep="/")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{self.items / METADATA}: cannot read the Orbax metadata: "
+                                  f"{first_line(exc)}") from exc
+        # Keys: the leaf under the tree's "params", "<collection>/<path>" ("params/decoder/...").
+        params_prefix = "/".join(PARAMS_PREFIX) + "/"
+        self.stored = {name[len(params_prefix):]: tuple(m.shape) for name, m in flat.items()
+                       if name.startswith(params_prefix)}
+        self.stored_dtypes = {name[len(params_prefix):]: str(m.dtype) for name, m in flat.items()
+                              if name.startswith(params_prefix)}
+        if not any(name.startswith(f"{PARAMS_COLLECTION}/") for name in self.stored):
+            raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
+        stacks = {block.path for block in layer_blocks(family, self.dims, True) if block.stacked}
+        self.scan_layers = any(f"/{stack}/" in f"/{name}" for name in self.stored for stack in stacks)
+        self._sources = self._plan()
+        moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
+                   for state, prefix in MOMENT_PREFIX.items()}
+        self.has_optimizer = all(moments.values())
+        optimized = {name for name in self.stored if name.startswith(f"{PARAMS_COLLECTION}/")}
+        if self.has_optimizer and any(names != optimized for names in moments.values()):
+            raise CheckpointError(f"{self.items}: opt_state mu/nu do not mirror params (not optax adamw's state?)")
+        self.step = self._read_scalar((STEP_KEY, ))
+        self.optimizer_step = self._read_scalar(OPTIMIZER_COUNT) if self.has_optimizer else 0
+        self._cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    @property
+    def read_paths(self) -> list[Path]:
+        """The checkpoint: the step directory (the item, its metadata) and, when the step sits in an Orbax
+        checkpoint manager's root (``<root>/<step>/items``), the root with its manifest."""
+        from deepspeed_ext.checkpoint import output
+        step = self.items.parent
+        return output.read_paths(step.parent if step.name.isdigit() else step)
+
+    def _restore(self, path: tuple[str, ...], restore_type: type, dtype: Any = None) -> Any:
+        return restore_leaf(self._checkpointer, self.items, self._tree, path, restore_type, dtype)
+
+    def _read_scalar(self, path: tuple[str, ...]) -> int:
+        try:
+            return int(np.asarray(self._restore(path, int)))
+        except (KeyError, IndexError, TypeError, ValueError, FileNotFoundError):
+            return 0  # params-only checkpoints need no step
+
+    def _plan(self) -> dict[str, list[tuple[Rule, str, int | None]]]:
+        """HF name -> the (rule, leaf, layer index inside a stack) its parts come from, in rule order."""
+        sources: dict[str, list[tuple[Rule, str, int | None]]] = {}
+        blocks = layer_blocks(self.family, self.dims, self.scan_layers)
+        for rule in self.family.rules_for(self.dims.tied):
+            places: list[tuple[str, str, int | None]] = []
+            if not rule.per_layer:
+                places.append((rule.hf, f"{rule.collection}/{rule.path}", None))
+            for block in rule_blocks(rule, blocks) if rule.per_layer else []:
+                leaf = f"{rule.collection}/{rule.path.replace(LAYERS, block.path)}"
+                for position, layer in enumerate(block.layers):
+                    places.append((rule.hf.replace(LAYER, str(layer)), leaf, position if block.stacked else None))
+            for hf, leaf, index in places:
+                if leaf not in self.stored:
+                    raise CheckpointError(f"{self.items}: MaxText leaf {leaf!r} (for {hf}) is missing; wrong "
+                                          f"--family ({self.family.name}) or config?")
+                sources.setdefault(hf, []).append((rule, leaf, index))
+        used = {leaf for parts in sources.values() for _, leaf, _ in parts}
+        extra = sorted(set(self.stored) - used)
+        if extra:
+            raise CheckpointError(f"{self.items}: {len(extra)} MaxText arrays have no place in family "
+                                  f"{self.family.name!r} (e.g. {extra[:3]}); wrong --family or config?")
+        return sources
+
+    def _leaf(self, path: tuple[str, ...]) -> np.ndarray:
+        if path not in self._cache:
+            if len(self._cache) >= 6:  # weight + two moments, each possibly split in two (fused experts)
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[path] = np.asarray(self._restore(path, np.ndarray, np.float32), dtype=np.float32)
+        return self._cache[path]
+
+    def _hf_shape(self, parts: list[tuple[Rule, str, int | None]]) -> tuple[int, ...]:
+        shapes = []
+        for rule, leaf, index in parts:
+            shape = self.stored[leaf]
+            if index is not None:
+                shape = shape[:rule.scan_axis] + shape[rule.scan_axis + 1:]
+            shapes.append(TRANSFORMS[rule.kind].hf_shape(shape))
+        axis = TRANSFORMS[parts[0][0].kind].join_axis
+        if axis is None:
+            return shapes[0]
+        axis %= len(shapes[0])
+        return tuple(sum(s[axis] for s in shapes) if i == axis else d for i, d in enumerate(shapes[0]))
+
+    def hf_tensor(self, name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
+        """The full fp32 HF tensor ``name`` (or one of its Adam moments), undone from MaxText's layout."""
+        prefix = PARAMS_PREFIX if state == MASTER_WEIGHTS else MOMENT_PREFIX[state]
+        pieces = []
+        for rule, leaf, index in self._sources[name]:
+            if state != MASTER_WEIGHTS and rule.collection != PARAMS_COLLECTION:
+                # Outside the optimizer (DeepSeek's router bias): no moments, as a never-stepped Adam has.
+                pieces.append(np.zeros(self._hf_shape([(rule, leaf, index)]), np.float32))
+                continue
+            array = self._leaf((*prefix, *leaf.split("/")))
+            if index is not None:
+                array = np.take(array, index, axis=rule.scan_axis)
+            pieces.append(from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state))
+        return np.ascontiguousarray(join_parts(self._sources[name][0][0].kind, pieces))
+
+    @cached_property
+    def layouts(self) -> dict[str, TPLayout]:
+        from deepspeed_ext.module_inject.layout import TPLayout
+        return {name: TPLayout.replicated(self._hf_shape(parts), 1) for name, parts in self._sources.items()}
+
+    @cached_property
+    def info(self) -> SourceInfo:
+        # Without optax state there are only weights: the resuming optimizer starts fresh.
+        states = (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer else (MASTER_WEIGHTS, )
+        return SourceInfo(format=MAXTEXT, given=self.given, path=self.items, layouts=self.layouts, states=states,
+                          global_step=self.step, model_config=self.model_config,
+                          versions={"source": f"maxtext ({self.family.name})"}, fingerprints=self.fingerprints)
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        import torch
+
+        from deepspeed_ext.checkpoint.model_config import torch_dtype
+        from deepspeed_ext.checkpoint.tensor import LogicalTensor
+        # Weights first, then each moment, so a cached scanned stack serves all its layers in a row.
+        for name, layout in self.layouts.items():
+
+            def loader(state: str, name: str = name) -> Any:
+                if state == STEP:
+                    return self.optimizer_step
+                return torch.from_numpy(self.hf_tensor(name, state))
+
+            leaf = self._sources[name][0][1]
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=self.info.states, loader=loader,
+                                dtype=torch_dtype(self.stored_dtypes[leaf]))
+
+    def raise_if_damaged(self) -> None:
+        """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where
+        deepspeed-ext wrote them)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": MAXTEXT,
+            "path": str(self.items),
+            "family": self.family.name,
+            "model_type": self.model_config.get("model_type"),
+            "scan_layers": self.scan_layers,
+            "arrays": len(self.stored),
+            "tensor_dtypes": sorted(set(self.stored_dtypes.values())),
+            "global_steps": self.step,
+            "optimizer": "optax adamw (mu, nu)" if self.has_optimizer else "none",
+            "optimizer_step": self.optimizer_step if self.has_optimizer else None,
+            "num_parameters": sum(math.prod(layout.shape) for layout in self.layouts.values()),
+            "maxtext_settings": self._settings_text(),
+        }
+
+    def _settings_text(self) -> str:
+        try:
+            return settings_text(maxtext_settings(self.family, self.model_config, self.scan_layers))
+        except (CheckpointError, KeyError, TypeError, ValueError) as exc:
+            return f"unknown ({first_line(exc)})"
+
+
+def stored_model_info(items: str | Path) -> dict[str, Any]:
+    """What to-maxtext recorded in the step's custom metadata (family, HF model config), or {}."""
+    import orbax.checkpoint as ocp
+    step_dir = Path(items).absolute().parent
+    try:
+        custom = ocp.StandardCheckpointer().metadata(step_dir).custom_metadata or {}
+    except (FileNotFoundError, ValueError, KeyError):
+        return {}
+    return dict(custom.get(METADATA_KEY) or {})

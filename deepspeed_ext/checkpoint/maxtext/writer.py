@@ -1,0 +1,402 @@
+"""The sink behind ``to-maxtext``: a checkpoint source written as a MaxText Orbax checkpoint (the layout is in
+:mod:`deepspeed_ext.checkpoint.maxtext.names`, the conventions in docs/maxtext.md).
+
+Streaming: each leaf is a lazy proxy that Orbax materialises just before writing it, one leaf at a
+time, and writes slab by slab: a block of an HF tensor's rows (about :data:`BLOCK_BYTES` of fp32) is read,
+transformed and cast, and becomes one slab of the leaf, written as whole storage chunks (a scanned stack is
+stored one layer thick). Peak memory is a few blocks, whatever the size of the largest tensor. bf16 is written
+as ``ml_dtypes.bfloat16`` straight from the fp32 rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from deepspeed_ext.checkpoint import orbax_private, output
+from deepspeed_ext.checkpoint.families import LAYER, Family, Rule
+from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints
+from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, FAMILY_KEY, FINGERPRINTS_KEY, ITEM, METADATA_KEY,
+                                                    MODEL_CONFIG_KEY, MU_KEY, NU_KEY, OPT_STATE_KEY,
+                                                    PARAMS_COLLECTION, PARAMS_KEY, SCAN_LAYERS_KEY, STEP_DIR,
+                                                    STEP_KEY)
+from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, save_items
+from deepspeed_ext.checkpoint.maxtext.plan import Leaf, plan_leaves
+from deepspeed_ext.checkpoint.maxtext.sharding import parse_mesh, shard_shape, storage_chunk
+from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
+                                                         from_maxtext, row_blocks, to_maxtext)
+from deepspeed_ext.checkpoint.source import (CheckpointSource, WriteOptions, finite_check, protected_paths,
+                                             required_model_config)
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, STEP
+from deepspeed_ext.errors import CheckpointError
+
+if TYPE_CHECKING:  # torch only where tensors are handed over
+    from tqdm import tqdm
+
+    from deepspeed_ext.checkpoint.model_config import ConfigFit
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck, StreamCheck
+
+DTYPES = ("bfloat16", "float32")
+#: ``load(name, state)``: one full fp32 tensor as numpy; ``load_rows(name, state, first, last)``: rows
+#: ``[first, last)`` of it (along axis 0), flattened, as numpy or a torch tensor.
+Load = Callable[..., np.ndarray]
+LoadRows = Callable[[str, str, int, int], Any]
+
+
+@dataclass(frozen=True)
+class MaxTextOptions(WriteOptions):
+    """``family``: the MaxText model family (None: inferred from the model config); ``scan_layers``: stack the
+    decoder layers as MaxText's ``scan_layers=true`` expects; ``dtype`` of the weights; ``mesh``: the target
+    mesh the storage chunks are cut for (``{"fsdp": 16}`` or ``"fsdp=16"``); ``with_optimizer``: also write
+    the Adam moments as optax adamw's state."""
+
+    family: str | None = None
+    scan_layers: bool = True
+    dtype: str = "bfloat16"
+    mesh: Mapping[str, int] | str | None = None
+    with_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How :func:`write_maxtext` writes, beside the tensors, the family and the model's dimensions.
+
+    ``model_config`` (the HF config) is stored in the step's custom metadata beside ``scan_layers``, so
+    ``from-maxtext`` needs no ``--config`` for checkpoints written here. ``step`` (the training step the
+    weights are from) goes into the tree's ``step`` leaf, which MaxText ignores for a parameter load and
+    ``from-maxtext`` hands back to DeepSpeed so a resumed run continues its step count and data order.
+
+    ``mesh`` (e.g. ``{"fsdp": 16}``): each array's storage chunks are one device's shard under MaxText's
+    sharding rules for that mesh (one layer thick for scanned stacks, see :func:`storage_chunk`), so a
+    restore into that mesh reads each shard's bytes once, with no separate reshard pass.
+
+    ``with_optimizer``: ``opt_state`` also holds the Adam moments in the layout of MaxText's default
+    optimizer (optax ``adamw``: ``[ScaleByAdamState(count, mu, nu), EmptyState, ScaleByScheduleState(count)]``,
+    ``mu``/``nu`` mirroring ``params`` and kept in fp32), with ``count`` = ``optimizer_step``. The query
+    moments are rescaled for MaxText's pre-scaled query kernel (see :class:`~.transforms.Transform`).
+
+    ``load_rows(name, state, first, last)``: rows ``[first, last)`` of a tensor (along axis 0), flattened, as
+    numpy or a torch tensor (default: cut from ``load``, which then loads the whole tensor for each block: for
+    sources held in memory). Tensors are streamed into their leaves in blocks of about ``block_bytes`` (default
+    :data:`BLOCK_BYTES`) of fp32 rows (:func:`row_blocks`). ``finite``: check every tensor for NaN/Inf; if any
+    has them, the written checkpoint is removed and nothing is left. ``recorded``: likewise, check what ``load``
+    returns against the fingerprints the source recorded. ``fit``: the check that the tensors fit transformers'
+    model for the config, running on a thread: polled at each load, and its answer awaited before anything is
+    published. ``before_publish``: the source's own checks (its files' checksums), run last before publishing.
+    ``protect``: the source's paths, which the output may not touch; the output is built aside and published
+    whole (:mod:`deepspeed_ext.checkpoint.output`). ``source``: the source's name in errors.
+    """
+
+    scan_layers: bool = True
+    dtype: str = "bfloat16"
+    overwrite: bool = False
+    progress: bool = True
+    source: str = "source"
+    model_config: Mapping[str, Any] | None = None
+    step: int = 0
+    mesh: Mapping[str, int] | None = None
+    with_optimizer: bool = False
+    optimizer_step: int | None = None
+    finite: FiniteCheck | None = None
+    recorded: RecordCheck | None = None
+    fit: ConfigFit | None = None
+    protect: Iterable[str | Path] = ()
+    load_rows: LoadRows | None = None
+    block_bytes: int | None = None
+    before_publish: Callable[[], None] | None = None
+
+
+def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = MaxTextOptions()) -> Path:
+    """Write ``source`` as a MaxText Orbax checkpoint at ``out``; returns ``out/0/items`` (MaxText's
+    ``load_parameters_path``). One tensor is read when Orbax writes the leaf that needs it."""
+    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.model_config import ConfigFit
+    from deepspeed_ext.checkpoint.source import record_check
+    info = source.info
+    label = str(info.given)
+    config = required_model_config(info)
+    family = get_family(options.family) if options.family else infer_family(config)
+    tensors = {tensor.name: tensor for tensor in source.tensors()}
+    fit = ConfigFit(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
+    load, load_rows = _source_loaders(tensors)
+    with fit.first():  # a config that does not fit is named before what follows from it
+        optimizer_step = _optimizer_step(tensors, label) if options.with_optimizer else None
+        mesh = parse_mesh(options.mesh) if isinstance(options.mesh, str) else options.mesh
+        return write_maxtext(load, {name: t.shape for name, t in tensors.items()}, family,
+                             ModelDims.from_config(config), out,
+                             WriterOptions(scan_layers=options.scan_layers, dtype=options.dtype,
+                                           overwrite=options.overwrite, progress=options.progress, source=label,
+                                           model_config=config, step=info.global_step, mesh=mesh,
+                                           with_optimizer=options.with_optimizer, optimizer_step=optimizer_step,
+                                           finite=finite_check(source, options), recorded=record_check(info),
+                                           fit=fit, protect=protected_paths(source, options), load_rows=load_rows,
+                                           before_publish=source.raise_if_damaged))
+
+
+def _optimizer_step(tensors: Mapping[str, LogicalTensor], label: str) -> int:
+    """The optimizer step the source's tensors carry (``--with-optimizer``)."""
+    first = next(iter(tensors.values()))
+    if STEP not in first.states:
+        raise CheckpointError(f"{label}: no optimizer step to carry (--with-optimizer)")
+    value = first.load(STEP)
+    return int(value.item() if hasattr(value, "item") else value)
+
+
+def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRows]:
+    """``load`` and ``load_rows`` (:class:`WriterOptions`) reading the source's tensors."""
+    last_whole: dict[tuple[str, str], Any] = {}
+
+    def load(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
+        return tensors[name].load_tensor(state).detach().float().numpy()
+
+    def load_rows(name: str, state: str, first: int, last: int) -> Any:
+        """Rows ``[first, last)`` as a flat fp32 tensor of their own (the source's blocks may be views of a mapped
+        file that the next read releases); a source that cannot read ranges loads the tensor once for its blocks."""
+        import torch
+        tensor = tensors[name]
+        row = math.prod(tensor.shape[1:])
+        if tensor.range_loader is None:
+            if (name, state) not in last_whole:
+                last_whole.clear()
+                last_whole[(name, state)] = tensor.load_tensor(state).detach().float().reshape(-1)
+            return last_whole[(name, state)][first * row:last * row]
+        rows = torch.empty((last - first) * row, dtype=torch.float32)
+        offset = 0
+        for block in tensor.blocks(state, first * row, last * row):  # each copied before the next is read
+            rows[offset:offset + block.numel()].copy_(block.detach().reshape(-1))
+            offset += block.numel()
+        return rows
+
+    return load, load_rows
+
+
+def write_maxtext(load: Load,
+                  hf_shapes: Mapping[str, tuple[int, ...]],
+                  family: Family,
+                  dims: ModelDims,
+                  out: str | Path,
+                  options: WriterOptions = WriterOptions(),
+                  **fields: Any) -> Path:
+    """Write a MaxText Orbax checkpoint at ``out`` from HF-named fp32 tensors; returns ``out/0/items``.
+
+    ``load(name, state)`` returns one full fp32 tensor (``state``: ``fp32``, ``exp_avg`` or ``exp_avg_sq``) as
+    numpy, read when Orbax writes the leaf that needs it. ``options``: how (:class:`WriterOptions`); ``fields``,
+    any of its fields given by name instead (``write_maxtext(..., dtype="float32", mesh={"fsdp": 4})``).
+    """
+    import ml_dtypes
+    from tqdm import tqdm
+
+    options = dataclasses.replace(options, **fields) if fields else options
+    if options.dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {options.dtype!r}")
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if options.dtype == "bfloat16" else np.dtype(np.float32)
+    out = output.prepare(out, options.protect, overwrite=options.overwrite)  # absolute: OCDBT refuses relative paths
+    leaves = plan_leaves(family, dims, hf_shapes, options.scan_layers, options.source)  # validated before writing
+    states = STATES if options.with_optimizer else STATES[:1]
+    checks = [check for check in (options.finite, options.recorded, options.fit) if check is not None]
+    for check in checks:
+        load = check.loader(load)
+    bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not options.progress)
+    arrays = _LeafArrays(load, _rows_loader(load, options.load_rows, checks, hf_shapes), hf_shapes, family, dims,
+                         options, np_dtype, bar)
+    tree = _train_state(arrays, leaves, options)
+    custom = {SCAN_LAYERS_KEY: options.scan_layers,
+              METADATA_KEY: {FAMILY_KEY: family.name, MODEL_CONFIG_KEY: dict(options.model_config or {})}}
+    try:
+        with output.staged(out) as partial:
+            save_items(partial, tree, custom, finish=lambda: _finish(partial, options, arrays.read_back))
+    finally:
+        bar.close()
+    return out / STEP_DIR / ITEM
+
+
+def _rows_loader(load: Load, load_rows: LoadRows | None, checks: Sequence[StreamCheck],
+                 hf_shapes: Mapping[str, tuple[int, ...]]) -> LoadRows:
+    """``load_rows`` with every block seen by ``checks``, or rows cut from ``load`` (already checked)."""
+    if load_rows is None:
+
+        def whole_rows(name: str, state: str, first: int, last: int) -> np.ndarray:
+            return np.asarray(load(name, state))[first:last].reshape(-1)
+
+        return whole_rows
+    return _checked_rows(load_rows, checks, hf_shapes)
+
+
+def _checked_rows(load_rows: LoadRows, checks: Sequence[StreamCheck],
+                  hf_shapes: Mapping[str, tuple[int, ...]]) -> LoadRows:
+    """``load_rows`` with every block it returns seen by ``checks`` as the flat element range it is."""
+    import torch
+
+    def load(name: str, state: str, first: int, last: int) -> Any:
+        rows = load_rows(name, state, first, last)
+        value = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
+        row = math.prod(hf_shapes[name][1:])
+        for check in checks:
+            value = check.check_range(name, state, first * row, last * row, value)
+        return value
+
+    return load
+
+
+def _train_state(arrays: _LeafArrays, leaves: list[Leaf], options: WriterOptions) -> dict[str, Any]:
+    """MaxText's train state of lazy leaves: the step, the parameters, and optax adamw's state or nothing."""
+    opt_state: Any = {}
+    if options.with_optimizer:
+        count = np.int32(options.step if options.optimizer_step is None else options.optimizer_step)
+        adam = {COUNT_KEY: count, MU_KEY: arrays.tree(leaves, "exp_avg"), NU_KEY: arrays.tree(leaves, "exp_avg_sq")}
+        opt_state = [adam, None, {COUNT_KEY: count}]
+    return {STEP_KEY: int(options.step), PARAMS_KEY: arrays.tree(leaves, MASTER_WEIGHTS), OPT_STATE_KEY: opt_state}
+
+
+def _finish(partial: Path, options: WriterOptions, read_back: _ReadBackFingerprints) -> None:
+    """Once every array is written, before anything is published: the checks' verdicts, then the fingerprints of
+    what a read returns, added to our entry of the step's custom metadata (which Orbax took before it wrote the
+    arrays, whose tensors are read lazily)."""
+    if options.finite is not None:
+        options.finite.raise_if_any()
+    if options.recorded is not None:
+        options.recorded.raise_if_wrong()
+    if options.fit is not None:
+        options.fit.result()
+    if options.before_publish is not None:  # the source's own checks (its files' checksums)
+        options.before_publish()
+    written = read_back.total(step=options.optimizer_step if options.with_optimizer else None,
+                              global_steps=int(options.step))
+    orbax_private.add_step_custom_metadata(partial / STEP_DIR, METADATA_KEY, {FINGERPRINTS_KEY: written.to_json()})
+
+
+class _LeafArrays:
+    """The lazy leaves of one write: each produces its HF tensors' blocks in the leaf's layout and dtype when Orbax
+    writes it, recording the fingerprints of what a read of them returns (``read_back``)."""
+
+    def __init__(self, load: Load, load_rows: LoadRows, hf_shapes: Mapping[str, tuple[int, ...]], family: Family,
+                 dims: ModelDims, options: WriterOptions, np_dtype: np.dtype, bar: tqdm):
+        self.load, self.load_rows, self.hf_shapes = load, load_rows, hf_shapes
+        self.family, self.dims, self.mesh, self.bar = family, dims, options.mesh, bar
+        self.block_bytes = BLOCK_BYTES if options.block_bytes is None else options.block_bytes
+        self.np_dtype = np_dtype
+        # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
+        # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
+        # fingerprint per part (a fused tensor's halves sit in two leaves), added up once every array is written.
+        self.read_back = _ReadBackFingerprints()
+
+    def tree(self, leaves: list[Leaf], state: str) -> dict[str, Any]:
+        """``{collection: tree}``; the moments only of the ``params`` collection (the optimizer's)."""
+        # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
+        leaf_dtype = self.np_dtype if state == MASTER_WEIGHTS else np.dtype(np.float32)
+        tree: dict[str, Any] = {}
+        for leaf in leaves:
+            if state != MASTER_WEIGHTS and leaf.collection != PARAMS_COLLECTION:
+                continue
+            node = tree.setdefault(leaf.collection, {})
+            for key in leaf.path[:-1]:
+                node = node.setdefault(key, {})
+            node[leaf.path[-1]] = self.lazy_leaf(leaf, state, leaf_dtype)
+        return tree
+
+    def lazy_leaf(self, leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
+        rule = leaf.rule
+        assert rule is not None  # plan_leaves gives every leaf its rule
+        layers = leaf.layers or ()
+        names = [rule.hf] if leaf.layers is None else [rule.hf.replace(LAYER, str(layer)) for layer in layers]
+        if leaf.stacked and leaf.scan_axis != 1:  # small non-parameter variables stacked on axis 0: whole
+            return self._whole_stack(leaf, rule, names, state, leaf_dtype)
+        if not leaf.stacked:
+            names = names[:1]  # an unscanned layer's leaf holds its one layer
+        plan, write_shape = self._row_plan(leaf, rule, state, tuple(self.hf_shapes[names[0]]))
+        stack_axis = 1 if leaf.stacked else None
+
+        def slabs() -> Iterator[tuple[tuple[int | slice, ...], np.ndarray]]:
+            for position, name in enumerate(names):
+                for first, last in plan.ranges() if plan.axis is not None else [(0, 1)]:
+                    index: list[int | slice] = [slice(None)] * (len(leaf.shape) - (stack_axis is not None))
+                    if plan.axis is not None:
+                        index[plan.axis] = slice(first, last)
+                    if stack_axis is not None:
+                        index.insert(stack_axis, position)
+                    yield tuple(index), self.stored_block(rule, name, state, leaf_dtype, plan, first, last)
+            self.bar.update(1)
+
+        return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=slabs)
+
+    def _whole_stack(self, leaf: Leaf, rule: Rule, names: list[str], state: str, leaf_dtype: np.dtype) -> LazyLeaf:
+        """A stack on an axis other than 1 (small non-parameter variables, on axis 0), produced whole."""
+
+        def produce_stack() -> np.ndarray:
+            plan = RowBlocks(None)
+            array = np.stack([self.stored_block(rule, name, state, leaf_dtype, plan, 0, 1) for name in names],
+                             leaf.scan_axis)
+            self.bar.update(1)
+            return array
+
+        return LazyLeaf(leaf.shape, leaf_dtype, produce_stack, shard_shape(leaf, self.mesh) if self.mesh else None)
+
+    def _row_plan(self, leaf: Leaf, rule: Rule, state: str,
+                  hf_shape: tuple[int, ...]) -> tuple[RowBlocks, tuple[int, ...]]:
+        """How a tensor of ``leaf`` is streamed, and the leaf's storage chunk (one layer thick for a stack)."""
+        # The leaf of one tensor (one layer's, for a stack on axis 1): its storage chunk without the layer axis.
+        chunk = list(storage_chunk(leaf, self.mesh) or leaf.shape)
+        if leaf.stacked:
+            del chunk[1]
+        per_mesh = shard_shape(leaf, self.mesh) if self.mesh else None
+        if per_mesh is not None and leaf.stacked:
+            per_mesh = per_mesh[:1] + per_mesh[2:]
+        plan = row_blocks(rule.kind, state, hf_shape, self.dims, per_mesh, self.block_bytes)
+        if plan.axis is not None:
+            chunk[plan.axis] = plan.chunk
+        return plan, (tuple(chunk[:1] + [1] + chunk[1:]) if leaf.stacked else tuple(chunk))
+
+    def stored_block(self, rule: Rule, name: str, state: str, leaf_dtype: np.dtype, plan: RowBlocks, first: int,
+                     last: int) -> np.ndarray:
+        """Units ``[first, last)`` of HF tensor ``name`` in the leaf's layout and dtype (all of it where the plan
+        streams nothing); its read-back fingerprint is recorded as it goes."""
+        hf_shape = tuple(self.hf_shapes[name])
+        dims = self.dims
+        if plan.axis is None:
+            array = np.asarray(self.load(name, state), dtype=np.float32)
+            block_dims, low = dims, 0
+        else:
+            low, high = first * plan.unit, last * plan.unit
+            rows = self.load_rows(name, state, low, high)
+            rows = rows.detach().numpy() if hasattr(rows, "detach") else rows  # a torch tensor
+            array = np.asarray(rows, dtype=np.float32).reshape(high - low, *hf_shape[1:])
+            # A per-head reshape that takes the head count from dims sees only this block's heads.
+            block_dims = dataclasses.replace(dims, num_heads=last - first) \
+                if TRANSFORMS[rule.kind].heads_in_rows else dims
+        stored = np.ascontiguousarray(to_maxtext(rule.kind, array, block_dims, self.family, state), dtype=leaf_dtype)
+        del array
+        self.read_back.add(name, state, rule, low,
+                           from_maxtext(rule.kind, stored.astype(np.float32), block_dims, self.family, state))
+        return stored
+
+
+class _ReadBackFingerprints:
+    """Per HF tensor and state, the fingerprints of its parts as a read returns them, block by block (:meth:`add`
+    runs on Orbax's writer threads: one dict store each, under the GIL); a block produced twice is counted once."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str], dict[tuple[str, str, int], Fingerprint]] = {}
+
+    def add(self, name: str, state: str, rule: Rule, first_row: int, read: np.ndarray) -> None:
+        """``read``: the HF rows from ``first_row`` on of this rule's part (a block, or all of it)."""
+        import torch
+
+        # Sums do not see order: the elements as laid out in memory, with no copy for a transposed view.
+        flat = np.ravel(read, order="K")
+        self._parts.setdefault((name, state), {})[(rule.collection, rule.path, first_row)] = Fingerprint.of(
+            torch.from_numpy(flat))
+
+    def total(self, step: int | None, global_steps: int) -> Fingerprints:
+        """The fingerprints of the whole tensors: a joined tensor's sums are its parts' sums added up."""
+        found = Fingerprints(step=step, global_steps=global_steps)
+        for (name, state), parts in sorted(self._parts.items()):
+            found.add(name, state, Fingerprint(sum(p.numel for p in parts.values()),
+                                               math.fsum(p.total for p in parts.values()),
+                                               math.fsum(p.total_sq for p in parts.values())))
+        return found
