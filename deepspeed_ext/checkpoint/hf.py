@@ -324,7 +324,9 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
     recorded: dict[str, list[str]] = {filename: [home[name] for name in names if name in home]
                                       for filename, names in shards.items()}
     headers: dict[str, int] = {}
-    sums: list[tuple[str, tuple[int, float, float]]] = []  # appended by the writer threads
+    # Appended by the writer threads, in the order they finish: added up in file order below, so the fingerprint
+    # (float sums) and with it the header's bytes are the same on every run.
+    sums: list[tuple[str, str, int, tuple[int, float, float]]] = []
     try:
         for filename, names in shards.items():
             entries = [plan[name] for name in names]
@@ -361,7 +363,7 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                         bar.update(data.numel() * data.element_size())
                 del full
         totals: dict[str, list[float]] = {}
-        for name, piece in sums:
+        for name, _, _, piece in sorted(sums, key=lambda item: item[:3]):
             running = totals.setdefault(name, [0, 0.0, 0.0])
             for i, value in enumerate(piece):
                 running[i] += value
@@ -380,10 +382,10 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
 
 
 def _write_piece(fd: int, data: torch.Tensor, offset: int, path: Path, name: str,
-                 sums: list[tuple[str, tuple[int, float, float]]]) -> None:
+                 sums: list[tuple[str, str, int, tuple[int, float, float]]]) -> None:
     """One piece of a weight at its offset, and its share of the weight's fingerprint (on a writer thread)."""
     from deepspeed_ext.checkpoint.fingerprint import partial_sums
-    sums.append((name, partial_sums(data)))
+    sums.append((name, path.name, offset, partial_sums(data)))
     _write_at(fd, data.reshape(-1).view(torch.uint8).numpy().data, offset, path)
 
 

@@ -59,7 +59,7 @@ def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source
     model_type = values.pop("model_type", None)
     try:
         config = AutoConfig.for_model(model_type, **values)
-    except (KeyError, ValueError, TypeError) as exc:
+    except Exception as exc:  # whatever transformers raises on a value it cannot take (a dtype it does not know)
         raise CheckpointError(f"{source}: the model config is not one transformers knows "
                               f"(model_type {model_type!r}): {exc}") from exc
     if not config.architectures:

@@ -37,6 +37,7 @@ from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
 from deepspeed_ext.checkpoint.fingerprint import (Fingerprint, Fingerprints, partial_sums)
 from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
+from deepspeed_ext.checkpoint.metadata import METADATA_FILE as UC_INFO_FILE
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
                                              check_against_record, protected_paths, required_model_config)
@@ -361,6 +362,7 @@ class UniversalCheckpoint:
             raise CheckpointError(f"{self.path}: not a universal checkpoint (no {ZERO_DIR}/ directory)")
         # Per thread: the tensor file it reads in blocks (kept mapped between blocks) and its last block.
         self._reads = threading.local()
+        self.names  # a parameter the checkpoint lists but does not hold is refused at opening
 
     @property
     def read_paths(self) -> list[Path]:
@@ -368,7 +370,26 @@ class UniversalCheckpoint:
 
     @cached_property
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+        """The parameters under ``zero/``; refused where one the checkpoint lists is not there (a conversion
+        killed midway, a directory deleted): the list is our UC info's, else the copied model states'."""
+        found = sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+        expected, listed_by = self._listed_names()
+        missing = [name for name in expected if name not in found]
+        if missing:
+            raise CheckpointError(f"{self.zero / missing[0]}: missing ({listed_by} lists {len(missing)} parameter(s) "
+                                  f"with no directory under {ZERO_DIR}/, e.g. {missing[:3]})")
+        return found
+
+    def _listed_names(self) -> tuple[list[str], str]:
+        """The parameters the checkpoint says it holds, and the file that says so."""
+        if self.uc_info is not None:
+            return list(self.uc_info.layouts), str(self.path / UC_INFO_FILE)
+        if self.model_state_files:
+            groups = self.model_states.get(keys.PARAM_SHAPES) or []
+            names = [name for group in (groups if isinstance(groups, list) else [groups])
+                     if isinstance(group, dict) for name in group]
+            return names, str(self.model_state_files[0])
+        return [], ""
 
     @cached_property
     def uc_info(self) -> UCInfo | None:
@@ -512,8 +533,14 @@ class UniversalCheckpoint:
                           fingerprints=recorded.fingerprints if recorded else None)
 
     def tensors(self) -> Iterator[LogicalTensor]:
+        expected = self.info.states
         for name, layout in self.layouts.items():
             states = tuple(s for s in (*TENSOR_STATES, STEP) if self.has(name, s))
+            # Every parameter has the states the first one has (a torn conversion may lack one file of one).
+            missing = [state for state in expected if state not in states]
+            if missing:
+                raise CheckpointError(f"{self.file(name, missing[0])}: missing ({self.names[0]} has "
+                                      f"{'/'.join(expected)}, {name} only {'/'.join(states) or 'nothing'})")
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
                 if state != STEP:

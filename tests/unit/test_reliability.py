@@ -267,3 +267,35 @@ def test_verify_names_damage_to_a_maxtext_output(sources, tmp_path, damage):
             said = "contents differ from the manifest" if damage == "flipped byte" else "bytes, the manifest says"
             named = [line for line in proc.stdout.splitlines() if line.startswith(f"{data}: ")]
             assert named and said in named[0], proc.stdout
+
+
+def test_a_universal_checkpoint_missing_a_parameter_or_a_moment_fails_without_its_manifest(tmp_path):
+    """A conversion killed midway (or a directory deleted by hand) leaves no manifest to check against: the
+    reader itself refuses what the checkpoint's own records say is missing, and verify reports it."""
+    import shutil
+
+    from harness.cli import make_formats
+
+    from deepspeed_ext import verify
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    from deepspeed_ext.errors import CheckpointError
+    universal = make_formats(tmp_path)["universal"]
+    tag = next(p for p in universal.iterdir() if (p / "zero").is_dir())
+    (tag / "deepspeed_ext.manifest.json").unlink(missing_ok=True)
+    (universal / "deepspeed_ext.manifest.json").unlink(missing_ok=True)
+    params = sorted(p for p in (tag / "zero").iterdir() if p.is_dir())
+    for param in params:  # moments, as a checkpoint with optimizer state has them
+        for state in ("exp_avg", "exp_avg_sq"):
+            shutil.copyfile(param / "fp32.pt", param / f"{state}.pt")
+    assert verify(universal).ok
+
+    (params[-1] / "exp_avg.pt").unlink()
+    report = verify(universal)
+    assert not report.ok and any(f"{params[-1] / 'exp_avg.pt'}: missing" in line for line in report.problems), \
+        report.problems
+
+    shutil.rmtree(params[1])
+    with pytest.raises(CheckpointError, match=f"{params[1].name}: missing .*deepspeed_ext.json lists 1 parameter"):
+        open_checkpoint(universal)
+    report = verify(universal)
+    assert not report.ok and not report.opened and "deepspeed_ext.json lists 1 parameter" in report.problems[0]

@@ -65,6 +65,14 @@ def _register_lazy_leaf() -> None:
         _registered = True
 
 
+def import_orbax() -> None:
+    """Import Orbax (and with it jax and tensorstore) on the calling thread, before a thread of our own starts
+    importing transformers (:class:`~deepspeed_ext.checkpoint.model_config.ConfigFit`): CPython 3.11 before
+    3.11.9 can fail two imports that parse source at once (``SystemError: AST constructor recursion depth
+    mismatch``, python/cpython#106905), as 1 in about 7 to-maxtext runs did."""
+    import orbax.checkpoint  # noqa: F401
+
+
 def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
                finish: Callable[[], None] | None = None) -> None:
     """Save ``tree`` (lazy leaves allowed) into the staging directory ``out`` as step 0, item ``items``, the

@@ -26,7 +26,7 @@ from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, FAMILY_KEY, FINGE
                                                     MODEL_CONFIG_KEY, MU_KEY, NU_KEY, OPT_STATE_KEY,
                                                     PARAMS_COLLECTION, PARAMS_KEY, SCAN_LAYERS_KEY, STEP_DIR,
                                                     STEP_KEY)
-from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, save_items
+from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, import_orbax, save_items
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf, plan_leaves
 from deepspeed_ext.checkpoint.maxtext.sharding import parse_mesh, shard_shape, storage_chunk
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
@@ -123,6 +123,7 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     config = required_model_config(info)
     family = get_family(options.family) if options.family else infer_family(config)
     tensors = {tensor.name: tensor for tensor in source.tensors()}
+    import_orbax()  # before the config check's thread imports transformers (see import_orbax)
     fit = ConfigFit(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
     load, load_rows = _source_loaders(tensors)
     with fit.first():  # a config that does not fit is named before what follows from it
