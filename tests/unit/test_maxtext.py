@@ -114,8 +114,10 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers)
     assert_fingerprints_are_what_a_read_returns(tmp_path / "out", sorted(original), with_moments=False)
 
 
+@pytest.mark.parametrize("scan_layers, dtype", [(True, "float32"), (False, "float32"), (True, "bfloat16")],
+                         ids=["scanned-float32", "unscanned-float32", "scanned-bfloat16"])
 @pytest.mark.parametrize("family", ["qwen2", "mixtral", "gemma3", "gpt-oss", "deepseek-v3"])
-def test_adam_moments_round_trip_for_every_family(tmp_path, family):
+def test_adam_moments_round_trip_for_every_family(tmp_path, family, scan_layers, dtype):
     """--with-optimizer: each family's Adam moments -> optax's state -> back, through every transform (biases,
     1 + w norms, the scaled embedding, interleaved experts); bit-exact but the pre-scaled query's."""
     from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint
@@ -133,18 +135,16 @@ def test_adam_moments_round_trip_for_every_family(tmp_path, family):
         return tensor.detach().numpy().copy()
 
     shapes = {n: tuple(p.shape) for n, p in [*params.items(), *buffers.items()]}
-    for scan_layers, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16")):
-        items = write_maxtext(load, shapes, get_family(family),
-                              ModelDims.from_config(config), tmp_path / f"out_{scan_layers}_{dtype}", dtype=dtype,
-                              progress=False, model_config=config, with_optimizer=True, optimizer_step=2,
-                              scan_layers=scan_layers)
-        source = MaxTextCheckpoint(items, get_family(family), config)
-        assert source.has_optimizer and source.optimizer_step == 2
-        if dtype == "float32":
-            for name in shapes:
-                for state in ("fp32", "exp_avg", "exp_avg_sq"):
-                    assert_round_trip(family, name, source.hf_tensor(name, state), load(name, state), state)
-        assert_fingerprints_are_what_a_read_returns(items.parent.parent, sorted(shapes), with_moments=True)
+    items = write_maxtext(load, shapes, get_family(family), ModelDims.from_config(config), tmp_path / "out",
+                          dtype=dtype, progress=False, model_config=config, with_optimizer=True, optimizer_step=2,
+                          scan_layers=scan_layers)
+    source = MaxTextCheckpoint(items, get_family(family), config)
+    assert source.has_optimizer and source.optimizer_step == 2
+    if dtype == "float32":
+        for name in shapes:
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                assert_round_trip(family, name, source.hf_tensor(name, state), load(name, state), state)
+    assert_fingerprints_are_what_a_read_returns(items.parent.parent, sorted(shapes), with_moments=True)
 
 
 def assert_fingerprints_are_what_a_read_returns(root, names, with_moments) -> None:
