@@ -272,6 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
     _global_options(parser, subcommand=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    _add_to_universal(sub)
+    _add_to_maxtext(sub, family_help)
+    _add_from_maxtext(sub, family_help)
+    _add_to_hf(sub, family_help)
+    _add_from_hf(sub)
+    _add_reshard_orbax(sub)
+    _add_verify(sub, family_help)
+    _add_compare(sub, family_help)
+    _add_inspect(sub, family_help)
+    return parser
+
+
+def _add_to_universal(sub: Any) -> None:
     p = _command(sub, "to-universal", "merge TP slices and ZeRO partitions into DeepSpeed's universal layout", _paragraph("""
         Reads a DeepSpeed checkpoint saved at any TP x DP degree and ZeRO stage and writes one full tensor per
         parameter, with its fp32 master weights and Adam moments, in the layout upstream's ds_to_universal
@@ -302,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     _writer_options(p)
     p.set_defaults(func=cmd_to_universal)
 
+
+def _add_to_maxtext(sub: Any, family_help: str) -> None:
     p = _command(sub, "to-maxtext", "write an Orbax checkpoint in MaxText's layout", _paragraph("""
         Converts a DeepSpeed, universal or Hugging Face checkpoint into the parameter tree MaxText's own model
         code builds for the family (optionally with the Adam moments as MaxText's optax state), stored with
@@ -327,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     _writer_options(p)
     p.set_defaults(func=cmd_to_maxtext)
 
+
+def _add_from_maxtext(sub: Any, family_help: str) -> None:
     p = _command(sub, "from-maxtext", "a MaxText Orbax checkpoint back into the universal form", _paragraph("""
         Reads a MaxText checkpoint (parameters, and the Adam state when it has one) and writes DeepSpeed's
         universal layout, which DeepSpeed resumes from at any TP degree with "checkpoint":
@@ -342,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     _writer_options(p)
     p.set_defaults(func=cmd_from_maxtext)
 
+
+def _add_to_hf(sub: Any, family_help: str) -> None:
     p = _command(sub, "to-hf", "write a Hugging Face checkpoint (config.json + sharded safetensors)", _paragraph("""
         Writes what save_pretrained would: config.json, the weights as safetensors (sharded, with an index,
         above --max-shard-size), generation_config.json, and the tokenizer files of the checkpoint's folder
@@ -366,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     _writer_options(p)
     p.set_defaults(func=cmd_to_hf)
 
+
+def _add_from_hf(sub: Any) -> None:
     p = _command(sub, "from-hf", "a Hugging Face checkpoint (safetensors) into the universal form", _paragraph("""
         Reads an HF model directory (config.json and *.safetensors, with or without an index) and writes
         DeepSpeed's universal layout with fresh optimizer state: start DeepSpeed AutoTP training from
@@ -381,6 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     _writer_options(p)
     p.set_defaults(func=cmd_from_hf)
 
+
+def _add_reshard_orbax(sub: Any) -> None:
     p = _command(sub, "reshard-orbax", "re-chunk a MaxText Orbax checkpoint for a target mesh, array by array",
                  _paragraph("""
         Rewrites each array of a MaxText checkpoint with storage chunks of one device's shard under the
@@ -394,6 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     _writer_options(p, convert=False)
     p.set_defaults(func=cmd_reshard_orbax)
 
+
+def _add_verify(sub: Any, family_help: str) -> None:
     p = _command(sub, "verify", "check a checkpoint's files and tensors", _paragraph("""
         A converted checkpoint (universal, HF or MaxText) is checked against the manifest deepspeed-ext wrote
         with it (every file's size and CRC32C), a DeepSpeed one file by file; then every tensor's shape,
@@ -409,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_verify)
 
+
+def _add_compare(sub: Any, family_help: str) -> None:
     p = _command(sub, "compare", "compare two checkpoints of any formats, tensor by tensor", _paragraph("""
         Lines both checkpoints' tensors up by their Hugging Face names (MaxText's through the family registry)
         and, for each tensor and state both have (fp32 master, exp_avg, exp_avg_sq, step), reports shapes,
@@ -433,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_compare)
 
+
+def _add_inspect(sub: Any, family_help: str) -> None:
     p = _command(sub, "inspect", "describe a checkpoint (DeepSpeed, universal, HF or MaxText)", _paragraph("""
         Prints the format, step, TP x DP degree, ZeRO stage, dtypes, model config and every parameter's shape
         and tensor-parallel layout, plus how to resume from it. Reads metadata only."""), """
@@ -445,7 +474,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="an HF config.json where the checkpoint has none (MaxText, HF)")
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_inspect)
-    return parser
 
 
 def _quiet_library_warnings() -> None:
