@@ -313,15 +313,9 @@ def _raise_if_any_rank_failed(problem: str | None, tag: str, save_dir: str, disc
     """Collective: every rank says whether its part of the save failed; if any did, every rank raises the first
     failure (one line, naming the rank and the file), and the coordinator removes the unfinished save. Doubles
     as the barrier between the save's steps."""
-    import torch.distributed as dist
-
-    from deepspeed_ext.checkpoint import commit
+    from deepspeed_ext.checkpoint import collective, commit
     from deepspeed_ext.errors import CheckpointError
-    problems = [problem]
-    if dist.is_available() and dist.is_initialized():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-    failed = [(rank, text) for rank, text in enumerate(problems) if text is not None]
+    failed = [(rank, text) for rank, (text, _) in enumerate(collective.gather(problem)) if text is not None]
     if not failed:
         return
     if discard:

@@ -43,6 +43,18 @@ def _message(error: BaseException) -> str:
     return text if isinstance(error, DeepSpeedExtError) else f"{type(error).__name__}: {text}"
 
 
+def gather(problem: str | None, value: Any = None) -> list[tuple[str | None, Any]]:
+    """Collective: every rank's ``(problem, value)``, in rank order (``[(problem, value)]`` without a process
+    group of more than one rank). The one exchange behind every agreement point, :func:`agree`'s and the save's
+    (``runtime``), which words its own refusal."""
+    dist = _distributed()
+    if dist is None:
+        return [(problem, value)]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (problem, value))
+    return gathered
+
+
 def agree(error: BaseException | None, value: Any = None) -> list[Any]:
     """Collective: every rank says whether it failed (``error``) and hands over ``value``. If any rank failed,
     every rank raises :class:`RefusedOnEveryRank` (a rank's own error as its cause); else returns each rank's
@@ -55,9 +67,7 @@ def agree(error: BaseException | None, value: Any = None) -> list[Any]:
         return [value]
     if isinstance(error, RefusedOnEveryRank):
         raise error  # every rank raised it at the same point, and no rank waits for this one
-    mine = (None if error is None else _message(error), value)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered = gather(None if error is None else _message(error), value)
     failed = [(rank, message) for rank, (message, _) in enumerate(gathered) if message is not None]
     if failed:
         rank, message = failed[0]

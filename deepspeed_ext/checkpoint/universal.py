@@ -362,7 +362,7 @@ class UniversalCheckpoint:
             raise CheckpointError(f"{self.path}: not a universal checkpoint (no {ZERO_DIR}/ directory)")
         # Per thread: the tensor file it reads in blocks (kept mapped between blocks) and its last block.
         self._reads = threading.local()
-        self.names  # a parameter the checkpoint lists but does not hold is refused at opening
+        self._refuse_missing_parameters()
 
     @property
     def read_paths(self) -> list[Path]:
@@ -370,15 +370,17 @@ class UniversalCheckpoint:
 
     @cached_property
     def names(self) -> list[str]:
-        """The parameters under ``zero/``; refused where one the checkpoint lists is not there (a conversion
-        killed midway, a directory deleted): the list is our UC info's, else the copied model states'."""
-        found = sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+        return sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+
+    def _refuse_missing_parameters(self) -> None:
+        """At opening: refuse a parameter the checkpoint lists but does not hold under ``zero/`` (a conversion
+        killed midway, a directory deleted); the list is our UC info's, else the copied model states'."""
+        found = set(self.names)
         expected, listed_by = self._listed_names()
         missing = [name for name in expected if name not in found]
         if missing:
             raise CheckpointError(f"{self.zero / missing[0]}: missing ({listed_by} lists {len(missing)} parameter(s) "
                                   f"with no directory under {ZERO_DIR}/, e.g. {missing[:3]})")
-        return found
 
     def _listed_names(self) -> tuple[list[str], str]:
         """The parameters the checkpoint says it holds, and the file that says so."""
