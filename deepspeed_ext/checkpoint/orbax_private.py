@@ -10,8 +10,9 @@ afterwards; what is known only once every array is written (the fingerprints of 
 by rewriting the step's metadata file, whose name and layout are Orbax's own (:func:`add_step_custom_metadata`).
 
 ``check_orbax_internals()`` verifies every internal this module uses. The writer calls it before it
-relies on them, and ``tests/unit/test_orbax_private.py`` runs it too (and ``tests/e2e/test_orbax_guard_e2e.py`` in MaxText's
-own environment, in CI), so an Orbax upgrade that moves them fails loudly instead of writing silently different chunks.
+relies on them, and ``tests/unit/test_orbax_private.py`` runs it too (and, in CI,
+``tests/e2e/test_orbax_guard_e2e.py`` in MaxText's own environment), so an Orbax upgrade that moves them
+fails loudly instead of writing silently different chunks.
 """
 
 from __future__ import annotations

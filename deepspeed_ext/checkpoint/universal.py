@@ -34,13 +34,14 @@ from tqdm import tqdm
 from deepspeed_ext.checkpoint import collective, output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
-from deepspeed_ext.checkpoint.fingerprint import (Fingerprint, Fingerprints, partial_sums)
+from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints, partial_sums
 from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
 from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import METADATA_FILE as UC_INFO_FILE
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
-from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo, WriteOptions, finite_check,
-                                             check_against_record, protected_paths, required_model_config)
+from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo,
+                                             WriteOptions, check_against_record, finite_check, protected_paths,
+                                             required_model_config)
 from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -460,7 +461,8 @@ class UniversalCheckpoint:
             reads.stored = ranges.stored(full.reshape(-1))
         here: ranges.Stored = reads.stored
         whole = TPLayout.replicated(target.shape, 1)  # the full tensor: a replicated source of one rank
-        return ranges.resharded_range(whole, target, rank, low, high, lambda _, start, stop: [(here, start, stop - start)])
+        return ranges.resharded_range(whole, target, rank, low, high,
+                                      lambda _, start, stop: [(here, start, stop - start)])
 
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)

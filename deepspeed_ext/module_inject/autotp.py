@@ -21,7 +21,6 @@ from collections.abc import Sequence
 import torch
 
 from deepspeed_ext.errors import LayoutError
-from deepspeed_ext.checkpoint.engine_private import tp_group_info as tp_group_info
 from deepspeed_ext.module_inject.layout import TPLayout, num_kv_heads_of, shard_sizes
 from deepspeed_ext.module_inject.upstream import layout_from_upstream_meta as layout_from_upstream_meta
 from deepspeed_ext.module_inject.upstream import \
@@ -221,6 +220,7 @@ def tag_autotp_model(model: torch.nn.Module,
     reach a checkpoint.
     """
     if tp_size is None or tp_rank is None:
+        from deepspeed_ext.checkpoint.engine_private import tp_group_info  # the fence: only when asked
         tp_size, tp_rank = tp_group_info()
     if model_config is None:
         model_config = getattr(model, "config", None)
@@ -262,6 +262,7 @@ def tag_autotp_model(model: torch.nn.Module,
 def upstream_layouts(model: torch.nn.Module, tp_size: int | None = None) -> dict[str, TPLayout]:
     """Layouts read from DeepSpeed's own per-parameter metadata (replicated where it left none)."""
     if tp_size is None:
+        from deepspeed_ext.checkpoint.engine_private import tp_group_info
         tp_size, _ = tp_group_info()
     layouts = {}
     for name, param in model.named_parameters(remove_duplicate=True):

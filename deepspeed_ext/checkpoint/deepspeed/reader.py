@@ -27,8 +27,7 @@ from deepspeed_ext.checkpoint.manifest import FilesChecked
 from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError
-from deepspeed_ext.module_inject.upstream import (name_patterns,
-                                                  unsharded_weights)
+from deepspeed_ext.module_inject.upstream import name_patterns, unsharded_weights
 from deepspeed_ext.module_inject.layout import TPLayout
 
 if TYPE_CHECKING:
@@ -52,7 +51,8 @@ def check_files(source: CheckpointSource) -> FilesChecked:
     that the TP shards fit their layouts and that replicas agree.)"""
     assert isinstance(source, DeepSpeedCheckpoint)
     root = source.info.path
-    checked, problems = source.contents_checked()
+    checked, found = source.contents_checked()
+    problems = list(found)  # the content check's own list stays as it found it
     files = sorted(root.glob("*.pt"))
     for file in files:
         try:
