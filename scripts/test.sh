@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-# Two workers; tests that share fixtures stay together, the longest groups first (tests/conftest.py); trained
-# checkpoints are trained once per run whichever worker asks (tests/harness/scenario.py).
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder tests "$@"
+# Three workers on this 2-core machine: a test spends part of its time waiting (on torchrun's start, a gloo
+# barrier, the disk), which a third worker fills. Tests that share fixtures stay together, the longest groups
+# first (tests/conftest.py); trained checkpoints are trained once per run whichever worker asks
+# (tests/harness/scenario.py). DSX_TEST_WORKERS=N to choose.
+exec .venv/bin/python -m pytest -n "${DSX_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder tests "$@"

@@ -11,7 +11,7 @@ import pytest
 #: subprocess, anything that needs a trained checkpoint; every test there is marked e2e.
 E2E_DIR = Path(__file__).parent / "e2e"
 
-#: scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). A file's tests stay on one
+#: scripts/test.sh runs the suite on three pytest-xdist workers (--dist loadgroup). A file's tests stay on one
 #: worker, so what its tests share (module fixtures, a scenario's resumes) is built once; trained scenarios are
 #: trained once per run whichever worker asks (harness.scenario.shared_scenario). These files' tests share little
 #: beyond scenarios, so each test function is a group of its own.

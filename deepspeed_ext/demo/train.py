@@ -81,13 +81,22 @@ class Hooks:
 
 
 def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
+    """One run (``run``), then the end of this torchrun worker."""
+    from deepspeed_ext.demo.models import finish_distributed
+    run(argv, hooks)
+    finish_distributed()
+
+
+def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
+    """Build the model and the engine, resume if asked, train to ``--steps``, saving where asked. The process group
+    stays up: a caller may start another run in this process (a fresh model and engine)."""
     args = parse_args(argv)
     hooks = hooks or Hooks()
     import deepspeed
     import torch.distributed as dist
 
     import deepspeed_ext
-    from deepspeed_ext.demo.models import batch, build_model, ds_config, finish_distributed, tiny_config
+    from deepspeed_ext.demo.models import batch, build_model, ds_config, tiny_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tp:
@@ -163,7 +172,6 @@ def main(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses,
                                                 **({hooks.result_key: probed} if hooks.after_step else {})}))
-    finish_distributed()
 
 
 def _optimizer_state_bytes(engine: Any) -> int:

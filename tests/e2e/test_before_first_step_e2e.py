@@ -30,7 +30,7 @@ import torch
 
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
-from harness.runner import child_env, cli, read_losses, torchrun_train
+from harness.runner import child_env, cli, read_losses, torchrun_train, torchrun_train_runs
 from harness.scenario import without_commit_marker
 
 ONE_RANK = Path(__file__).resolve().parents[1] / "harness" / "workers" / "one_rank.py"
@@ -76,11 +76,12 @@ def test_converts_to_weights_alone_and_resumes_at_another_degree(saved, tmp_path
         assert torch.equal(written, tensor.load_tensor("fp32")), tensor.name
 
     baseline = read_losses(saved / "baseline.json")
-    for name, load_dir, zero_stage in (("universal", universal, "3"), ("deepspeed", saved / "ckpt", "1")):
-        result = tmp_path / f"resumed_{name}.json"
-        torchrun_train(1, ["--tp", "1", "--family", "llama", "--dtype", "fp32", "--zero", zero_stage, "--steps", "2",
-                           "--load-dir", str(load_dir), "--result", str(result)], tmp_path / f"resume_{name}.log")
-        resumed = read_losses(result)
+    resumes = (("universal", universal, "3"), ("deepspeed", saved / "ckpt", "1"))
+    torchrun_train_runs(1, [["--tp", "1", "--family", "llama", "--dtype", "fp32", "--zero", zero_stage, "--steps", "2",
+                             "--load-dir", str(load_dir), "--result", str(tmp_path / f"resumed_{name}.json")]
+                            for name, load_dir, zero_stage in resumes], tmp_path / "resume.log")
+    for name, _, _ in resumes:
+        resumed = read_losses(tmp_path / f"resumed_{name}.json")
         assert sorted(resumed) == [1, 2], resumed
         for step in (1, 2):  # TP=1 sums in another order than TP=2: equal to fp32 rounding
             assert resumed[step] == pytest.approx(baseline[step], rel=1e-5), (name, step, resumed, baseline)

@@ -18,7 +18,7 @@ import torch
 from deepspeed_ext.checkpoint import serialization
 from harness.cli import universal_in
 from harness.runner import cli, cli_stopped, run_logged
-from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
+from harness.scenario import (Load, assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
                               upstream_ds_to_universal, without_commit_marker)
 
 
@@ -44,8 +44,8 @@ def test_direct_load_of_the_deepspeed_checkpoint_equals_loading_its_universal_fo
     checkpoint gives, and so does the next step's loss. ``load_universal`` False: routed by the degree
     mismatch alone."""
     tp, dp, load_universal = target
-    direct, direct_losses = tp2.loaded(tp, dp, tp2.tag_dir, load_universal=load_universal)
-    converted, converted_losses = tp2.loaded(tp, dp, tp2.universal_dir)
+    (direct, direct_losses), (converted, converted_losses) = tp2.loaded_many(
+        [Load(tp, dp, tp2.tag_dir, load_universal=load_universal), Load(tp, dp, tp2.universal_dir)])
     for rank in range(tp):
         assert sorted(direct[rank]) == sorted(converted[rank]) and len(direct[rank]) == 21
         for name, states in converted[rank].items():
@@ -488,9 +488,9 @@ def test_zero3_targets_restore_by_partition_bit_identical_to_deepspeeds_loader(s
     from the universal form and straight from the DeepSpeed checkpoint; training then goes on identically."""
     saved = scenarios("tp2_dp2_zero3_7_heads", tp=2, dp=2, zero=3, model_config=PADDED_LLAMA)
     assert_universal_matches_live(saved)
-    ours, ours_losses = saved.loaded(1, 4, saved.save_dir)
-    upstream, upstream_losses = saved.loaded(1, 4, saved.save_dir, extra=("--restore", "deepspeed"))
-    direct, direct_losses = saved.loaded(1, 4, saved.save_dir, load_universal=False)
+    (ours, ours_losses), (upstream, upstream_losses), (direct, direct_losses) = saved.loaded_many(
+        [Load(1, 4, saved.save_dir), Load(1, 4, saved.save_dir, extra=("--restore", "deepspeed")),
+         Load(1, 4, saved.save_dir, load_universal=False)])
     assert ours[0]["model.embed_tokens.weight"]["fp32"].numel() % 4 == 2  # a padded partition
     assert ours[0].keys() == upstream[0].keys() == direct[0].keys()
     for name, states in upstream[0].items():

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness.runner import child_env, cli
-from harness.scenario import (KV2_SCENARIOS, assert_losses_continue, assert_universal_matches_live,
+from harness.scenario import (KV2_SCENARIOS, Load, assert_losses_continue, assert_universal_matches_live,
                               without_recorded_order)
 
 
@@ -70,8 +70,8 @@ def test_direct_load_equals_loading_the_universal_form(scenarios, name, tp):
     """Every rank's weights and Adam state right after load_checkpoint, empty shards included, are the same bits
     whether it read the original checkpoint or its universal form; the next loss continues the saved run."""
     scenario = kv2(scenarios, name)
-    direct, direct_losses = scenario.loaded(tp, 1, scenario.tag_dir)
-    converted, converted_losses = scenario.loaded(tp, 1, scenario.universal_dir)
+    (direct, direct_losses), (converted, converted_losses) = scenario.loaded_many(
+        [Load(tp, 1, scenario.tag_dir), Load(tp, 1, scenario.universal_dir)])
     empty = 0
     for rank in range(tp):
         assert sorted(direct[rank]) == sorted(converted[rank])

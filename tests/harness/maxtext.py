@@ -4,6 +4,9 @@ conversion as to-maxtext does it, restoring through Orbax onto a simulated 4-dev
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -119,29 +122,79 @@ def base_family(name: str) -> str:
     return VARIANTS.get(name, name)
 
 
+class _MaxTextServer:
+    """One MaxText process (workers/maxtext_forward.py --serve) answering every forward this test process asks
+    for: starting JAX and importing MaxText is most of a one-forward run. Restarted if it dies; a request it
+    cannot answer in ``timeout`` seconds kills it and fails the test."""
+
+    def __init__(self, sharded: bool, timeout: float = 600.0) -> None:
+        self.sharded, self.timeout = sharded, timeout
+        self.proc: subprocess.Popen | None = None
+        self.stderr_log: Path | None = None
+
+    def _start(self) -> subprocess.Popen:
+        import atexit
+        import tempfile
+
+        from harness.environments import MAXTEXT_PYTHON
+        handle, name = tempfile.mkstemp(prefix="maxtext_forward_", suffix=".log")
+        os.close(handle)
+        self.stderr_log = Path(name)
+        cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--serve"]
+        if self.sharded:
+            cmd.append("--sharded")
+        with open(self.stderr_log, "w") as stderr:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                    env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+        atexit.register(self.close)
+        return proc
+
+    def ask(self, request: dict) -> dict:
+        import selectors
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            ready = selector.select(self.timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            tail = self.stderr_log.read_text()[-4000:] if self.stderr_log else ""
+            raise RuntimeError(f"MaxText's forward process {'timed out' if not ready else 'died'}:\n{tail}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+        if self.stderr_log is not None:
+            self.stderr_log.unlink(missing_ok=True)
+            self.stderr_log = None
+
+
+#: This test process's MaxText processes, by ``sharded`` (JAX's device count is fixed when it starts).
+_SERVERS: dict[bool, _MaxTextServer] = {}
+
+
 def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharded: bool = False,
                    tokens=None) -> np.ndarray:
     """MaxText's own forward (its model code and its checkpoint loader, in .venv-maxtext) on TOKENS.
 
     ``sharded``: restored onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2); most arrays
     must come out split."""
-    import subprocess
-    from pathlib import Path
-
-    from harness.environments import MAXTEXT_PYTHON
     tokens_file, logits = Path(workdir) / "tokens.npy", Path(workdir) / "maxtext_logits.npy"
     np.save(tokens_file, np.array([TOKENS if tokens is None else list(tokens)], dtype=np.int32))
-    cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--items", str(items),
-           "--tokens", str(tokens_file), "--logits", str(logits), "--output-dir", str(Path(workdir) / "maxtext_out")]
-    for setting in maxtext_settings(model, family, scan_layers):
-        cmd += ["--setting", setting]
+    server = _SERVERS.setdefault(sharded, _MaxTextServer(sharded))
+    answer = server.ask({"items": str(items), "tokens": str(tokens_file), "logits": str(logits),
+                         "output_dir": str(Path(workdir) / "maxtext_out"),
+                         "settings": maxtext_settings(model, family, scan_layers)})
+    if not answer["ok"]:
+        raise RuntimeError(f"MaxText's forward failed:\n{answer['error'][-4000:]}")
     if sharded:
-        cmd.append("--sharded")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin",
-                                                                                "JAX_PLATFORMS": "cpu"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"MaxText's forward failed:\n{proc.stderr[-4000:]}")
-    if sharded:
-        split, arrays = (int(n) for n in proc.stdout.split("MAXTEXT_SPLIT_ARRAYS ")[1].split()[:2])
-        assert split >= arrays // 2, f"MaxText split only {split} of {arrays} arrays over the mesh"
+        assert answer["split"] >= answer["arrays"] // 2, \
+            f"MaxText split only {answer['split']} of {answer['arrays']} arrays over the mesh"
     return np.load(logits)[0]

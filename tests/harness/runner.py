@@ -21,7 +21,8 @@ TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
 #: The CLI, stopped by a signal it sends itself at a named point of a conversion.
 STOPPED_CLI_WORKER = Path(__file__).parent / "workers" / "stopped_cli.py"
 
-__all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_train"]
+__all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_train",
+           "torchrun_train_runs"]
 
 
 def child_env(python: str = sys.executable) -> dict[str, str]:
@@ -64,6 +65,18 @@ def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.exe
     tests' probes; gloo on CPU) in ``python``'s environment; ``check=False`` returns a failed run."""
     return run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                        str(TRAIN_WORKER), *args], log, check=check)
+
+
+def torchrun_train_runs(nproc: int, runs: list[list[str]], log: Path, python: str = sys.executable) -> None:
+    """Several runs of workers/train.py, one after the other in one ``torchrun`` (``train.py --runs``: a fresh model
+    and engine each, the process group kept). All at one TP degree: DeepSpeed sets its TP groups once a process."""
+    if len(runs) == 1:
+        torchrun_train(nproc, runs[0], log, python=python)
+        return
+    listing = log.with_suffix(".runs.json")
+    listing.parent.mkdir(parents=True, exist_ok=True)
+    listing.write_text(json.dumps(runs))
+    torchrun_train(nproc, ["--runs", str(listing)], log, python=python)
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:

@@ -15,7 +15,18 @@ from pathlib import Path
 
 import torch
 
-from harness.runner import cli, read_loss_scales, read_losses, run_logged, torchrun_train
+from harness.runner import cli, read_loss_scales, read_losses, run_logged, torchrun_train, torchrun_train_runs
+
+
+@dataclass(frozen=True)
+class Load:
+    """One ``Scenario.loaded``: ``load_dir`` loaded at TP×DP (``extra``: more train.py arguments)."""
+
+    tp: int
+    dp: int
+    load_dir: Path
+    load_universal: bool = True
+    extra: tuple[str, ...] = ()
 
 
 @dataclass
@@ -125,15 +136,30 @@ class Scenario:
                ) -> tuple[list[dict[str, dict[str, torch.Tensor]]], dict[int, float]]:
         """Load ``load_dir`` at TP×DP (``extra``: more train.py arguments), dump every TP rank's state right after
         ``load_checkpoint``, train one step: (per TP rank {param: {fp32, exp_avg, exp_avg_sq}}, {step: loss})."""
-        name = (f"loaded_tp{tp}_dp{dp}_{load_dir.name}" + ("" if load_universal else "_native_config") +
-                "".join(f"_{arg.strip('-')}" for arg in extra))
-        dump = self.root / name
-        args = self.common(tp) + list(extra) + ["--load-dir", str(load_dir), "--dump-loaded", str(dump), "--steps",
-                                                str(self.save_at + 1), "--result", str(self.root / f"{name}.json")]
-        torchrun_train(tp * dp, args + ([] if load_universal else ["--no-load-universal"]), self.root / f"{name}.log",
-                       python=self.python)
-        states = [torch.load(dump / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(tp)]
-        return states, read_losses(self.root / f"{name}.json")
+        return self.loaded_many([Load(tp, dp, load_dir, load_universal, extra)])[0]
+
+    def loaded_many(self, loads: list[Load]) -> list[tuple[list[dict[str, dict[str, torch.Tensor]]], dict[int, float]]]:
+        """``loaded`` for each of ``loads``, those at one TP×DP in one torchrun (a fresh engine each)."""
+        names = []
+        for load in loads:
+            names.append(f"loaded_tp{load.tp}_dp{load.dp}_{load.load_dir.name}" +
+                         ("" if load.load_universal else "_native_config") +
+                         "".join(f"_{arg.strip('-')}" for arg in load.extra))
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, load in enumerate(loads):
+            groups.setdefault((load.tp, load.dp), []).append(index)
+        for (tp, dp), indices in groups.items():
+            runs = []
+            for index in indices:
+                load, name = loads[index], names[index]
+                runs.append(self.common(tp) + list(load.extra) +
+                            ["--load-dir", str(load.load_dir), "--dump-loaded", str(self.root / name), "--steps",
+                             str(self.save_at + 1), "--result", str(self.root / f"{name}.json")] +
+                            ([] if load.load_universal else ["--no-load-universal"]))
+            log = names[indices[0]] + (f"_and_{len(indices) - 1}_more" if len(indices) > 1 else "")
+            torchrun_train_runs(tp * dp, runs, self.root / f"{log}.log", python=self.python)
+        return [([torch.load(self.root / name / f"tp_rank_{r:02d}.pt", weights_only=True) for r in range(load.tp)],
+                 read_losses(self.root / f"{name}.json")) for load, name in zip(loads, names)]
 
     def resumed_loss_scales(self, tp: int, dp: int = 1, zero: int | None = None) -> dict[int, float | None]:
         """The loss scales of the resume ``resume(tp, dp, zero=zero)`` ran (from our universal output)."""

@@ -1,16 +1,24 @@
 """MaxText's own model on a checkpoint: build the model from MaxText's config code, restore the parameters
 through MaxText's own loader (``load_parameters_path``), run its forward on fixed tokens, save the logits.
 
-Runs in .venv-maxtext (scripts/setup-maxtext.sh), on CPU:
+Runs in .venv-maxtext (scripts/setup-maxtext.sh), on CPU. One forward:
 
     .venv-maxtext/bin/python maxtext_forward.py --items OUT/0/items --tokens tokens.npy --logits logits.npy \
-        --setting model_name=llama2-7b --setting base_emb_dim=64 ... [--setting scan_layers=false]
+        --output-dir DIR --setting model_name=llama2-7b --setting base_emb_dim=64 ... [--setting scan_layers=false]
+
+or many, one process for all (``--serve [--sharded]``): each line on stdin is a JSON request with the options
+above (``items``, ``tokens``, ``logits``, ``output_dir``, ``settings``), each answer one JSON line on stdout
+(``{"ok": true}``, with ``split`` and ``arrays`` when sharded, or ``{"ok": false, "error": TRACEBACK}``). Starting
+JAX and importing MaxText take most of a one-forward run; the tests ask for dozens.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -24,23 +32,12 @@ CPU_SETTINGS = {
 }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--items", required=True, help="load_parameters_path: the checkpoint's <root>/<step>/items")
-    p.add_argument("--tokens", required=True, help="int32 [batch, length] .npy")
-    p.add_argument("--logits", required=True, help="where to save the float32 logits (.npy)")
-    p.add_argument("--setting", action="append", default=[], help="a MaxText config KEY=VALUE (repeatable)")
-    p.add_argument("--output-dir", required=True, help="MaxText's base_output_directory (it writes nothing there)")
-    p.add_argument("--sharded", action="store_true",
-                   help="restore onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2), as a "
-                        "MaxText run on that mesh does, instead of whole arrays on one device")
-    args = p.parse_args()
-    if args.sharded:
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-
+def forward(items: str, tokens_file: str, logits_file: str, output_dir: str, settings_given: list[str],
+            sharded: bool) -> dict:
+    """MaxText's forward on the checkpoint at ``items``; the logits saved to ``logits_file``. With ``sharded``,
+    how many of the restored arrays MaxText split over the mesh (``split`` of ``arrays``)."""
     import jax
     import numpy as np
-    jax.config.update("jax_default_matmul_precision", "highest")
     import maxtext
     from maxtext.common import checkpointing
     from maxtext.common.common_types import MODEL_MODE_TRAIN
@@ -48,19 +45,19 @@ def main() -> None:
     from maxtext.models import models
     from maxtext.utils import max_utils, maxtext_utils
 
-    tokens = np.load(args.tokens).astype(np.int32)
+    tokens = np.load(tokens_file).astype(np.int32)
     settings = {**CPU_SETTINGS, "max_target_length": tokens.shape[1], "max_prefill_predict_length": tokens.shape[1],
-                "base_output_directory": args.output_dir, "load_parameters_path": args.items}
-    if args.sharded:
+                "base_output_directory": output_dir, "load_parameters_path": items}
+    if sharded:
         settings.update(ici_fsdp_parallelism=2, ici_tensor_parallelism=2, per_device_batch_size=0.25)
     base = Path(maxtext.__file__).parent / "configs" / "base.yml"
-    argv = ["maxtext", str(base), *(f"{k}={v}" for k, v in settings.items()), *args.setting]
+    argv = ["maxtext", str(base), *(f"{k}={v}" for k, v in settings.items()), *settings_given]
     config = pyconfig.initialize(argv)
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(config), config.mesh_axes)
     model = models.transformer_as_linen(config, mesh, quant=None, model_mode=MODEL_MODE_TRAIN)
     boxed = maxtext_utils.get_abstract_param(model, config)
     abstract = max_utils.unbox_logicallypartioned(boxed)
-    if args.sharded:  # MaxText's own logical-axis rules place every array on the mesh
+    if sharded:  # MaxText's own logical-axis rules place every array on the mesh
         import flax.linen as nn
         from maxtext.utils import sharding
         shardings = sharding.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, config.logical_axis_rules)
@@ -73,17 +70,63 @@ def main() -> None:
                                                  config.checkpoint_storage_concurrent_gb,
                                                  use_ocdbt=config.checkpoint_storage_use_ocdbt,
                                                  use_zarr3=config.checkpoint_storage_use_zarr3)
-    if args.sharded:  # how many arrays MaxText actually split over the mesh (the caller checks it)
+    answer: dict = {"ok": True}
+    if sharded:  # how many arrays MaxText actually split over the mesh (the caller checks it)
         placed = jax.tree_util.tree_leaves(params)
-        split = sum(any(axis is not None for axis in leaf.sharding.spec) for leaf in placed)
-        print(f"MAXTEXT_SPLIT_ARRAYS {split} {len(placed)}")
+        answer.update(split=sum(any(axis is not None for axis in leaf.sharding.spec) for leaf in placed),
+                      arrays=len(placed))
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     with mesh:
         logits = model.apply(params, tokens, positions, decoder_segment_ids=np.ones_like(tokens),
                              enable_dropout=False, model_mode=MODEL_MODE_TRAIN)
     if isinstance(logits, tuple):
         logits = logits[0]
-    np.save(args.logits, np.asarray(logits, np.float32))
+    np.save(logits_file, np.asarray(logits, np.float32))
+    return answer
+
+
+def serve(sharded: bool) -> None:
+    """Answer requests from stdin until it closes. MaxText's and JAX's own output goes to stderr, so stdout holds
+    only the answers."""
+    answers, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        try:
+            answer = forward(request["items"], request["tokens"], request["logits"], request["output_dir"],
+                             request["settings"], sharded)
+        except Exception:  # the caller fails its test with this; the next request gets a fresh model
+            answer = {"ok": False, "error": traceback.format_exc()}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--serve", action="store_true", help="answer JSON requests from stdin (see the module's doc)")
+    p.add_argument("--items", help="load_parameters_path: the checkpoint's <root>/<step>/items")
+    p.add_argument("--tokens", help="int32 [batch, length] .npy")
+    p.add_argument("--logits", help="where to save the float32 logits (.npy)")
+    p.add_argument("--setting", action="append", default=[], help="a MaxText config KEY=VALUE (repeatable)")
+    p.add_argument("--output-dir", help="MaxText's base_output_directory (it writes nothing there)")
+    p.add_argument("--sharded", action="store_true",
+                   help="restore onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2), as a "
+                        "MaxText run on that mesh does, instead of whole arrays on one device")
+    args = p.parse_args()
+    if args.sharded:  # before JAX starts
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    if args.serve:
+        serve(args.sharded)
+        return
+    missing = [option for option in ("items", "tokens", "logits", "output_dir") if getattr(args, option) is None]
+    if missing:
+        p.error("without --serve, these are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    answer = forward(args.items, args.tokens, args.logits, args.output_dir, args.setting, args.sharded)
+    if args.sharded:
+        print(f"MAXTEXT_SPLIT_ARRAYS {answer['split']} {answer['arrays']}")
 
 
 if __name__ == "__main__":

@@ -87,14 +87,15 @@ def loss_scale(engine: Any, step: int) -> float | None:
     return float(scaler.cur_scale) if scaler is not None and hasattr(scaler, "cur_scale") else None
 
 
-def main() -> None:
+def run_with_probes(argv: list[str]) -> None:
+    """One run of the demo's training script (``train.run``), with the probes its arguments ask for."""
     from deepspeed_ext.demo import train
     probes = argparse.ArgumentParser(add_help=False)
     probes.add_argument("--dump")
     probes.add_argument("--dump-loaded")
     probes.add_argument("--allow-cpu-fp16", action="store_true")
     probes.add_argument("--also-save-without-latest")
-    args, rest = probes.parse_known_args()
+    args, rest = probes.parse_known_args(argv)
     if args.allow_cpu_fp16:
         allow_cpu_fp16()
 
@@ -110,7 +111,22 @@ def main() -> None:
         before_save=before_save if args.dump or args.also_save_without_latest else None,
         after_step=loss_scale,
         result_key="loss_scales")
-    train.main(rest, hooks)
+    train.run(rest, hooks)
+
+
+def main() -> None:
+    """``train.py ARGS`` is one run; ``train.py --runs FILE`` (a JSON list of argument lists) is several, one after
+    the other in these processes, each with a fresh model and engine: a process start (importing torch,
+    DeepSpeed and transformers) costs more than a run of the tiny models."""
+    import json
+    import sys
+
+    from deepspeed_ext.demo.models import finish_distributed
+    argv = sys.argv[1:]
+    runs = json.loads(Path(argv[1]).read_text()) if argv[:1] == ["--runs"] else [argv]
+    for run in runs:
+        run_with_probes(run)
+    finish_distributed()
 
 
 if __name__ == "__main__":
