@@ -7,7 +7,10 @@ the fp16 loss scales a run recorded.
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +65,14 @@ def _failure_tail(output: str, lines: int = 40) -> str:
 def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.executable,
                    check: bool = True) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node N workers/train.py ARGS`` (the demo's training script with the
-    tests' probes; gloo on CPU) in ``python``'s environment; ``check=False`` returns a failed run."""
+    tests' probes; gloo on CPU) in ``python``'s environment; ``check=False`` returns a failed run.
+
+    A run expected to succeed, in this environment, goes to a pool of torchrun workers kept for its degree
+    (``_pool_for``): a fresh model and engine in processes that have imported torch, DeepSpeed and transformers
+    once, which is most of a tiny run's time. Its output is in ``log`` as a fresh run's would be."""
+    pool = _pool_for(nproc, [args], python, check)
+    if pool is not None:
+        return pool.run([args], log)
     return run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                        str(TRAIN_WORKER), *args], log, check=check)
 
@@ -70,13 +80,108 @@ def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.exe
 def torchrun_train_runs(nproc: int, runs: list[list[str]], log: Path, python: str = sys.executable) -> None:
     """Several runs of workers/train.py, one after the other in one ``torchrun`` (``train.py --runs``: a fresh model
     and engine each, the process group kept). All at one TP degree: DeepSpeed sets its TP groups once a process."""
-    if len(runs) == 1:
+    pool = _pool_for(nproc, runs, python, True)
+    if pool is not None:
+        pool.run(runs, log)
+    elif len(runs) == 1:
         torchrun_train(nproc, runs[0], log, python=python)
-        return
-    listing = log.with_suffix(".runs.json")
-    listing.parent.mkdir(parents=True, exist_ok=True)
-    listing.write_text(json.dumps(runs))
-    torchrun_train(nproc, ["--runs", str(listing)], log, python=python)
+    else:
+        listing = log.with_suffix(".runs.json")
+        listing.parent.mkdir(parents=True, exist_ok=True)
+        listing.write_text(json.dumps(runs))
+        torchrun_train(nproc, ["--runs", str(listing)], log, python=python)
+
+
+class _TrainPool:
+    """``torchrun ... workers/train.py --serve DIR``: ``nproc`` ranks kept for runs at one TP degree (DeepSpeed
+    sets its TP groups once a process), each run a fresh model and engine. Requests and answers are files in DIR
+    (see ``serve`` there). A run that fails ends the pool; the next run starts a new one."""
+
+    def __init__(self, nproc: int, key: tuple) -> None:
+        import tempfile
+        self.nproc, self.key, self.requests = nproc, key, 0
+        self.directory = Path(tempfile.mkdtemp(prefix="train_pool_"))
+        self.own_log = open(self.directory / "pool.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                      f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve", str(self.directory)],
+                                     env=child_env(), stdout=self.own_log, stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, runs: list[list[str]], log: Path) -> subprocess.CompletedProcess:
+        import time
+        number, self.requests = self.requests, self.requests + 1
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = f"torchrun --nproc_per_node={self.nproc} {TRAIN_WORKER} (pooled, {self.directory} #{number})"
+        log.write_text("".join(f"$ {command} {' '.join(args)}\n" for args in runs) + "--- output\n")
+        staging = self.directory / f"{number}.json.partial"
+        staging.write_text(json.dumps({"runs": runs, "log": str(log.absolute())}))
+        staging.rename(self.directory / f"{number}.json")
+        done, deadline = self.directory / f"{number}.done", time.monotonic() + demo_runner.TIMEOUT_S
+        while not done.exists():
+            if not self.alive() or time.monotonic() > deadline:
+                why = "timed out" if self.alive() else f"ended ({self.proc.returncode})"
+                self.close()
+                _POOLS.pop(self.key, None)
+                raise RuntimeError(f"pooled run {why}, log {log}:\n" + _failure_tail(log.read_text()) +
+                                   "\n--- the pool's torchrun:\n" +
+                                   _failure_tail((self.directory / "pool.log").read_text(), 15))
+            time.sleep(0.05)
+        output = log.read_text()
+        return subprocess.CompletedProcess(args=command, returncode=0, stdout=output, stderr="")
+
+    def close(self) -> None:
+        """Ask the ranks to leave; kill them (torchrun starts them in sessions of their own) if they do not."""
+        (self.directory / "stop").write_text("")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            for pid_file in self.directory.glob("pid.*"):
+                try:
+                    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            self.proc.kill()
+            self.proc.wait()
+        self.own_log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+#: This test process's pools, by (ranks, TP degree, fp16 allowed on CPU), the most recently used last.
+_POOLS: dict[tuple, _TrainPool] = {}
+#: At most this many pooled ranks alive per test process (each holds torch, DeepSpeed and transformers).
+POOLED_RANKS = 6
+
+
+def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _TrainPool | None:
+    """The pool for these runs, started if need be, or None where they need a process of their own: another
+    environment, a run expected to fail (it ends its processes), a run measuring its own process (``--timing``),
+    runs at several TP degrees, or pooling turned off (``DSX_TEST_FRESH_PROCESSES=1``)."""
+    if python != sys.executable or not check or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
+        return None
+    degrees = set()
+    for args in runs:
+        if "--timing" in args or "--runs" in args or "--tp" not in args:
+            return None
+        degrees.add(args[args.index("--tp") + 1])
+    if len(degrees) != 1:
+        return None
+    key = (nproc, degrees.pop(), any("--allow-cpu-fp16" in args for args in runs))
+    pool = _POOLS.pop(key, None)
+    if pool is None or not pool.alive():
+        while _POOLS and sum(p.nproc for p in _POOLS.values()) + nproc > POOLED_RANKS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        if not _POOLS:
+            atexit.register(_close_pools)
+        pool = _TrainPool(nproc, key)
+    _POOLS[key] = pool
+    return pool
+
+
+def _close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:

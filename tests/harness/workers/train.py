@@ -114,15 +114,78 @@ def run_with_probes(argv: list[str]) -> None:
     train.run(rest, hooks)
 
 
+def serve(directory: Path) -> None:
+    """Answer run requests until told to stop, each run a fresh model and engine in these processes (the process
+    group kept): what ``harness.runner``'s pool of workers asks for. Request N is ``DIRECTORY/N.json`` (``runs``: a
+    list of argument lists; ``log``: where this run's output goes); rank 0 writes ``N.done`` once every rank has
+    finished it. A run that raises ends the pool: the rank prints the traceback into the run's log and exits, and
+    torchrun stops the other ranks, which may be waiting for it in a collective."""
+    import contextlib
+    import json
+    import sys
+    import time
+    import traceback
+
+    import torch.distributed as dist
+
+    from deepspeed_ext.demo.models import finish_distributed
+
+    @contextlib.contextmanager
+    def output_to(log: str):  # the file descriptors, so that DeepSpeed's and torch's own output follows too
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        target = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        os.close(target)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+    rank = int(os.environ["RANK"])
+    (directory / f"pid.{rank}").write_text(str(os.getpid()))
+    number = 0
+    while True:
+        request = directory / f"{number}.json"
+        while not request.exists():
+            if (directory / "stop").exists():
+                finish_distributed()
+            time.sleep(0.05)
+        spec = json.loads(request.read_text())
+        with output_to(spec["log"]):
+            try:
+                for run in spec["runs"]:
+                    run_with_probes(run)
+            except BaseException:
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+        dist.barrier()
+        if rank == 0:
+            (directory / f"{number}.done").write_text("")
+        number += 1
+
+
 def main() -> None:
     """``train.py ARGS`` is one run; ``train.py --runs FILE`` (a JSON list of argument lists) is several, one after
     the other in these processes, each with a fresh model and engine: a process start (importing torch,
-    DeepSpeed and transformers) costs more than a run of the tiny models."""
+    DeepSpeed and transformers) costs more than a run of the tiny models. ``train.py --serve DIR``: runs as they
+    are asked for (``serve``)."""
     import json
     import sys
 
     from deepspeed_ext.demo.models import finish_distributed
     argv = sys.argv[1:]
+    if argv[:1] == ["--serve"]:
+        serve(Path(argv[1]))
     runs = json.loads(Path(argv[1]).read_text()) if argv[:1] == ["--runs"] else [argv]
     for run in runs:
         run_with_probes(run)
