@@ -123,30 +123,30 @@ def base_family(name: str) -> str:
 
 
 class _MaxTextServer:
-    """One MaxText process (workers/maxtext_forward.py --serve) answering every forward this test process asks
+    """One MaxText process (workers/maxtext_forward.py) answering every forward this test process asks
     for: starting JAX and importing MaxText is most of a one-forward run. Restarted if it dies; a request it
     cannot answer in ``timeout`` seconds kills it and fails the test."""
 
     def __init__(self, sharded: bool, timeout: float = 600.0) -> None:
+        import atexit
         self.sharded, self.timeout = sharded, timeout
         self.proc: subprocess.Popen | None = None
         self.stderr_log: Path | None = None
+        atexit.register(self.close)
 
     def _start(self) -> subprocess.Popen:
-        import atexit
         import tempfile
 
         from harness.environments import MAXTEXT_PYTHON
         handle, name = tempfile.mkstemp(prefix="maxtext_forward_", suffix=".log")
         os.close(handle)
         self.stderr_log = Path(name)
-        cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / "maxtext_forward.py"), "--serve"]
+        cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / "maxtext_forward.py")]
         if self.sharded:
             cmd.append("--sharded")
         with open(self.stderr_log, "w") as stderr:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                     env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
-        atexit.register(self.close)
         return proc
 
     def ask(self, request: dict) -> dict:

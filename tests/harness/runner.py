@@ -78,18 +78,16 @@ def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.exe
 
 
 def torchrun_train_runs(nproc: int, runs: list[list[str]], log: Path, python: str = sys.executable) -> None:
-    """Several runs of workers/train.py, one after the other in one ``torchrun`` (``train.py --runs``: a fresh model
-    and engine each, the process group kept). All at one TP degree: DeepSpeed sets its TP groups once a process."""
+    """Several runs of workers/train.py expected to succeed: one request to their pool, one after the other in its
+    processes (a fresh model and engine each), output in ``log``; where they cannot be pooled (``_pool_for``), a
+    torchrun each, run I's output in ``log`` with ``.I`` before its suffix."""
     pool = _pool_for(nproc, runs, python, True)
     if pool is not None:
         pool.run(runs, log)
-    elif len(runs) == 1:
-        torchrun_train(nproc, runs[0], log, python=python)
-    else:
-        listing = log.with_suffix(".runs.json")
-        listing.parent.mkdir(parents=True, exist_ok=True)
-        listing.write_text(json.dumps(runs))
-        torchrun_train(nproc, ["--runs", str(listing)], log, python=python)
+        return
+    for index, args in enumerate(runs):
+        torchrun_train(nproc, args, log if len(runs) == 1 else log.with_suffix(f".{index}{log.suffix}"),
+                       python=python)
 
 
 class _TrainPool:
@@ -101,10 +99,11 @@ class _TrainPool:
         import tempfile
         self.nproc, self.key, self.requests = nproc, key, 0
         self.directory = Path(tempfile.mkdtemp(prefix="train_pool_"))
-        self.own_log = open(self.directory / "pool.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                      f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve", str(self.directory)],
-                                     env=child_env(), stdout=self.own_log, stderr=subprocess.STDOUT)
+        with open(self.directory / "pool.log", "w") as own_log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve",
+                                          str(self.directory)], env=child_env(), stdout=own_log,
+                                         stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -144,7 +143,6 @@ class _TrainPool:
                     pass
             self.proc.kill()
             self.proc.wait()
-        self.own_log.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -162,7 +160,7 @@ def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _T
         return None
     degrees = set()
     for args in runs:
-        if "--timing" in args or "--runs" in args or "--tp" not in args:
+        if "--timing" in args or "--tp" not in args:
             return None
         degrees.add(args[args.index("--tp") + 1])
     if len(degrees) != 1:
@@ -172,13 +170,12 @@ def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _T
     if pool is None or not pool.alive():
         while _POOLS and sum(p.nproc for p in _POOLS.values()) + nproc > POOLED_RANKS:
             _POOLS.pop(next(iter(_POOLS))).close()
-        if not _POOLS:
-            atexit.register(_close_pools)
         pool = _TrainPool(nproc, key)
     _POOLS[key] = pool
     return pool
 
 
+@atexit.register
 def _close_pools() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()

@@ -1,15 +1,16 @@
 """MaxText's own model on a checkpoint: build the model from MaxText's config code, restore the parameters
 through MaxText's own loader (``load_parameters_path``), run its forward on fixed tokens, save the logits.
 
-Runs in .venv-maxtext (scripts/setup-maxtext.sh), on CPU. One forward:
+Runs in .venv-maxtext (scripts/setup-maxtext.sh), on CPU, one process for many forwards (starting JAX and
+importing MaxText take most of one; the tests ask for dozens):
 
-    .venv-maxtext/bin/python maxtext_forward.py --items OUT/0/items --tokens tokens.npy --logits logits.npy \
-        --output-dir DIR --setting model_name=llama2-7b --setting base_emb_dim=64 ... [--setting scan_layers=false]
+    echo '{"items": "OUT/0/items", "tokens": "tokens.npy", "logits": "logits.npy", "output_dir": "DIR",
+           "settings": ["model_name=llama2-7b", "base_emb_dim=64", ...]}' |
+        .venv-maxtext/bin/python maxtext_forward.py [--sharded]
 
-or many, one process for all (``--serve [--sharded]``): each line on stdin is a JSON request with the options
-above (``items``, ``tokens``, ``logits``, ``output_dir``, ``settings``), each answer one JSON line on stdout
-(``{"ok": true}``, with ``split`` and ``arrays`` when sharded, or ``{"ok": false, "error": TRACEBACK}``). Starting
-JAX and importing MaxText take most of a one-forward run; the tests ask for dozens.
+Each line on stdin is a request (``tokens``: int32 [batch, length] .npy; ``settings``: MaxText config KEY=VALUE
+entries); each answer is one JSON line on stdout: ``{"ok": true}``, with ``split`` and ``arrays`` when sharded, or
+``{"ok": false, "error": TRACEBACK}``.
 """
 
 from __future__ import annotations
@@ -103,13 +104,7 @@ def serve(sharded: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--serve", action="store_true", help="answer JSON requests from stdin (see the module's doc)")
-    p.add_argument("--items", help="load_parameters_path: the checkpoint's <root>/<step>/items")
-    p.add_argument("--tokens", help="int32 [batch, length] .npy")
-    p.add_argument("--logits", help="where to save the float32 logits (.npy)")
-    p.add_argument("--setting", action="append", default=[], help="a MaxText config KEY=VALUE (repeatable)")
-    p.add_argument("--output-dir", help="MaxText's base_output_directory (it writes nothing there)")
+    p = argparse.ArgumentParser(description="answer JSON requests from stdin (see the module's doc)")
     p.add_argument("--sharded", action="store_true",
                    help="restore onto MaxText's own sharding of a 4-device CPU mesh (fsdp=2 x tensor=2), as a "
                         "MaxText run on that mesh does, instead of whole arrays on one device")
@@ -118,15 +113,7 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    if args.serve:
-        serve(args.sharded)
-        return
-    missing = [option for option in ("items", "tokens", "logits", "output_dir") if getattr(args, option) is None]
-    if missing:
-        p.error("without --serve, these are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
-    answer = forward(args.items, args.tokens, args.logits, args.output_dir, args.setting, args.sharded)
-    if args.sharded:
-        print(f"MAXTEXT_SPLIT_ARRAYS {answer['split']} {answer['arrays']}")
+    serve(args.sharded)
 
 
 if __name__ == "__main__":

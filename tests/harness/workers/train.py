@@ -175,21 +175,18 @@ def serve(directory: Path) -> None:
 
 
 def main() -> None:
-    """``train.py ARGS`` is one run; ``train.py --runs FILE`` (a JSON list of argument lists) is several, one after
-    the other in these processes, each with a fresh model and engine: a process start (importing torch,
-    DeepSpeed and transformers) costs more than a run of the tiny models. ``train.py --serve DIR``: runs as they
-    are asked for (``serve``)."""
-    import json
+    """``train.py ARGS`` is one run; ``train.py --serve DIR``: runs as they are asked for (``serve``), each with a
+    fresh model and engine in these processes: a process start (importing torch, DeepSpeed and transformers)
+    costs more than a run of the tiny models."""
     import sys
 
     from deepspeed_ext.demo.models import finish_distributed
     argv = sys.argv[1:]
     if argv[:1] == ["--serve"]:
-        serve(Path(argv[1]))
-    runs = json.loads(Path(argv[1]).read_text()) if argv[:1] == ["--runs"] else [argv]
-    for run in runs:
-        run_with_probes(run)
-    finish_distributed()
+        serve(Path(argv[1]))  # ends the process when asked to stop
+    else:
+        run_with_probes(argv)
+        finish_distributed()
 
 
 if __name__ == "__main__":
