@@ -44,6 +44,13 @@ def tensor_parallel_preset(family: str) -> dict[str, Any]:
     return _preset(family)
 
 
+def expert_parallel_preset(family: str) -> dict[str, Any]:
+    """The keys a DeepSpeed config's ``"expert_parallel"`` section (AutoEP) needs for an MoE ``family``, e.g.
+    ``{"enabled": True, "autoep_size": 2, **expert_parallel_preset("mixtral")}``."""
+    from deepspeed_ext.presets import expert_parallel_preset as _preset
+    return _preset(family)
+
+
 def __getattr__(name: str) -> Any:
     # The checkpoint API imports only when used: `import deepspeed_ext` stays instant.
     if name in ("open_checkpoint", "convert", "verify"):
@@ -52,4 +59,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'deepspeed_ext' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "enable", "disable", "tensor_parallel_preset", "open_checkpoint", "convert", "verify", "__version__"]
+__all__ = ["initialize", "enable", "disable", "tensor_parallel_preset", "expert_parallel_preset",
+            "open_checkpoint", "convert", "verify", "__version__"]

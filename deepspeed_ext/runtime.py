@@ -67,10 +67,37 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """
     ds_config = _ds_config_of_call(args, kwargs)
     ext = ExtConfig.from_ds_config(ds_config)
+    if ext.universal_checkpoint.enabled:
+        refuse_autoep_with_incompatible_transformers(ds_config)
     result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
     if ext.universal_checkpoint.enabled:
         attach(result[0], ext, ds_config)
     return result
+
+
+#: The newest DeepSpeed release whose AutoEP fails with transformers 5.23 and later; the newest transformers it runs.
+_AUTOEP_TRANSFORMERS_LIMIT = ("0.19.8", "5.22.2")
+
+
+def refuse_autoep_with_incompatible_transformers(ds_config: dict[str, Any]) -> None:
+    """One line before the engine is built, instead of a TypeError deep in AutoEP's conversion: DeepSpeed 0.19.8's
+    AutoEP retargets transformers' output recorders through a registry that transformers 5.23 made a class with
+    another ``get``, so ``initialize`` fails there (``_CanRecordRegistry.get() takes 2 positional arguments``)."""
+    section = ds_config.get("expert_parallel") or {}
+    if not (isinstance(section, dict) and section.get("enabled")):
+        return
+    import deepspeed
+    import transformers
+
+    def release(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
+
+    deepspeed_limit, transformers_ok = _AUTOEP_TRANSFORMERS_LIMIT
+    if release(deepspeed.__version__) <= release(deepspeed_limit) and \
+            release(transformers.__version__) > release(transformers_ok):
+        raise DeepSpeedExtError(f"DeepSpeed {deepspeed.__version__}'s AutoEP (expert_parallel.enabled) fails at "
+                                f"initialize with transformers {transformers.__version__}: it needs transformers <= "
+                                f"{transformers_ok} (pip install transformers=={transformers_ok}; docs/install.md)")
 
 
 def enable() -> None:
@@ -611,5 +638,23 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
     tp_size, _ = tp_group_info()
     dp_size = engine.dp_world_size if hasattr(engine, "dp_world_size") else None
     same = (int(saved.get(keys.MP_WORLD_SIZE) or 1) == tp_size
-            and (dp_size is None or int(saved.get(keys.DP_WORLD_SIZE) or 1) == dp_size))
+            and (dp_size is None or int(saved.get(keys.DP_WORLD_SIZE) or 1) == dp_size)
+            and _saved_ep_size(saved) == _live_ep_size(engine)
+            # DeepSpeed's loader reads ZeRO-3's per-rank model states only into ZeRO-3, and the reverse.
+            and any(keys.ZERO3_MODEL_STATES_RE.match(p.name) for p in model_files)
+            == engine_private.partitions_weights(engine))
     return None if same else restore.load_deepspeed_checkpoint
+
+
+def _saved_ep_size(model_states: dict[str, Any]) -> int | None:
+    """The AutoEP degree a checkpoint's model states record; None without AutoEP."""
+    from deepspeed_ext.checkpoint.deepspeed.experts import AUTOEP_LAYERS
+    layers = model_states.get(AUTOEP_LAYERS) or []
+    sizes = {int(layer.get("ep_size", 1)) for layer in layers if isinstance(layer, dict)}
+    return sizes.pop() if len(sizes) == 1 else (None if not sizes else -1)
+
+
+def _live_ep_size(engine: Any) -> int | None:
+    """The engine's AutoEP degree; None without AutoEP."""
+    layers = engine_private.autoep_layers(engine.module)
+    return layers[0].ep_size if layers else None

@@ -124,6 +124,30 @@ def check_installed_deepspeed() -> None:
 
 
 # --------------------------------------------------------------------------- groups and the engine's shape
+@dataclass(frozen=True)
+class LiveExperts:
+    """One AutoEP MoE layer of a live model: its stacked expert parameters and this rank's place in its EP group."""
+
+    params: dict[str, torch.nn.Parameter]  # full name -> the local [experts of this rank, ...] stack
+    ep_rank: int
+    ep_size: int
+    num_experts: int
+
+
+def autoep_layers(model: torch.nn.Module) -> list[LiveExperts]:
+    """The AutoEP MoE layers DeepSpeed put in ``model`` (``AutoEPMoELayer``, its ``experts`` stacks); none where
+    AutoEP is off or this DeepSpeed has none. Its experts are consecutive per EP rank (``num_experts / ep_size``
+    each, EP rank ``r`` holding ``r * that`` onwards), as every AutoEP release places them."""
+    found = []
+    for path, module in model.named_modules():
+        if type(module).__name__ != "AutoEPMoELayer" or not hasattr(module, "experts"):
+            continue
+        params = {f"{path}.experts.{name}": param for name, param in module.experts.named_parameters()}
+        found.append(LiveExperts(params=params, ep_rank=int(module.ep_rank), ep_size=int(module.ep_size),
+                                 num_experts=int(module.num_experts)))
+    return found
+
+
 def tp_group_info() -> tuple[int, int]:
     """``(tp_size, tp_rank)`` of this process, from DeepSpeed's groups (1, 0 when TP is off)."""
     try:
@@ -434,9 +458,14 @@ def set_optimizer_step_and_groups(engine: Any, step: torch.Tensor | int | None, 
     saved_groups = saved.get(keys.PARAM_GROUPS) or []
     for live, saved_group in zip(base.param_groups, saved_groups, strict=False):
         for key, value in saved_group.items():
-            if key != keys.PARAMS:
+            # A group's name and MoE mark say which ranks it spans here (AutoEP's ``ep_size_<N>``), not a setting
+            # to carry over from a run at another EP degree.
+            if key not in (keys.PARAMS, *_GROUP_IDENTITY):
                 live[key] = value
 
+
+#: Param-group keys that identify a group among the live engine's rather than set how it steps.
+_GROUP_IDENTITY = ("name", "moe")
 
 #: The running state of a dynamic loss scaler; its policy (factor, window, minimum) comes from the
 #: resuming run's config.

@@ -23,7 +23,7 @@ from deepspeed_ext.checkpoint.model_config import persistent_buffers
 from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from deepspeed_ext.errors import CheckpointError
-from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, tag_autotp_model
+from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, shard_rank, tag_autotp_model
 from deepspeed_ext.module_inject.layout import TPLayout
 
 
@@ -150,7 +150,8 @@ def load_resharded(engine: Any,
             if name not in available:
                 continue  # frozen parameter the source did not train: keep its constructor value
             layout = getattr(param, LAYOUT_ATTR)
-            if math.prod(layout.local_shape(tp_rank)) == 0:
+            rank = shard_rank(param, tp_rank)  # AutoEP experts: the EP rank
+            if math.prod(layout.local_shape(rank)) == 0:
                 # This rank holds none of the tensor (a rank beyond the KV-head count); DeepSpeed keeps such
                 # empty parameters out of the optimizer, so there is nothing to restore here.
                 continue
@@ -158,7 +159,7 @@ def load_resharded(engine: Any,
                 if state != MASTER_WEIGHTS and not ckpt.has(name, state):
                     raise CheckpointError(f"{ckpt.path}: no saved {state} for {name!r}")
                 if engine_private.is_zero3_param(param):  # ZeRO-3: read only this DP rank's partition of the TP slice
-                    _set_zero3_partition(param, ckpt, name, state, layout, tp_rank)
+                    _set_zero3_partition(param, ckpt, name, state, layout, rank)
                     continue
                 master = state == MASTER_WEIGHTS
                 targets = engine_private.state_targets(param, None if master else state, engine, stage0)
@@ -167,7 +168,7 @@ def load_resharded(engine: Any,
                                           "restore its optimizer state")
                 if master:  # and the low-precision copy the forward pass uses, whole on every DP rank
                     targets = [*(targets or []), (param.data, 0)]
-                _fill(targets or [], ckpt, name, state, layout, tp_rank)
+                _fill(targets or [], ckpt, name, state, layout, rank)
         if zero3:
             engine_private.refresh_zero3_partitions(engine)
         _restore_buffers(module, ckpt, available, tp_size, tp_rank)

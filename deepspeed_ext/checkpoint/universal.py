@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from deepspeed_ext.checkpoint import collective, output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.experts import EP_NUM_EXPERTS, IS_EXPERT_PARAM, is_expert_layout
 from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
 from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints, partial_sums
 from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL, LATEST_UNIVERSAL, ZERO_DIR
@@ -68,6 +69,10 @@ def _entry(tensor: torch.Tensor, layout: TPLayout) -> dict[str, Any]:
     if not layout.is_replicated and layout.view_shape is None and len(layout.sub_param_sizes) == 1:
         # Lets DeepSpeed's legacy (non-AutoTP) restore path chunk the tensor along the right dim.
         entry[keys.CAT_DIM] = layout.partition_dim
+    if is_expert_layout(layout):
+        # As upstream marks an AutoEP expert stack: its loader cuts each EP rank's experts along dim 0.
+        entry[IS_EXPERT_PARAM] = True
+        entry[EP_NUM_EXPERTS] = layout.shape[0]
     if layout.role == "vocab":
         # As upstream marks a vocabulary-parallel table. Its loader pads the table only where the model carries
         # no AutoTP restore metadata; the tensor itself is the unpadded vocabulary either way.
@@ -371,7 +376,16 @@ class UniversalCheckpoint:
 
     @cached_property
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+        """The parameters under ``zero/``. A directory the checkpoint does not list that holds master weights alone
+        is a second name of a listed tensor, not a parameter: upstream writes one for each tensor the module state
+        dict holds twice (AutoEP's router, also reachable as ``<block>.gate``)."""
+        found = sorted(p.name for p in self.zero.iterdir() if p.is_dir())
+        listed, _ = self._listed_names()
+        if not listed:
+            return found
+        listed_set = set(listed)
+        return [name for name in found if name in listed_set
+                or any(self.has(name, state) for state in (*ADAM_STATES, STEP))]
 
     def _refuse_missing_parameters(self) -> None:
         """At opening: refuse a parameter the checkpoint lists but does not hold under ``zero/`` (a conversion

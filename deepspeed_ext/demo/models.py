@@ -189,9 +189,11 @@ def ds_config(*,
               lr: float = 1e-2,
               kv_heads: int = 4,
               restore: str = "deepspeed_ext",
-              fingerprints: str = "error") -> dict[str, Any]:
+              fingerprints: str = "error",
+              ep: int = 0) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
-    ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`)."""
+    ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`). ``ep``: train an MoE family with DeepSpeed
+    AutoEP at that expert-parallel degree (0: AutoEP off)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
@@ -203,6 +205,13 @@ def ds_config(*,
         "steps_per_print": 1000,
         "tensor_parallel": tensor_parallel_section(family, tp, kv_heads),
     }
+    if ep:
+        from deepspeed_ext.presets import expert_parallel_preset
+        # Grouped GEMM kernels are for accelerators; on the CPU AutoEP runs each expert's matmuls.
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep, "use_grouped_mm": False,
+                                     **expert_parallel_preset(family)}
+        if tp == 1:
+            del config["tensor_parallel"]  # AutoEP alone: no AutoTP preset for the dense layers to apply
     if ext:
         config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True, "restore": restore,
                                                             "fingerprints": fingerprints}}

@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4, help="KV heads of the family's tiny model (2 gives TP=3 and TP=4 "
                    "ranks with empty attention shards)")
     p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--ep", type=int, default=0, help="DeepSpeed AutoEP's expert-parallel degree for an MoE family "
+                   "(0: AutoEP off)")
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--grad-accum", type=int, default=1)
@@ -119,7 +121,8 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        fused_adam=args.fused_adam,
                        kv_heads=args.kv_heads,
                        restore=args.restore,
-                       fingerprints=args.fingerprints)
+                       fingerprints=args.fingerprints,
+                       ep=args.ep)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
 

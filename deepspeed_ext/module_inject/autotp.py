@@ -30,6 +30,8 @@ from deepspeed_ext.module_inject.upstream import unsharded_weights as unsharded_
 
 #: Attribute we attach to every tagged parameter.
 LAYOUT_ATTR = "ds_ext_tp_layout"
+#: Set on a parameter whose layout's shards are not TP ranks (AutoEP experts: EP ranks): the shard it holds.
+SHARD_RANK_ATTR = "ds_ext_shard_rank"
 #: Attribute DeepSpeed (>= 0.18.9) attaches to AutoTP parameters.
 UPSTREAM_META_ATTR = "ds_autotp_universal_checkpoint_meta"
 
@@ -256,7 +258,39 @@ def tag_autotp_model(model: torch.nn.Module,
                               f"{layout.local_shape(tp_rank)}, but the parameter holds {local}")
         setattr(param, LAYOUT_ATTR, layout)
         layouts[name] = layout
+    layouts.update(tag_expert_params(model))
     return layouts
+
+
+def tag_expert_params(model: torch.nn.Module) -> dict[str, TPLayout]:
+    """AutoEP's stacked expert parameters: their logical ``[experts, ...]`` tensor split over the EP ranks along
+    dim 0 (:func:`~deepspeed_ext.checkpoint.deepspeed.experts.expert_layout`), with this rank's EP rank, the shard
+    it holds, under :data:`SHARD_RANK_ATTR`. ``{name: layout}`` of those it tagged."""
+    from deepspeed_ext.checkpoint.deepspeed.experts import expert_layout
+    from deepspeed_ext.checkpoint.engine_private import autoep_layers  # the fence: only when asked
+    layouts: dict[str, TPLayout] = {}
+    names = {id(param): name for name, param in model.named_parameters(remove_duplicate=True)}
+    for layer in autoep_layers(model):
+        if layer.num_experts % layer.ep_size:
+            raise LayoutError(f"AutoEP layer with {layer.num_experts} experts over EP={layer.ep_size}: not an even "
+                              "split, which deepspeed-ext's expert layout assumes")
+        per_rank = [layer.num_experts // layer.ep_size] * layer.ep_size
+        for full_name, param in layer.params.items():
+            local = _full_shape(param)
+            layout = expert_layout((layer.num_experts, *local[1:]), per_rank)
+            if layout.local_shape(layer.ep_rank) != local:
+                raise LayoutError(f"expert parameter {full_name!r}: EP rank {layer.ep_rank} of {layer.ep_size} should "
+                                  f"hold {layout.local_shape(layer.ep_rank)}, but holds {local}")
+            setattr(param, LAYOUT_ATTR, layout)
+            setattr(param, SHARD_RANK_ATTR, layer.ep_rank)
+            layouts[names.get(id(param), full_name)] = layout
+    return layouts
+
+
+def shard_rank(param: torch.nn.Parameter, tp_rank: int) -> int:
+    """Which shard of its layout ``param`` holds: its EP rank for an AutoEP expert stack, else the TP rank."""
+    rank: int = getattr(param, SHARD_RANK_ATTR, tp_rank)
+    return rank
 
 
 def upstream_layouts(model: torch.nn.Module, tp_size: int | None = None) -> dict[str, TPLayout]:

@@ -44,7 +44,7 @@ LAYOUT_SCHEMA_VERSION = 1
 PARTITION_TYPES = ("column", "row", "replicated")
 
 #: Free-form roles we recognise; they do not change the math, they tell tools what a tensor is.
-ROLES = (None, "fused_qkv", "gate_up", "vocab", "embedding_hidden", "sub_params")
+ROLES = (None, "fused_qkv", "gate_up", "vocab", "embedding_hidden", "sub_params", "experts")
 
 
 #: ``read_flat(src_rank, start, stop)``: elements ``[start, stop)`` of a saved TP shard, flattened.

@@ -44,6 +44,7 @@ class Scenario:
     grad_accum_dtype: str | None = None  # "fp32" with bf16 + ZeRO-1 selects DeepSpeed's BF16_Optimizer
     fused_adam: bool = False  # DeepSpeed's FusedAdam instead of torch's Adam
     kv_heads: int = 4  # 2: TP=3/4 ranks beyond the KV-head count hold empty attention shards
+    ep: int = 0  # DeepSpeed AutoEP's expert-parallel degree for an MoE family (0: off)
     python: str = sys.executable  # the environment (DeepSpeed version) that trains, converts and resumes
     model_config: dict | None = None  # an HF config.json's values instead of the family's tiny config
     steps: int = 5
@@ -81,7 +82,8 @@ class Scenario:
                 "--grad-accum", str(self.grad_accum), "--family", self.family, "--kv-heads", str(self.kv_heads)] + (
                     ["--grad-accum-dtype", self.grad_accum_dtype] if self.grad_accum_dtype else []) + (
                         ["--fused-adam"] if self.fused_adam else []) + (
-                            ["--allow-cpu-fp16"] if self.dtype == "fp16" else [])
+                            ["--allow-cpu-fp16"] if self.dtype == "fp16" else []) + (
+                                ["--ep", str(self.ep)] if self.ep else [])
 
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
@@ -164,6 +166,15 @@ class Scenario:
     def resumed_loss_scales(self, tp: int, dp: int = 1, zero: int | None = None) -> dict[int, float | None]:
         """The loss scales of the resume ``resume(tp, dp, zero=zero)`` ran (from our universal output)."""
         return self.loss_scales[(tp, dp, "None", False, zero)]
+
+    def live_experts(self, directory: Path | None = None) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+        """AutoEP: per EP rank, its experts' fp32 / exp_avg / exp_avg_sq as DeepSpeed reported them at save time
+        (``directory``: a ``loaded`` dump instead)."""
+        found: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+        for path in sorted((directory or self.dump_dir).glob("experts_rank_*.pt")):
+            dump = torch.load(path, weights_only=True)
+            found.setdefault(int(dump["ep_rank"]), dump["state"])
+        return found
 
     def live_state(self) -> list[dict[str, dict[str, torch.Tensor]]]:
         """Per TP rank, the TP-local fp32 / exp_avg / exp_avg_sq DeepSpeed itself reported at save time."""

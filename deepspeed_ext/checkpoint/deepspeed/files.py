@@ -72,6 +72,9 @@ class TagFiles:
     partitioned_weights: bool
     #: ZeRO-3: (TP rank, DP rank) -> model-states file; empty otherwise.
     model_grid: dict[tuple[int, int], Path] = field(default_factory=dict)
+    #: (MoE layer, expert, TP rank) -> that expert's model-states file (its low-precision weights; AutoEP under
+    #: ZeRO-1/2 writes them, its fp32 masters and moments are in the optimizer files).
+    expert_files: dict[tuple[int, int, int], Path] = field(default_factory=dict)
     #: How this save names its optimizer files, ``{dp}`` and ``{tp}`` to fill in (to name a missing one).
     optim_template: str = "zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
     _model_states: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
@@ -86,17 +89,20 @@ class TagFiles:
         grid: dict[tuple[int, int], Path] = {}
         optim: dict[tuple[int, int], Path] = {}
         templates: dict[str, str] = {}  # optimizer-file naming -> the first file named so
-        # Expert-parallel files hold the experts' weights (taken out of the model states) and moments: read without
-        # them, a conversion would drop the experts and still exit 0. They are not read yet, so they are refused.
-        expert = next((name for name in names if keys.EXPERT_MODEL_STATES_RE.match(name)
-                       or keys.EXPERT_OPTIM_STATES_RE.match(name)), None)
-        if expert is not None:
-            raise CheckpointError(f"{tag_dir / expert}: an expert-parallel (MoE) checkpoint file; deepspeed-ext does "
-                                  "not read DeepSpeed's expert checkpoints yet, and reading the tag without them "
-                                  "would drop the experts")
+        # DeepSpeed's older MoE layer without ZeRO keeps expert moments in files of their own, which are not read:
+        # read without them, a conversion would drop the experts' optimizer state and still exit 0.
+        expert_optim = next((name for name in names if keys.EXPERT_OPTIM_STATES_RE.match(name)), None)
+        if expert_optim is not None:
+            raise CheckpointError(f"{tag_dir / expert_optim}: an expert-parallel optimizer file of DeepSpeed's MoE "
+                                  "layer without ZeRO; deepspeed-ext reads AutoEP checkpoints (ZeRO-1/2/3), not "
+                                  "these, and reading the tag without them would drop the experts' state")
+        experts: dict[tuple[int, int, int], Path] = {}
         for name in names:
             if m := keys.MODEL_STATES_RE.match(name):
                 cls._add(plain, int(m.group(1)), tag_dir / name, f"TP rank {int(m.group(1))}")
+            elif m := keys.EXPERT_MODEL_STATES_RE.match(name):
+                layer, expert, tp = (int(g) for g in m.groups())
+                cls._add(experts, (layer, expert, tp), tag_dir / name, f"layer {layer}, expert {expert}, TP rank {tp}")
             elif m := keys.ZERO3_MODEL_STATES_RE.match(name):
                 tp, dp = int(m.group(2)), int(m.group(1))
                 cls._add(grid, (tp, dp), tag_dir / name, f"dp_rank {dp}, mp_rank {tp:02d}")
@@ -122,6 +128,7 @@ class TagFiles:
                    optim_files=optim,
                    partitioned_weights=bool(grid),
                    model_grid=grid,
+                   expert_files=experts,
                    optim_template=next(iter(templates)) if templates else cls.optim_template)
 
     @staticmethod

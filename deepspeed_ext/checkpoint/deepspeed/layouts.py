@@ -18,6 +18,7 @@ DP order) and for the flat tensors; TP merging and resharding are the same for e
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.deepspeed.experts import ExpertParallel, expert_group_indices
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, indexed_state
 from deepspeed_ext.checkpoint.deepspeed.zero0 import SavedStage0
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP
@@ -55,10 +57,12 @@ class OptimizerLayout:
     kind: str  # the DeepSpeed optimizer class that wrote it (``inspect`` shows it)
     zero_stage: int
 
-    def __init__(self, files: TagFiles, tp_degree: int, dp_degree: int):
+    def __init__(self, files: TagFiles, tp_degree: int, dp_degree: int, experts: ExpertParallel | None = None):
         self.files = files
         self.tp_degree = tp_degree
         self.dp_degree = dp_degree
+        #: AutoEP: the expert parameters, in param groups of their own partitioned over the expert-DP ranks.
+        self.experts = experts
 
     def check(self) -> None:
         """Refuse files that are missing, of another layout, or from two different saves."""
@@ -76,8 +80,20 @@ class OptimizerLayout:
         raise NotImplementedError
 
     def fragments(self, tp: int) -> dict[str, list[Fragment]]:
-        """Each parameter's fragments on TP rank ``tp``, in DP order."""
+        """Each parameter's fragments on TP rank ``tp``, in DP order (expert parameters: see
+        :meth:`expert_fragments`)."""
         raise NotImplementedError
+
+    def expert_fragments(self) -> dict[tuple[str, int], list[Fragment]]:
+        """AutoEP: ``(expert parameter, EP rank) -> fragments`` of that EP rank's experts, in the order ZeRO
+        partitions them over the ranks holding them."""
+        return {}
+
+    def expert_groups(self, tp: int, dp: int) -> set[int]:
+        """The flat groups of the (tp, dp) file that hold expert parameters."""
+        if self.experts is None:
+            return set()
+        return expert_group_indices(self.base_state(tp, dp).get(keys.PARAM_GROUPS) or [])
 
     def flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
         """The 1-D tensor holding ``state`` (master weights or a moment) for flat group ``group``."""
@@ -196,11 +212,7 @@ class _PartitionedLayout(OptimizerLayout):
                 if required not in state:
                     raise CheckpointError(f"{path}: optimizer_state_dict has no {required!r} (elastic or "
                                           "non-ZeRO optimizer checkpoints are not supported)")
-            counts = state.get(keys.PARTITION_COUNT)
-            counts = counts if isinstance(counts, list | tuple) else [counts] if counts is not None else []
-            if any(int(count) != self.dp_degree for count in counts):
-                raise CheckpointError(f"{path}: partitioned over {int(counts[0])} DP ranks, but the model states say "
-                                      f"DP={self.dp_degree}")
+            self._check_partition_counts(path, state, key)
             groups = self.base_state(*key).get(keys.STATE) or {}
             step = next((group[STEP] for group in groups.values() if isinstance(group, dict) and STEP in group),
                         None)
@@ -210,6 +222,24 @@ class _PartitionedLayout(OptimizerLayout):
             elif step_text != reference_step:
                 raise CheckpointError(f"{path}: optimizer step {step_text}, but {reference.name} has step "
                                       f"{reference_step}: files of two checkpoints are mixed")
+
+    def _check_partition_counts(self, path: Path, state: dict[str, Any], key: tuple[int, int]) -> None:
+        """Each flat group is partitioned over the DP ranks (an AutoEP expert group: over the ranks that hold the
+        same experts, DP / EP of them)."""
+        counts = state.get(keys.PARTITION_COUNT)
+        if counts is None:
+            return
+        expert = self.expert_groups(*key)
+        per_group = list(counts) if isinstance(counts, list | tuple) else None
+        for group, count in enumerate(per_group if per_group is not None else [counts]):
+            # ZeRO-3 records one count, its dense groups' (the expert groups' are in ds_zero_partition_groups).
+            is_expert = per_group is not None and group in expert
+            expected = self.experts.expert_dp_size if is_expert and self.experts is not None else self.dp_degree
+            if int(count) != expected:
+                why = (f"DP={self.dp_degree} / EP={self.experts.ep_size} ranks hold each expert" if is_expert
+                       and self.experts is not None else f"the model states and files say DP={self.dp_degree}")
+                raise CheckpointError(f"{path}: param group {group} is partitioned over {int(count)} ranks, but "
+                                      f"{why}: files of two checkpoints, or a DeepSpeed partitioning not supported")
 
     def state_file(self, tp: int, dp: int) -> Path:
         return self.files.optim_files[(tp, dp)]
@@ -254,9 +284,27 @@ class Zero12Layout(_PartitionedLayout):
     def fragments(self, tp: int) -> dict[str, list[Fragment]]:
         out: dict[str, list[Fragment]] = {}
         for dp in range(self.dp_degree):
+            experts = self.expert_groups(tp, dp)
             for group, mapping in enumerate(self.wrapper_state(tp, dp)[keys.PARAM_SLICE_MAPPINGS]):
+                if group in experts:
+                    continue
                 for name, address in mapping.items():
                     out.setdefault(name, []).append(Fragment(dp, group, int(address.start), int(address.numel)))
+        return out
+
+    def expert_fragments(self) -> dict[tuple[str, int], list[Fragment]]:
+        out: dict[tuple[str, int], list[Fragment]] = {}
+        if self.experts is None:
+            return out
+        for ep_rank in range(self.experts.ep_size):
+            for dp in self.experts.holders(ep_rank):
+                experts = self.expert_groups(0, dp)
+                for group, mapping in enumerate(self.wrapper_state(0, dp)[keys.PARAM_SLICE_MAPPINGS]):
+                    if group not in experts:
+                        continue
+                    for name, address in mapping.items():
+                        out.setdefault((name, ep_rank), []).append(
+                            Fragment(dp, group, int(address.start), int(address.numel), tp_rank=0))
         return out
 
 
@@ -275,18 +323,57 @@ class Zero3Layout(_PartitionedLayout):
 
     def fragments(self, tp: int) -> dict[str, list[Fragment]]:
         out: dict[str, list[Fragment]] = {}
+        experts = self.expert_groups(tp, 0)
         for group, shapes in enumerate(self._param_shapes(tp)):
+            if group in experts:
+                continue
             numels = [(name, int(torch.Size(shape).numel())) for name, shape in shapes.items()]
             owners = self.partition_owners(tp, group, [numel for _, numel in numels])
-            offset = 0
-            for name, numel in numels:
-                part = -(-numel // len(owners))
-                for index, (owner_tp, owner_dp) in enumerate(owners):
-                    length = max(0, min(part, numel - index * part))
-                    if length:
-                        out.setdefault(name, []).append(Fragment(owner_dp, group, offset, length, owner_tp))
-                offset += part
+            self._add_partitioned(out, lambda name: name, numels, owners, group)
         return out
+
+    def expert_fragments(self) -> dict[tuple[str, int], list[Fragment]]:
+        out: dict[tuple[str, int], list[Fragment]] = {}
+        if self.experts is None:
+            return out
+        experts = self.expert_groups(0, 0)
+        for group, shapes in enumerate(self._param_shapes(0)):
+            if group not in experts:
+                continue
+            numels = [(name, int(torch.Size(shape).numel())) for name, shape in shapes.items()]
+            for ep_rank in range(self.experts.ep_size):
+                owners = [(0, dp) for dp in self.experts.holders(ep_rank)]
+                flat = self.flat(0, owners[0][1], group, MASTER_WEIGHTS).numel()
+                implied = sum(-(-numel // len(owners)) for _, numel in numels)
+                if flat != implied:
+                    raise CheckpointError(f"{self.files.optim_files[owners[0]]}: flat partition of expert group "
+                                          f"{group} has {flat} elements, param_shapes imply {implied}")
+                self._add_partitioned(out, functools.partial(_with_rank, rank=ep_rank), numels, owners, group)
+        return out
+
+    @staticmethod
+    def _add_partitioned(out: dict[Any, list[Fragment]], key_of: Callable[[str], Any], numels: list[tuple[str, int]],
+                         owners: list[tuple[int, int]], group: int) -> None:
+        """ZeRO-3's partitioning of a flat group: each parameter takes ``ceil(numel / ranks)`` slots per owner,
+        in order, the last owner's padded."""
+        offset = 0
+        for name, numel in numels:
+            part = -(-numel // len(owners))
+            for index, (owner_tp, owner_dp) in enumerate(owners):
+                length = max(0, min(part, numel - index * part))
+                if length:
+                    out.setdefault(key_of(name), []).append(Fragment(owner_dp, group, offset, length, owner_tp))
+            offset += part
+
+    def expert_groups(self, tp: int, dp: int) -> set[int]:
+        """ZeRO-3 says which flat sub-groups hold AutoEP experts in ``ds_zero_partition_groups``."""
+        if self.experts is None:
+            return set()
+        recorded = self.wrapper_state(tp, dp).get("ds_zero_partition_groups")
+        if isinstance(recorded, list):
+            return {int(entry.get("sub_group", index)) for index, entry in enumerate(recorded)
+                    if "autoep_expert" in (entry.get("families") or [])}
+        return super().expert_groups(tp, dp)
 
     def partition_owners(self, tp: int, group: int, numels: list[int]) -> list[tuple[int, int]]:
         """The (TP, DP) ranks that param group ``group`` of TP rank ``tp`` is partitioned over, in partition order.
@@ -319,7 +406,12 @@ class Zero3Layout(_PartitionedLayout):
         return out
 
 
-def choose_layout(files: TagFiles, tp_degree: int, dp_degree: int, recorded_names: RecordedNames) -> OptimizerLayout:
+def _with_rank(name: str, rank: int) -> tuple[str, int]:
+    return name, rank
+
+
+def choose_layout(files: TagFiles, tp_degree: int, dp_degree: int, recorded_names: RecordedNames,
+                  experts: ExpertParallel | None = None) -> OptimizerLayout:
     """The layout this checkpoint's files were written in, checked."""
     layout: OptimizerLayout
     if not files.optim_files:
@@ -331,11 +423,11 @@ def choose_layout(files: TagFiles, tp_degree: int, dp_degree: int, recorded_name
             raise CheckpointError(f"{files.tag_dir}: missing optimizer file for dp_rank {dp}, mp_rank {tp:02d} "
                                   f"({len(missing)} missing)")
         if files.partitioned_weights:
-            layout = Zero3Layout(files, tp_degree, dp_degree)
+            layout = Zero3Layout(files, tp_degree, dp_degree, experts)
         elif keys.ZERO_STAGE in files.optimizer_file_state(0, 0):
-            layout = Zero12Layout(files, tp_degree, dp_degree)
+            layout = Zero12Layout(files, tp_degree, dp_degree, experts)
         else:
-            layout = BF16OptimizerLayout(files, tp_degree, dp_degree)
+            layout = BF16OptimizerLayout(files, tp_degree, dp_degree, experts)
     layout.check()
     return layout
 

@@ -20,6 +20,7 @@ import torch
 
 from deepspeed_ext.checkpoint import output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys, reconcile
+from deepspeed_ext.checkpoint.deepspeed.experts import read_expert_parallel
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
@@ -82,8 +83,10 @@ class DeepSpeedCheckpoint:
         self.tp_degree, self.dp_degree = reconcile.degrees(self.files, first, reference)
         reconcile.check_model_states_agree(self.files.model_files, self.rank_model_states, self.tp_degree,
                                            self.dp_degree)
+        self.experts = read_expert_parallel(first, reference, self.dp_degree)
+        self._check_experts(reference)
         self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
-                                                        self._recorded_optimizer_names)
+                                                        self._recorded_optimizer_names, self.experts)
         # Per thread, the memory-mapped optimizer-file pieces its last read returned, released before its next
         # one (writer threads stream tensors side by side).
         self._reads = threading.local()
@@ -91,6 +94,31 @@ class DeepSpeedCheckpoint:
         # What the restore reads with pread: each flat tensor's file and offset, and one descriptor per file.
         self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
         self._readers: dict[Path, ranges.FileReader] = {}
+
+    def _check_experts(self, reference: Path) -> None:
+        """What of AutoEP this reader serves: TP=1 with ZeRO-1/2/3; under ZeRO-1/2 every expert's model-states file
+        present (a tag that lacks one lost part of a save)."""
+        if self.experts is None:
+            if self.files.expert_files:
+                name = self.files.expert_files[min(self.files.expert_files)].name
+                raise CheckpointError(f"{self.tag_dir / name}: an expert checkpoint file, but {reference.name} records "
+                                      "no AutoEP layers (ds_autoep_layers): DeepSpeed's older MoE layer, which "
+                                      "deepspeed-ext does not read (it reads AutoEP checkpoints)")
+            return
+        if self.tp_degree != 1:
+            raise CheckpointError(f"{reference}: AutoEP at EP={self.experts.ep_size} folded with TP={self.tp_degree}; "
+                                  "deepspeed-ext reads AutoEP checkpoints at TP=1 (as DeepSpeed's own ds_to_universal)")
+        if not self.files.optim_files:
+            raise CheckpointError(f"{reference}: AutoEP without ZeRO; deepspeed-ext reads AutoEP checkpoints of "
+                                  "ZeRO stages 1-3")
+        if self.files.partitioned_weights:
+            return
+        layers = sorted({(param.layer, param.num_experts) for param in self.experts.params.values()})
+        missing = [f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt" for layer, count in layers
+                   for expert in range(count) if (layer, expert, 0) not in self.files.expert_files]
+        if missing:
+            raise CheckpointError(f"{self.tag_dir}: {missing[0]} is missing ({len(layers)} AutoEP layers record "
+                                  f"{sum(count for _, count in layers)} experts; {len(missing)} expert files missing)")
 
     def _recorded_optimizer_names(self, tp: int) -> list[list[str]] | None:
         """Without ZeRO: the parameter names TP rank ``tp``'s optimizer holds, if deepspeed-ext recorded them."""
@@ -267,7 +295,8 @@ class DeepSpeedCheckpoint:
         each attention projection. :attr:`layouts` checks that such a rank's shard is indeed empty.
         """
         per_rank = [self.optimizer.saved_shapes(tp) for tp in range(self.tp_degree)]
-        names = list(dict.fromkeys(name for shapes in per_rank for name in shapes))
+        experts = self.experts.params if self.experts is not None else {}
+        names = list(dict.fromkeys(name for shapes in per_rank for name in shapes if name not in experts))
         return OrderedDict((name, [shapes.get(name) for shapes in per_rank]) for name in names)
 
     @cached_property
@@ -286,9 +315,15 @@ class DeepSpeedCheckpoint:
     def layouts(self) -> dict[str, TPLayout]:
         """Every parameter's TP layout: ours if saved, else rebuilt from upstream's UC info; checked against the
         shapes every rank saved (:func:`.reconcile.layouts`)."""
-        return reconcile.layouts(self.uc_info, self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO),
-                                 self._saved_shapes, self.tp_degree, self.files.model_files, self.tag_dir,
-                                 self.buffers, HOW_TO_GET_METADATA)
+        found = reconcile.layouts(self.uc_info, self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO),
+                                  self._saved_shapes, self.tp_degree, self.files.model_files, self.tag_dir,
+                                  self.buffers, HOW_TO_GET_METADATA)
+        if self.experts is None:
+            return found
+        # The stacked experts, split over the EP ranks (their shards are EP ranks', not TP ranks').
+        order = [name for name in self.optimizer.saved_shapes(0)]
+        layouts = {**found, **{name: param.layout for name, param in self.experts.params.items()}}
+        return {name: layouts[name] for name in [*order, *(n for n in layouts if n not in order)]}
 
     @cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -302,8 +337,9 @@ class DeepSpeedCheckpoint:
     @cached_property
     def _fragments(self) -> dict[tuple[str, int], list[Fragment]]:
         """``(name, tp) -> fragments`` in DP order."""
-        return {(name, tp): fragments for tp in range(self.tp_degree)
-                for name, fragments in self.optimizer.fragments(tp).items()}
+        return {**{(name, tp): fragments for tp in range(self.tp_degree)
+                   for name, fragments in self.optimizer.fragments(tp).items()},
+                **self.optimizer.expert_fragments()}
 
     def _flat_pieces(self, name: str, tp: int, low: int, high: int) -> list[tuple[int, int, int, int, int]]:
         """Where elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name`` lie, in order:
@@ -386,7 +422,7 @@ class DeepSpeedCheckpoint:
             return buffer if state == MASTER_WEIGHTS else torch.zeros_like(buffer)
         layout = self.layouts[name]
         # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
-        shards = [self.local_tensor(name, tp, state) for tp in range(self.tp_degree)]
+        shards = [self.local_tensor(name, tp, state) for tp in range(layout.tp_size)]
         try:
             full = layout.merge(shards)
         except Exception as exc:
@@ -407,7 +443,7 @@ class DeepSpeedCheckpoint:
 
         if layout.is_replicated:
             block = read(0, low, high)
-            for tp in range(1, self.tp_degree):
+            for tp in range(1, layout.tp_size):
                 if not torch.equal(read(tp, low, high), block):
                     raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: replicated tensor differs between "
                                           f"TP rank 0 and TP rank {tp}")
@@ -475,6 +511,7 @@ class DeepSpeedCheckpoint:
             "metadata": self.metadata_source,
             "commit": self._commit_summary(),
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
+            **({"expert_parallel": self.experts.summary()} if self.experts is not None else {}),
             # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
             "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
             # What a user resuming elsewhere needs (DeepSpeed's own loader fails at other degrees with an

@@ -128,6 +128,8 @@ class Family:
     #: Keys for a DeepSpeed config's ``tensor_parallel`` section that AutoTP needs for the family (a
     #: ``partition_config``; None: AutoTP's defaults work); users get them from deepspeed_ext.presets.
     tensor_parallel: Mapping[str, Any] | None = None
+    #: DeepSpeed AutoEP's ``expert_parallel.preset_model`` for the family (None: AutoEP has no preset for it).
+    expert_parallel: str | None = None
 
     def rules_for(self, tied: bool) -> tuple[Rule, ...]:
         return self.rules if tied else self.rules + self.untied_rules

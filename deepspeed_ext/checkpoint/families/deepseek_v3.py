@@ -110,6 +110,7 @@ DEEPSEEK_V3 = Family(name="deepseek-v3",
                      maxtext_extra=_maxtext_extra,
                      layer_blocks=_blocks,
                      hf_expert_splits=HF_EXPERTS,
-                     tensor_parallel=TENSOR_PARALLEL)
+                     tensor_parallel=TENSOR_PARALLEL,
+                     expert_parallel="deepseek_v3")
 
 FAMILIES = (DEEPSEEK_V3, )

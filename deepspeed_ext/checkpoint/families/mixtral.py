@@ -43,6 +43,7 @@ MIXTRAL = Family(name="mixtral",
                                           "num_experts_per_tok": c["num_experts_per_tok"],
                                           "base_moe_mlp_dim": c["intermediate_size"]},
                  hf_expert_splits=HF_FILES,
-                 tensor_parallel=TENSOR_PARALLEL)
+                 tensor_parallel=TENSOR_PARALLEL,
+                 expert_parallel="mixtral")
 
 FAMILIES = (MIXTRAL, )

@@ -50,7 +50,8 @@ QWEN3_MOE = Family(name="qwen3-moe",
                                             "base_moe_mlp_dim": c["moe_intermediate_size"],
                                             "norm_topk_prob": bool(c.get("norm_topk_prob", True))},
                    hf_expert_splits=HF_EXPERTS,
-                   tensor_parallel=TENSOR_PARALLEL)
+                   tensor_parallel=TENSOR_PARALLEL,
+                   expert_parallel="qwen3_moe")
 
 
 FAMILIES = (QWEN3_MOE, )

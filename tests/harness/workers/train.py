@@ -37,6 +37,20 @@ def _stage0_live_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
     return state
 
 
+def _link_moment_fragments(engine: Any) -> None:
+    """DeepSpeed 0.19.8 (ZeRO-1/2) never links AutoEP expert parameters' Adam fragments to the optimizer's state
+    (its ``safe_get_full_optimizer_state`` raises ``exp_avg not found in optimizer state fragment`` for them), as
+    it does for dense ones at each step: link them, with DeepSpeed's own call, to DeepSpeed's own flat state."""
+    base = getattr(engine.optimizer, "optimizer", None)
+    for param in engine.module.parameters():
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None or mapping.optim_fragment or base is None:
+            continue
+        flat = base.param_groups[mapping.param_group_index]["params"][0]
+        if flat in base.state:
+            mapping.set_optim_state_fragment(flat, base.state[flat])
+
+
 def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
     """The TP-local full fp32 master weights and Adam moments, gathered over DP by DeepSpeed itself."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -45,6 +59,7 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
     if not engine.zero_optimization():
         state = _stage0_live_state(engine)
     else:
+        _link_moment_fragments(engine)
         state = {}
         for name, param in engine.module.named_parameters():
             if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
@@ -63,6 +78,13 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
                            "exp_avg_sq": torch.zeros(buffer.shape)}
     with torch.no_grad():  # every rank runs the forward: TP (and ZeRO-3) layers communicate
         logits = engine.module(input_ids=eval_batch()).logits.float()
+    from deepspeed_ext.checkpoint.engine_private import autoep_layers
+    layers = autoep_layers(engine.module)
+    if layers:  # AutoEP: each rank holds its EP rank's experts (gathered over the ranks holding the same ones)
+        path.mkdir(parents=True, exist_ok=True)
+        experts = {name: state[name] for layer in layers for name in layer.params if name in state}
+        torch.save({"ep_rank": layers[0].ep_rank, "state": experts},
+                   path / f"experts_rank_{engine.global_rank:02d}.pt")
     if engine.global_rank == tp_rank:  # DP rank 0 of each TP rank writes
         path.mkdir(parents=True, exist_ok=True)
         torch.save(state, path / f"tp_rank_{tp_rank:02d}.pt")

@@ -1,0 +1,153 @@
+"""DeepSpeed AutoEP (expert parallelism) checkpoints on the real engine: Mixtral, Qwen3-MoE and DeepSeek-V3 trained
+with ``"expert_parallel": {"autoep_size": N}`` (CPU, gloo), converted and resumed at other EP and ZeRO degrees,
+directly and through the universal form, and interchanged with upstream's own ``ds_to_universal`` both ways."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.runner import cli
+from harness.scenario import Load, Scenario, upstream_ds_to_universal
+
+#: The resumed loss within this of the uninterrupted run's (relative): other EP and DP degrees sum the same
+#: gradients in another order.
+TOLERANCE = 2e-3
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def ep2(scenarios) -> Scenario:
+    """Mixtral (4 experts) at EP=2 over 2 ranks, ZeRO-1 bf16: each rank holds 2 experts."""
+    return scenarios("autoep_mixtral_ep2_zero1", tp=1, dp=2, ep=2, family="mixtral")
+
+
+@pytest.fixture(scope="module")
+def ep1_zero3(scenarios) -> Scenario:
+    """Mixtral at EP=1 over 2 ranks, ZeRO-3: every rank holds every expert, ZeRO-3 partitions them."""
+    return scenarios("autoep_mixtral_ep1_zero3", tp=1, dp=2, ep=1, zero=3, family="mixtral")
+
+
+def _assert_continues(scenario: Scenario, losses: dict[int, float], what: str) -> None:
+    assert losses, what
+    for step, loss in losses.items():
+        base = scenario.baseline[step]
+        assert abs(loss - base) <= TOLERANCE * abs(base), f"{what}: step {step} loss {loss}, uninterrupted {base}"
+
+
+def _universal_save_dir(universal: Path, root: Path, name: str) -> Path:
+    """A save directory whose ``latest_universal`` names ``universal`` (linked in), as a resume loads it."""
+    save = root / name
+    save.mkdir()
+    (save / universal.name).symlink_to(universal.resolve())
+    (save / "latest_universal").write_text(universal.name)
+    return save
+
+
+def test_inspect_shows_the_expert_parallel_layout(ep2, tmp_path):
+    proc = cli(["inspect", str(ep2.save_dir), "--json"], tmp_path / "inspect.log")
+    summary = json.loads(proc.stdout)
+    experts = summary["expert_parallel"]
+    assert experts["ep_degree"] == 2 and experts["experts_per_rank"] == 2 and experts["moe_layers"] == 2
+    assert experts["placement"] == {"ep_rank 0": "0..1", "ep_rank 1": "2..3"}
+    w1 = summary["parameters"]["model.layers.0.mlp.experts.w1"]
+    assert (w1["shape"], w1["role"], w1["shard_widths"]) == ([4, 160, 64], "experts", [[2, 2]])
+
+
+def test_merged_experts_equal_the_live_engine_and_upstreams_conversion(ep2, tmp_path):
+    """Every EP rank's experts, cut from our merged [experts, ...] tensors, equal what DeepSpeed itself reports
+    (fp32 masters and both Adam moments, bit for bit), and so does every tensor upstream's converter writes."""
+    from deepspeed_ext.checkpoint import serialization
+    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+
+    layouts = DeepSpeedCheckpoint(ep2.tag_dir).layouts
+    experts = {name: layout for name, layout in layouts.items() if layout.role == "experts"}
+    assert len(experts) == 6  # w1, w2, w3 of 2 MoE layers
+    live = ep2.live_experts()
+    assert sorted(live) == [0, 1]
+    compared = 0
+    for name, layout in experts.items():
+        assert layout.shape[0] == 4 and layout.tp_size == 2
+        for state in STATES:
+            entry = serialization.load(ep2.universal_dir / "zero" / name / f"{state}.pt")
+            assert entry["is_expert_param"] is True and entry["ep_num_experts"] == 4 and entry["cat_dim"] == 0
+            for ep_rank in (0, 1):
+                assert torch.equal(layout.slice(entry["param"], ep_rank), live[ep_rank][name][state]), \
+                    f"{name}/{state}: EP rank {ep_rank} differs from the live engine"
+                compared += 1
+    assert compared == 36
+    dense = ep2.live_state()[0]
+    for name in (n for n in layouts if n not in experts):
+        for state in STATES:
+            entry = serialization.load(ep2.universal_dir / "zero" / name / f"{state}.pt")
+            assert torch.equal(entry["param"], dense[name][state]), f"{name}/{state}"
+
+    upstream = upstream_ds_to_universal(ep2.tag_dir, tmp_path / "upstream_universal")
+    for name in layouts:
+        for state in (*STATES, "step"):
+            ours = serialization.load(ep2.universal_dir / "zero" / name / f"{state}.pt")
+            theirs = serialization.load(upstream / "zero" / name / f"{state}.pt")
+            if state == "step":
+                assert float(ours) == float(theirs) == ep2.save_at
+                continue
+            assert torch.equal(ours["param"], theirs["param"]), f"{name}/{state} differs from upstream's"
+            for key in ("is_expert_param", "ep_num_experts"):
+                assert ours.get(key) == theirs.get(key), (name, state, key)
+
+
+def test_ep2_resumes_at_ep1_directly_and_through_either_universal_form(ep2, tmp_path):
+    """EP=2 x DP=2 -> EP=1 x DP=1: straight from the DeepSpeed checkpoint (load-time resharding), from our
+    universal output, from upstream's (restored by deepspeed-ext), and ours restored by plain upstream DeepSpeed."""
+    upstream = upstream_ds_to_universal(ep2.tag_dir, tmp_path / "upstream" / "global_step3_universal")
+    ours_dir = _universal_save_dir(ep2.universal_dir, tmp_path, "ours")
+    ep1 = ("--ep", "1")
+    loads = [Load(1, 1, ep2.save_dir, load_universal=False, extra=ep1),
+             Load(1, 1, ours_dir, extra=ep1),
+             Load(1, 1, upstream.parent, extra=ep1),
+             Load(1, 1, ours_dir, extra=(*ep1, "--plain"))]
+    results = ep2.loaded_many(loads)
+    what = ("direct", "our universal", "upstream's universal", "our universal, restored by upstream")
+    for (dumps, losses), label in zip(results, what):
+        _assert_continues(ep2, losses, label)
+    # Every route restores the same bits: the next losses agree exactly.
+    assert len({tuple(losses.values()) for _, losses in results}) == 1, [losses for _, losses in results]
+    # The whole expert stack, restored on the single EP rank, is what EP=2's two ranks held.
+    restored = results[0][0][0]
+    live = ep2.live_experts()
+    name = "model.layers.1.mlp.experts.w2"
+    for state in STATES:
+        assert torch.equal(restored[name][state], torch.cat([live[0][name][state], live[1][name][state]]))
+
+
+def test_ep2_zero1_resumes_under_zero3_and_zero2_at_ep2(ep2):
+    loads = [Load(1, 2, ep2.save_dir, load_universal=False, extra=("--zero", "3")),
+             Load(1, 2, ep2.save_dir, load_universal=False, extra=("--zero", "2"))]
+    for (_, losses), label in zip(ep2.loaded_many(loads), ("ZeRO-3", "ZeRO-2")):
+        _assert_continues(ep2, losses, label)
+
+
+def test_ep1_zero3_resumes_at_ep2_directly_and_through_the_universal_form(ep1_zero3, tmp_path):
+    ours_dir = _universal_save_dir(ep1_zero3.universal_dir, tmp_path, "ours")
+    loads = [Load(1, 2, ep1_zero3.save_dir, load_universal=False, extra=("--ep", "2")),
+             Load(1, 2, ours_dir, extra=("--ep", "2", "--zero", "1"))]
+    results = ep1_zero3.loaded_many(loads)
+    for (_, losses), label in zip(results, ("direct, ZeRO-3", "universal, ZeRO-1")):
+        _assert_continues(ep1_zero3, losses, label)
+    live = ep1_zero3.live_experts()[0]
+    loaded = ep1_zero3.live_experts(ep1_zero3.root / "loaded_tp1_dp2_ckpt_native_config_ep_2")
+    name = "model.layers.0.mlp.experts.w1"
+    for ep_rank in (0, 1):
+        for state in STATES:
+            assert torch.equal(loaded[ep_rank][name][state], live[name][state][2 * ep_rank:2 * ep_rank + 2])
+
+
+@pytest.mark.parametrize("family", ["qwen3-moe", "deepseek-v3"])
+def test_other_autoep_presets_convert_and_resume_at_ep1(scenarios, family):
+    scenario = scenarios(f"autoep_{family}_ep2", tp=1, dp=2, ep=2, family=family, steps=4)
+    ours_dir = scenario.save_dir  # to-universal wrote global_step3_universal and latest_universal beside the tag
+    loads = [Load(1, 1, scenario.save_dir, load_universal=False, extra=("--ep", "1")),
+             Load(1, 1, ours_dir, extra=("--ep", "1"))]
+    results = scenario.loaded_many(loads)
+    for (_, losses), label in zip(results, ("direct", "universal")):
+        _assert_continues(scenario, losses, f"{family} {label}")
