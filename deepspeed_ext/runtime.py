@@ -563,6 +563,7 @@ def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | N
     :class:`~deepspeed_ext.errors.CheckpointError` naming the parameters and states on a mismatch otherwise.
     """
     from deepspeed_ext.checkpoint.engine_fingerprints import engine_fingerprints
+    from deepspeed_ext.checkpoint.expert_names import has_autoep_names, model_named_fingerprints
     from deepspeed_ext.checkpoint.fingerprint import compare, mismatch_message
     from deepspeed_ext.checkpoint.metadata import read_uc_info
     from deepspeed_ext.errors import CheckpointError
@@ -586,6 +587,8 @@ def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | N
     started = time.perf_counter()
     recorded_states = {state for states in recorded.tensors.values() for state in states}
     found, problems = engine_fingerprints(engine, with_moments=len(recorded_states) > 1)
+    if has_autoep_names(found.tensors) and not has_autoep_names(recorded.tensors):
+        found = model_named_fingerprints(found)  # an AutoEP engine resumed from the model's names (from-hf)
     checked, mismatches = compare(recorded, found)
     elapsed = time.perf_counter() - started
     if not mismatches and not problems:

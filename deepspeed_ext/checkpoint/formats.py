@@ -70,6 +70,9 @@ class Format:
     #: The name of a function in :attr:`module`, ``(source) -> str | None``, saying how the parameters fail to
     #: fit the model the checkpoint's config describes (Hugging Face: transformers' model), for ``verify``.
     model_check: str | None = None
+    #: The format names parameters as the model does (transformers' names): a source with DeepSpeed AutoEP's
+    #: names is written under the model's (:mod:`~deepspeed_ext.checkpoint.expert_names`).
+    model_names: bool = False
 
     def load(self) -> ModuleType:
         if self.extra is not None:
@@ -93,6 +96,9 @@ class Format:
         return cls(**values)
 
     def write(self, source: CheckpointSource, out: str | Path | None, options: Any) -> Path:
+        if self.model_names:
+            from deepspeed_ext.checkpoint.expert_names import model_named
+            source = model_named(source)
         written: Path = self.load().write(source, out, options)
         return written
 
@@ -118,9 +124,10 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format(UNIVERSAL, "universal", is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions"),
     Format(DEEPSPEED, "DeepSpeed", is_deepspeed, "deepspeed_ext.checkpoint.deepspeed", files_check="check_files"),
     Format(HUGGINGFACE, "Hugging Face", is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions", extra="hf",
-           holds_full_tensors=True, model_check="parameter_problem"),
+           holds_full_tensors=True, model_check="parameter_problem", model_names=True),
     Format(MAXTEXT, "MaxText (Orbax)", is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions",
-           extra="maxtext", holds_full_tensors=True, widens_weights=True, files_root=maxtext_root),
+           extra="maxtext", holds_full_tensors=True, widens_weights=True, files_root=maxtext_root,
+           model_names=True),
 )}
 # Each module's ``open_source`` is annotated ``-> CheckpointSource`` (or a class mypy checks against it), so a
 # reader missing part of the contract is a type error in its own module; tests/unit/test_types.py checks that

@@ -19,6 +19,7 @@ import torch
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.engine_private import tp_group_info
+from deepspeed_ext.checkpoint.expert_names import autoep_named
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
 from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
@@ -130,6 +131,8 @@ def load_resharded(engine: Any,
     if any(getattr(p, LAYOUT_ATTR, None) is None for _, p in params):
         tag_autotp_model(module, tp_size=tp_size, tp_rank=tp_rank)
 
+    # A checkpoint under the model's own names (from-hf, from-maxtext) read by an AutoEP engine under AutoEP's.
+    ckpt = autoep_named(ckpt, [name for name, _ in params])
     available = set(ckpt.names)
     missing = [name for name, p in params if p.requires_grad and name not in available]
     if missing:

@@ -151,3 +151,57 @@ def test_other_autoep_presets_convert_and_resume_at_ep1(scenarios, family):
     results = scenario.loaded_many(loads)
     for (_, losses), label in zip(results, ("direct", "universal")):
         _assert_continues(scenario, losses, f"{family} {label}")
+
+
+def test_to_hf_writes_the_models_names_and_transformers_loads_them(ep2, tmp_path):
+    """AutoEP's router and w1/w2/w3 stacks go back to transformers' names (gate, fused gate_up_proj, down_proj) and
+    its files' per-expert names; the model loads with nothing missing, weights equal to the merged masters in the
+    model's bf16, and its logits match what the AutoEP engine computed at save time."""
+    from transformers import AutoModelForCausalLM
+
+    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+    from deepspeed_ext.checkpoint.expert_names import model_named
+    from deepspeed_ext.demo.models import eval_batch
+
+    out = tmp_path / "hf"
+    cli(["to-hf", str(ep2.save_dir), "-o", str(out), "--quiet"], tmp_path / "to_hf.log")
+    model, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(loading.values()), loading
+    weights = model.state_dict()
+    masters = {t.name: t.load_tensor("fp32") for t in model_named(DeepSpeedCheckpoint(ep2.tag_dir)).tensors()}
+    assert sorted(masters) == sorted(name for name, _ in model.named_parameters())
+    for name, master in masters.items():
+        assert torch.equal(weights[name], master.to(weights[name].dtype)), name
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    live = ep2.live_experts()
+    assert torch.equal(masters[name], torch.cat([torch.cat([live[r]["model.layers.1.mlp.experts.w1"]["fp32"],
+                                                            live[r]["model.layers.1.mlp.experts.w3"]["fp32"]], 1)
+                                                 for r in (0, 1)]))
+    with torch.no_grad():
+        logits = model(input_ids=eval_batch()).logits.float()
+    engine_logits = torch.load(ep2.dump_dir / "logits_tp_rank_00.pt", weights_only=True)
+    # The same weights through AutoEP's expert kernels and transformers' own: bf16 rounding apart.
+    assert (logits - engine_logits).abs().max() < 0.05, (logits - engine_logits).abs().max()
+
+
+def test_from_hf_and_from_maxtext_output_resume_under_autoep(ep2, tmp_path):
+    """The model's names back to AutoEP's at load time: from-maxtext output (weights, Adam moments, step) continues
+    the run at EP=2 and EP=1; from-hf output (weights alone) loads the HF weights into every EP rank's experts."""
+    maxtext = tmp_path / "maxtext"
+    cli(["to-maxtext", str(ep2.save_dir), "-o", str(maxtext), "--with-optimizer", "--quiet"],
+        tmp_path / "to_maxtext.log")
+    back = tmp_path / "from_maxtext"
+    cli(["from-maxtext", str(maxtext), "-o", str(back), "--quiet"], tmp_path / "from_maxtext.log")
+    hf = tmp_path / "hf"
+    cli(["to-hf", str(ep2.save_dir), "-o", str(hf), "--quiet", "--dtype", "float32"], tmp_path / "to_hf.log")
+    from_hf = tmp_path / "from_hf"
+    cli(["from-hf", str(hf), "-o", str(from_hf), "--quiet"], tmp_path / "from_hf.log")
+    loads = [Load(1, 2, back), Load(1, 2, back, extra=("--ep", "1")), Load(1, 2, from_hf, extra=("--steps", "1"))]
+    results = ep2.loaded_many(loads)
+    for (_, losses), label in zip(results[:2], ("from-maxtext at EP=2", "from-maxtext at EP=1")):
+        _assert_continues(ep2, losses, label)
+    loaded = ep2.live_experts(ep2.root / "loaded_tp1_dp2_from_hf_steps_1")
+    live = ep2.live_experts()
+    for ep_rank in (0, 1):
+        for name in ("model.layers.0.mlp.experts.w1", "model.layers.0.mlp.experts.w3"):
+            assert torch.equal(loaded[ep_rank][name]["fp32"], live[ep_rank][name]["fp32"]), (ep_rank, name)

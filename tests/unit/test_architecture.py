@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                "checkpoint.output", "checkpoint.ranges", "checkpoint.orbax_private", "checkpoint.families",
                "checkpoint.families.*", "checkpoint.commit", "checkpoint.zipsave", "checkpoint.locate",
                "checkpoint.metadata"]),
-    ("stream", ["checkpoint.tensor", "checkpoint.source", "checkpoint.model_config"]),
+    ("stream", ["checkpoint.tensor", "checkpoint.source", "checkpoint.model_config", "checkpoint.expert_names"]),
     ("formats", ["checkpoint.deepspeed", "checkpoint.deepspeed.*", "checkpoint.universal", "checkpoint.hf",
                  "checkpoint.maxtext", "checkpoint.maxtext.*"]),
     ("tools", ["checkpoint.formats", "checkpoint.verify", "checkpoint.compare"]),

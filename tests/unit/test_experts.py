@@ -150,3 +150,69 @@ def test_ep_that_does_not_divide_dp_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="EP=2 does not divide DP=3"):
         read_expert_parallel(states, Path("m.pt"), 3)
     assert read_expert_parallel({"param_shapes": [{"a": (2,)}]}, Path("m.pt"), 3) is None
+
+
+def _source(held: dict[str, torch.Tensor]):
+    """A source holding ``held`` under AutoEP's names (master weights only), read in ranges."""
+    from deepspeed_ext.checkpoint.source import SourceInfo
+    from deepspeed_ext.checkpoint.tensor import LogicalTensor
+    from deepspeed_ext.module_inject.layout import TPLayout
+
+    class Source:
+        info = SourceInfo(format="test", given=Path("x"), path=Path("x"), states=("fp32", ),
+                          layouts={name: TPLayout.replicated(tuple(t.shape), 1) for name, t in held.items()})
+        read_paths: list[Path] = []
+
+        def tensors(self):
+            for name, value in held.items():
+                yield LogicalTensor(name=name, shape=tuple(value.shape), layout=self.info.layouts[name],
+                                    states=("fp32", ), loader=lambda state, v=value: v,
+                                    range_loader=lambda state, low, high, v=value: v.reshape(-1)[low:high])
+
+        def summary(self):
+            return {}
+
+        def raise_if_damaged(self):
+            pass
+
+    return Source()
+
+
+def test_autoep_names_read_as_the_models_fused_tensors_in_any_block():
+    from deepspeed_ext.checkpoint.expert_names import model_named
+    w1, w3 = torch.randn(4, 3, 5), torch.randn(4, 3, 5)
+    source = {"m.layers.0.mlp.router.gate.weight": torch.randn(4, 5), "m.layers.0.mlp.experts.w1": w1,
+              "m.layers.0.mlp.experts.w2": torch.randn(4, 5, 3), "m.layers.0.mlp.experts.w3": w3,
+              "m.norm.weight": torch.randn(5)}
+    named = model_named(_source(source))
+    assert sorted(named.info.layouts) == ["m.layers.0.mlp.experts.down_proj", "m.layers.0.mlp.experts.gate_up_proj",
+                                          "m.layers.0.mlp.gate.weight", "m.norm.weight"]
+    tensors = {t.name: t for t in named.tensors()}
+    fused = torch.cat([w1, w3], dim=1)
+    assert torch.equal(tensors["m.layers.0.mlp.experts.gate_up_proj"].load_tensor("fp32"), fused)
+    for block in (1, 7, 15, 30, 120):  # blocks across the w1/w3 seams and the experts
+        got = torch.cat(list(tensors["m.layers.0.mlp.experts.gate_up_proj"].blocks("fp32", block_elements=block)))
+        assert torch.equal(got, fused.reshape(-1)), block
+    assert torch.equal(tensors["m.layers.0.mlp.experts.down_proj"].load_tensor("fp32"),
+                       source["m.layers.0.mlp.experts.w2"])
+
+
+def test_the_models_names_read_as_autoeps_by_an_expert_parallel_engine(tmp_path):
+    """from-hf output resumed under AutoEP: each EP rank's w1 / w3 rows are the halves of gate_up_proj."""
+    from deepspeed_ext.checkpoint.expert_names import autoep_named
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    fused = torch.randn(4, 6, 5)
+    zero = tmp_path / "u" / "zero"
+    for name, value in (("m.mlp.experts.gate_up_proj", fused), ("m.mlp.gate.weight", torch.randn(4, 5))):
+        (zero / name).mkdir(parents=True)
+        torch.save({"param": value}, zero / name / "fp32.pt")
+    source = autoep_named(UniversalCheckpoint(tmp_path / "u"), ["m.mlp.experts.w1", "m.mlp.experts.w3"])
+    assert sorted(source.names) == ["m.mlp.experts.w1", "m.mlp.experts.w3", "m.mlp.router.gate.weight"]
+    for ep in (1, 2, 4):
+        layout = expert_layout((4, 3, 5), [4 // ep] * ep)
+        for rank in range(ep):
+            experts = slice(rank * 4 // ep, (rank + 1) * 4 // ep)
+            assert torch.equal(source.resharded("m.mlp.experts.w1", "fp32", layout, rank), fused[experts, :3])
+            assert torch.equal(source.resharded("m.mlp.experts.w3", "fp32", layout, rank), fused[experts, 3:])
+            whole = source.resharded_range("m.mlp.experts.w3", "fp32", layout, rank, 2, 13)
+            assert torch.equal(whole, fused[experts, 3:].reshape(-1)[2:13])

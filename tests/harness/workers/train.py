@@ -41,14 +41,25 @@ def _link_moment_fragments(engine: Any) -> None:
     """DeepSpeed 0.19.8 (ZeRO-1/2) never links AutoEP expert parameters' Adam fragments to the optimizer's state
     (its ``safe_get_full_optimizer_state`` raises ``exp_avg not found in optimizer state fragment`` for them), as
     it does for dense ones at each step: link them, with DeepSpeed's own call, to DeepSpeed's own flat state."""
+    from deepspeed.utils import groups
     base = getattr(engine.optimizer, "optimizer", None)
     for param in engine.module.parameters():
+        if getattr(param, "_dp_group", False) is None and getattr(param, "group_name", None):
+            # Nor the group its fragments are gathered over (the ranks holding the same experts), where there are
+            # several of them: the group DeepSpeed partitions them over.
+            param._dp_group = groups._get_expert_data_parallel_group(param.group_name)
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None or mapping.optim_fragment or base is None:
             continue
         flat = base.param_groups[mapping.param_group_index]["params"][0]
         if flat in base.state:
             mapping.set_optim_state_fragment(flat, base.state[flat])
+
+
+def _has_moments(engine: Any) -> bool:
+    """Whether the optimizer holds Adam moments (torch's Adam creates them at its first step)."""
+    base = getattr(engine.optimizer, "optimizer", None)
+    return any(state for state in getattr(base, "state", {}).values())
 
 
 def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
@@ -64,7 +75,11 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
         for name, param in engine.module.named_parameters():
             if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
                 continue
-            state[name] = {"fp32": safe_get_full_fp32_param(param).clone(),
+            fp32 = safe_get_full_fp32_param(param).clone()
+            if not _has_moments(engine):  # a fresh optimizer (before its first step) has none yet: zeros
+                state[name] = {"fp32": fp32, **{key: torch.zeros_like(fp32) for key in STATES[1:]}}
+                continue
+            state[name] = {"fp32": fp32,
                            **{key: safe_get_full_optimizer_state(param, key).clone() for key in STATES[1:]}}
     for name, param in engine.module.named_parameters():
         shape = tuple(getattr(param, "ds_shape", param.shape))

@@ -1,0 +1,269 @@
+"""The model's own parameter names for a checkpoint DeepSpeed AutoEP trained.
+
+AutoEP replaces each MoE block's experts and router by its own modules, so its checkpoints name them its way.
+Every AutoEP preset deepspeed-ext serves (mixtral, qwen3_moe, deepseek_v3) maps them from transformers' names the
+same way, one block at a time (``<block>`` is e.g. ``model.layers.3.mlp``):
+
+=====================================================  ==================================================
+AutoEP                                                  transformers (5.x)
+=====================================================  ==================================================
+``<block>.router.gate.weight`` ``[E, H]``               ``<block>.gate.weight``
+``<block>.router.e_score_correction_bias`` ``[E]``      ``<block>.gate.e_score_correction_bias`` (DeepSeek)
+``<block>.experts.w1``, ``.w3`` ``[E, I, H]`` each      ``<block>.experts.gate_up_proj`` ``[E, 2I, H]``: w1 (the
+                                                        gate) then w3 (the up projection) along dim 1
+``<block>.experts.w2`` ``[E, H, I]``                    ``<block>.experts.down_proj``
+=====================================================  ==================================================
+
+:func:`model_named` presents such a checkpoint under transformers' names (the writers of HF and MaxText
+checkpoints, and ``verify``'s model check, know the model's names only); the universal form keeps AutoEP's, as
+upstream's converter writes it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint.fingerprint import Fingerprints
+from deepspeed_ext.checkpoint.source import CheckpointSource, SourceInfo
+from deepspeed_ext.checkpoint.tensor import STEP, LogicalTensor
+from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.module_inject.layout import TPLayout
+
+#: AutoEP name -> the model's, for the tensors renamed one to one.
+_RENAMED = (
+    (re.compile(r"^(.*)\.router\.gate\.weight$"), r"\1.gate.weight"),
+    (re.compile(r"^(.*)\.router\.e_score_correction_bias$"), r"\1.gate.e_score_correction_bias"),
+    (re.compile(r"^(.*)\.experts\.w2$"), r"\1.experts.down_proj"),
+)
+#: The two AutoEP stacks fused into one model tensor along dim 1, in order.
+_GATE, _UP = re.compile(r"^(.*)\.experts\.w1$"), re.compile(r"^(.*)\.experts\.w3$")
+_FUSED = "{}.experts.gate_up_proj"
+
+
+def has_autoep_names(names: list[str] | Any) -> bool:
+    """Whether these parameter names are AutoEP's (an expert stack ``...experts.w1``)."""
+    return any(_GATE.match(name) for name in names)
+
+
+def model_named(source: CheckpointSource) -> CheckpointSource:
+    """``source`` under the model's own names where it has AutoEP's, else ``source`` itself."""
+    if not has_autoep_names(source.info.layouts):
+        return source
+    return ModelNamedSource(source)
+
+
+class ModelNamedSource:
+    """A source with AutoEP names, seen under the model's (see the module docstring). Reads through to it: a
+    fused ``gate_up_proj`` is read as its two stacks, each block from the pieces of both that it spans."""
+
+    def __init__(self, source: CheckpointSource):
+        self.source = source
+        self._plan = self._planned(list(source.info.layouts))
+
+    @staticmethod
+    def _planned(names: list[str]) -> dict[str, tuple[str, ...]]:
+        """The model's name -> the source names it is made of, in the source's order."""
+        plan: dict[str, tuple[str, ...]] = {}
+        present = set(names)
+        for name in names:
+            if match := _GATE.match(name):
+                up = f"{match.group(1)}.experts.w3"
+                if up not in present:
+                    raise CheckpointError(f"AutoEP expert stack {name!r} has no {up!r} beside it to fuse into "
+                                          f"{_FUSED.format(match.group(1))!r}")
+                plan[_FUSED.format(match.group(1))] = (name, up)
+            elif _UP.match(name):
+                continue  # fused with its w1
+            else:
+                renamed = next((pattern.sub(target, name) for pattern, target in _RENAMED if pattern.match(name)),
+                               name)
+                plan[renamed] = (name, )
+        return plan
+
+    # ------------------------------------------------------------------ the source interface
+    @property
+    def info(self) -> SourceInfo:
+        info = self.source.info
+        layouts: dict[str, TPLayout] = {}
+        for name, parts in self._plan.items():
+            first = info.layouts[parts[0]]
+            if len(parts) == 1:
+                layouts[name] = first
+            else:  # the fused tensor, whole: how AutoEP had it split says nothing about it any more
+                shape = (first.shape[0], sum(info.layouts[p].shape[1] for p in parts), *first.shape[2:])
+                layouts[name] = TPLayout.replicated(shape, 1)
+        fingerprints = info.fingerprints
+        if fingerprints is not None:  # renamed ones keep theirs; a fused tensor has none of its own
+            fingerprints = replace(fingerprints, tensors={name: fingerprints.tensors[parts[0]]
+                                                           for name, parts in self._plan.items()
+                                                           if len(parts) == 1 and parts[0] in fingerprints.tensors})
+        return replace(info, layouts=layouts, fingerprints=fingerprints)
+
+    @property
+    def read_paths(self) -> list[Path]:
+        return self.source.read_paths
+
+    def summary(self) -> dict[str, Any]:
+        return self.source.summary()
+
+    def raise_if_damaged(self) -> None:
+        self.source.raise_if_damaged()
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        owner = {part: name for name, parts in self._plan.items() for part in parts}
+        pending: dict[str, LogicalTensor] = {}
+        for tensor in self.source.tensors():
+            name = owner.get(tensor.name, tensor.name)
+            parts = self._plan.get(name, (tensor.name, ))
+            pending[tensor.name] = tensor
+            if any(part not in pending for part in parts):
+                continue  # the fused tensor's other stack comes later
+            found = [pending.pop(part) for part in parts]
+            yield replace(found[0], name=name) if len(found) == 1 else _fused(name, found)
+        if pending:
+            raise CheckpointError(f"{self.source.info.path}: AutoEP tensors left unpaired: {sorted(pending)[:3]}")
+
+
+def _fused(name: str, parts: list[LogicalTensor]) -> LogicalTensor:
+    """``gate_up_proj``: the stacks ``parts`` ([E, I_k, ...] each) concatenated along dim 1."""
+    experts, rest = parts[0].shape[0], parts[0].shape[2:]
+    widths = [part.shape[1] for part in parts]
+    shape = (experts, sum(widths), *rest)
+    inner = math.prod(rest)
+    per_expert = [width * inner for width in widths]  # elements of each part per expert
+    expert_size = sum(per_expert)
+
+    def loader(state: str) -> torch.Tensor | int:
+        if state == STEP:
+            return parts[0].load(state)
+        return torch.cat([part.load_tensor(state) for part in parts], dim=1)
+
+    def range_loader(state: str, low: int, high: int) -> torch.Tensor:
+        pieces = []
+        position = low
+        while position < high:
+            expert, offset = divmod(position, expert_size)
+            start = 0
+            for part, size in zip(parts, per_expert, strict=True):
+                if offset < start + size:
+                    first = expert * size + offset - start
+                    count = min(high - position, start + size - offset)
+                    pieces.append(_range(part, state, first, first + count))
+                    position += count
+                    break
+                start += size
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    return LogicalTensor(name=name, shape=shape, layout=TPLayout.replicated(shape, 1), states=parts[0].states,
+                         loader=loader, dtype=parts[0].dtype, range_loader=range_loader)
+
+
+def _range(part: LogicalTensor, state: str, low: int, high: int) -> torch.Tensor:
+    if part.range_loader is not None:
+        return part.range_loader(state, low, high).clone()  # the next read may release the pages of this one
+    return part.load_tensor(state).reshape(-1)[low:high]
+
+
+# --------------------------------------------------------------------------- the other way: AutoEP's names
+def autoep_name_map(model_names: list[str]) -> dict[str, tuple[str, int, int]]:
+    """For a checkpoint under the model's names: AutoEP name -> (the model's tensor, first row, rows) of dim 1 it
+    is (``gate_up_proj`` holds w1 then w3, each half of its dim 1; every other is the whole tensor: rows -1)."""
+    mapped: dict[str, tuple[str, int, int]] = {}
+    for name in model_names:
+        if name.endswith(".experts.gate_up_proj"):
+            block = name[:-len(".experts.gate_up_proj")]
+            mapped[f"{block}.experts.w1"] = (name, 0, 0)  # rows filled in by the reader, from the shape
+            mapped[f"{block}.experts.w3"] = (name, 1, 0)
+        elif name.endswith(".experts.down_proj"):
+            mapped[name[:-len("down_proj")] + "w2"] = (name, 0, -1)
+        elif name.endswith(".gate.e_score_correction_bias"):
+            mapped[name[:-len("gate.e_score_correction_bias")] + "router.e_score_correction_bias"] = (name, 0, -1)
+        elif name.endswith(".mlp.gate.weight"):
+            mapped[name[:-len("gate.weight")] + "router.gate.weight"] = (name, 0, -1)
+        else:
+            mapped[name] = (name, 0, -1)
+    return mapped
+
+
+class AutoEPNamed:
+    """A checkpoint under the model's names (``from-hf`` / ``from-maxtext`` output) read by an AutoEP engine under
+    AutoEP's: ``w1`` / ``w3`` are the halves of ``gate_up_proj``'s dim 1, the rest renamed one to one. Serves the
+    restore (``resharded_range`` on each EP rank's experts), reading only those rows."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self._map = autoep_name_map(list(source.names))
+
+    def __getattr__(self, name: str) -> Any:  # path, model_states, has_optimizer_states, ... as the source's
+        return getattr(self.source, name)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._map)
+
+    def has(self, name: str, state: str) -> bool:
+        return name in self._map and bool(self.source.has(self._map[name][0], state))
+
+    def step(self, name: str) -> Any:
+        return self.source.step(self._map[name][0])
+
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
+        shape = target.local_shape(rank)
+        return self.resharded_range(name, state, target, rank, 0, math.prod(shape)).reshape(shape)
+
+    def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
+                        high: int) -> torch.Tensor:
+        model_name, half, whole = self._map[name]
+        if whole == -1:
+            value: torch.Tensor = self.source.resharded_range(model_name, state, target, rank, low, high)
+            return value
+        # The fused tensor cut the way ``target`` cuts the stack (dim 0, the experts), both halves of dim 1.
+        rows = target.shape[1]
+        fused = TPLayout(shape=(target.shape[0], 2 * rows, *target.shape[2:]), tp_size=target.tp_size,
+                         partition_type=target.partition_type, partition_dim=target.partition_dim,
+                         sub_param_sizes=target.sub_param_sizes, shard_widths=target.shard_widths,
+                         role=target.role) if not target.is_replicated else TPLayout.replicated(
+                             (target.shape[0], 2 * rows, *target.shape[2:]), target.tp_size)
+        inner = math.prod(target.shape[2:])
+        half_size = rows * inner  # one expert's elements of this half
+        pieces, position = [], low
+        while position < high:
+            expert, offset = divmod(position, half_size)
+            count = min(high - position, half_size - offset)
+            first = expert * 2 * half_size + half * half_size + offset
+            pieces.append(self.source.resharded_range(model_name, state, fused, rank, first, first + count))
+            position += count
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def autoep_named(source: Any, engine_names: list[str]) -> Any:
+    """``source`` as an AutoEP engine with ``engine_names`` asks for it: itself when it already has AutoEP's names
+    (a checkpoint AutoEP trained), else :class:`AutoEPNamed` when it has the model's."""
+    if not has_autoep_names(engine_names) or has_autoep_names(list(source.names)):
+        return source
+    return AutoEPNamed(source)
+
+
+def model_named_fingerprints(fingerprints: Fingerprints) -> Fingerprints:
+    """Fingerprints under AutoEP's names, under the model's: renamed one to one, and ``w1`` + ``w3`` added up into
+    ``gate_up_proj`` (a fingerprint's count and sums add over the pieces of a tensor)."""
+    from deepspeed_ext.checkpoint.fingerprint import Fingerprint
+    tensors: dict[str, dict[str, Fingerprint]] = {}
+    for name, states in fingerprints.tensors.items():
+        if match := _GATE.match(name) or _UP.match(name):
+            fused = tensors.setdefault(_FUSED.format(match.group(1)), {})
+            for state, print_ in states.items():
+                before = fused.get(state, Fingerprint(0, 0.0, 0.0))
+                fused[state] = Fingerprint(before.numel + print_.numel, before.total + print_.total,
+                                           before.total_sq + print_.total_sq)
+            continue
+        renamed = next((pattern.sub(target, name) for pattern, target in _RENAMED if pattern.match(name)), name)
+        tensors[renamed] = dict(states)
+    return replace(fingerprints, tensors=tensors)
