@@ -145,8 +145,8 @@ def test_expert_files_of_deepspeeds_older_moe_layer_are_refused(tmp_path):
 
 def test_ep_that_does_not_divide_dp_is_refused(tmp_path):
     states = {"param_shapes": [{"moe.experts.w1": (2, 3, 2)}],
-              "ds_autoep_layers": [{"moe_layer_id": 0, "num_experts": 4, "ep_size": 2, "expert_key_prefix": "moe.experts",
-                                    "expert_placement": placement(2)}]}
+              "ds_autoep_layers": [{"moe_layer_id": 0, "num_experts": 4, "ep_size": 2,
+                                    "expert_key_prefix": "moe.experts", "expert_placement": placement(2)}]}
     with pytest.raises(CheckpointError, match="EP=2 does not divide DP=3"):
         read_expert_parallel(states, Path("m.pt"), 3)
     assert read_expert_parallel({"param_shapes": [{"a": (2,)}]}, Path("m.pt"), 3) is None
