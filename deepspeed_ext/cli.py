@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from collections.abc import Sequence
 
 from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL
@@ -88,19 +88,34 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
             if dist.get_rank() == 0:
                 _say_error(str(exc))
             dist.barrier()
-            return 2
+            _leave_distributed(2)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
-            return 0
+            _leave_distributed(0)
+        _say_universal_written(args, source, out)
+        _leave_distributed(0)
     else:
         source = _open(checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
         out = _write(source, output, "universal", args, **options)
+    _say_universal_written(args, source, out)
+    return 0
+
+
+def _say_universal_written(args: argparse.Namespace, source: Any, out: Path) -> None:
     if not args.quiet:
         info = source.info
         print(f"wrote universal checkpoint {out} ({len(info.layouts)} parameters, "
               f"TP={info.tp_degree} x DP={info.dp_degree}, ZeRO-{info.zero_stage}, metadata: {info.metadata})")
-    return 0
+
+
+def _leave_distributed(code: int) -> NoReturn:
+    """End a ``--distributed`` rank whose work is done and published. Its gloo process group leaves a C++ thread
+    behind that aborts the interpreter's teardown now and then ("terminate called without an active exception"),
+    turning a finished conversion into exit code 1 under torchrun: flush, and leave without running it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_to_maxtext(args: argparse.Namespace) -> int:

@@ -177,6 +177,9 @@ def test_to_hf_writes_the_models_names_and_transformers_loads_them(ep2, tmp_path
     assert torch.equal(masters[name], torch.cat([torch.cat([live[r]["model.layers.1.mlp.experts.w1"]["fp32"],
                                                             live[r]["model.layers.1.mlp.experts.w3"]["fp32"]], 1)
                                                  for r in (0, 1)]))
+    # compare views the AutoEP checkpoint under the model's names too: every tensor matches at bf16.
+    proc = cli(["compare", str(ep2.save_dir), str(out)], tmp_path / "compare.log")
+    assert "OK: within tolerance" in proc.stdout and "only in" not in proc.stdout, proc.stdout
     with torch.no_grad():
         logits = model(input_ids=eval_batch()).logits.float()
     engine_logits = torch.load(ep2.dump_dir / "logits_tp_rank_00.pt", weights_only=True)
