@@ -26,7 +26,6 @@ from deepspeed_ext.config import ExtConfig, load_ds_config
 from deepspeed_ext.errors import DeepSpeedExtError
 from deepspeed_ext.version import __version__
 from deepspeed_ext.checkpoint import engine_private
-from deepspeed_ext.checkpoint.engine_private import tp_group_info
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
 
 ENGINE_ATTR = "deepspeed_ext_uc_info"
@@ -191,9 +190,10 @@ def _versions() -> dict[str, str]:
 def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None) -> UCInfo:
     """Tag ``engine.module`` and hook the engine's checkpoint methods. Returns the UC info."""
     engine_private.check_installed_deepspeed()  # a DeepSpeed release we cannot serve fails here, in one line
-    tp_size, tp_rank = tp_group_info()
+    tp_size, tp_rank = engine_private.model_parallel_info(engine)
     grain = int(((ds_config or {}).get("tensor_parallel") or {}).get("tp", {}).get("tp_grain_size", 1) or 1)
     layouts = tag_autotp_model(engine.module, tp_size=tp_size, tp_rank=tp_rank, tp_grain_size=grain)
+    layouts = _over_every_stage(engine, layouts)
     if engine_private.partitions_weights(engine):
         refuse_empty_shards_under_zero3(layouts)
     info = UCInfo(tp_size=tp_size,
@@ -216,6 +216,23 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
     _hook_load(engine, reshard=ext.universal_checkpoint.restore == "deepspeed_ext",
                fingerprints=ext.universal_checkpoint.fingerprints)
     return info
+
+
+def _over_every_stage(engine: Any, layouts: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline-parallel engine's layouts, gathered from every stage (each holds its own layers); the record
+    saved with each checkpoint describes the whole model. ``layouts`` itself without pipeline parallelism."""
+    if engine_private.pipeline_stage(engine)[1] == 1:
+        return layouts
+    import torch.distributed as dist
+
+    from deepspeed_ext.module_inject.layout import TPLayout
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {name: layout.to_json() for name, layout in layouts.items()})
+    merged: dict[str, Any] = {}
+    for stage_layouts in gathered:
+        for name, data in stage_layouts.items():
+            merged.setdefault(name, TPLayout.from_json(data))
+    return {**merged, **layouts}
 
 
 def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
@@ -325,7 +342,7 @@ def _is_commit_coordinator(engine: Any) -> bool:
 
 def _commit_details(engine: Any) -> dict[str, Any]:
     """What the commit marker records beside the files: who wrote it and at which degrees."""
-    tp_size, _ = tp_group_info()
+    tp_size, _ = engine_private.model_parallel_info(engine)
     world = _world_size()
     return {"global_steps": int(engine.global_steps), "world_size": world, "tp_degree": tp_size,
             "zero_stage": engine_private.zero_stage(engine), "written_by": _versions()}
@@ -638,9 +655,11 @@ def _load_route(engine: Any, load_dir: str, tag: str | None) -> Any:
     if not model_files:
         return None
     saved = serialization.load(model_files[0])
-    tp_size, _ = tp_group_info()
+    tp_size, _ = engine_private.model_parallel_info(engine)
+    stages = engine_private.pipeline_stage(engine)[1]
+    saved_stages = int((saved.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}).get(keys.CHECKPOINT_PP_DEGREE, 1) or 1)
     dp_size = engine.dp_world_size if hasattr(engine, "dp_world_size") else None
-    same = (int(saved.get(keys.MP_WORLD_SIZE) or 1) == tp_size
+    same = (int(saved.get(keys.MP_WORLD_SIZE) or 1) == tp_size * stages and saved_stages == stages
             and (dp_size is None or int(saved.get(keys.DP_WORLD_SIZE) or 1) == dp_size)
             and _saved_ep_size(saved) == _live_ep_size(engine)
             # DeepSpeed's loader reads ZeRO-3's per-rank model states only into ZeRO-3, and the reverse.

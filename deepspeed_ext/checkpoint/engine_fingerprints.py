@@ -43,6 +43,8 @@ class LocalSums:
     buffer_sums: torch.Tensor  # [buffer, (numel, sum, sum of squares)]
     spread: torch.Tensor  # (max step, -min step, max global steps, -min global steps)
     with_moments: bool
+    #: The pipeline stage this rank runs (0 without pipeline parallelism): stages hold different parameters.
+    stage: int = 0
 
 
 def local_engine_sums(engine: Any, with_moments: bool = True) -> LocalSums:
@@ -58,7 +60,7 @@ class SumsPlan:
     whatever no writer showed, by :meth:`finish`. Either way a state's rows of ``ROW_ELEMENTS`` are the same."""
 
     def __init__(self, engine: Any, with_moments: bool = True):
-        tp_size, tp_rank = engine_private.tp_group_info()
+        tp_size, tp_rank = engine_private.model_parallel_info(engine)
         states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
         params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
         stage0 = engine_private.stage0_slots(engine)
@@ -95,6 +97,7 @@ class SumsPlan:
         self._params = [name for name, _ in params]
         self._states = states
         self._with_moments = with_moments
+        self._stage = engine_private.pipeline_stage(engine)[0]
 
     def regions(self, address: int, nbytes: int) -> list[Any]:
         """The pending states that lie whole in ``nbytes`` of memory at ``address`` (a storage being written),
@@ -145,13 +148,14 @@ class SumsPlan:
                 buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
         return LocalSums(self._params, self._states, self.sums,
                          [(name, buffer.dtype) for name, buffer in self._buffers], buffer_sums, self._spread,
-                         self._with_moments)
+                         self._with_moments, self._stage)
 
 
 def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
     """The engine's fingerprints from every rank's :class:`LocalSums` (collective: one all-reduce each of the
     sums and the steps), and any disagreement between the ranks."""
     if dist.is_available() and dist.is_initialized():
+        local = _over_every_stage(local)
         dist.all_reduce(local.sums)
         dist.all_reduce(local.buffer_sums)
         dist.all_reduce(local.spread, op=dist.ReduceOp.MAX)
@@ -177,3 +181,39 @@ def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
         elif high >= 0:
             setattr(found, key, int(high))
     return found, problems
+
+
+def _over_every_stage(local: LocalSums) -> LocalSums:
+    """``local`` laid out over the parameters and buffers of every rank, for the all-reduce that adds them up.
+
+    Every rank holds the same parameters unless the engine is pipeline-parallel, where each stage holds its layers
+    (and a tied layer, such as an embedding shared by the first and the last stage, is on several). Then the ranks
+    agree on the union of the names (one gather of the names), each puts its sums in its rows, and a name held by
+    several stages is counted from the first of them only (each holds the whole tensor's copy)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (local.stage, local.params, [name for name, _ in local.buffers]))
+    if all(params == local.params and buffers == gathered[0][2] for _, params, buffers in gathered):
+        return local
+    first_stage: dict[str, int] = {}
+    params: list[str] = []
+    buffers: dict[str, torch.dtype] = {}
+    for stage, names, buffer_names in gathered:
+        for name in [*names, *buffer_names]:
+            first_stage[name] = min(first_stage.get(name, stage), stage)
+        params += [name for name in names if name not in params]
+        for name in buffer_names:
+            buffers.setdefault(name, torch.float32)
+    own_dtypes = dict(local.buffers)
+    sums = torch.zeros(len(params), len(local.states), 3, dtype=torch.float64)
+    index = {name: i for i, name in enumerate(params)}
+    for i, name in enumerate(local.params):
+        if first_stage[name] == local.stage:
+            sums[index[name]] = local.sums[i]
+    buffer_names = list(buffers)
+    buffer_sums = torch.zeros(len(buffer_names), 3, dtype=torch.float64)
+    for i, (name, _) in enumerate(local.buffers):
+        if first_stage[name] == local.stage:
+            buffer_sums[buffer_names.index(name)] = local.buffer_sums[i]
+    return LocalSums(params, local.states, sums, [(name, own_dtypes.get(name, dtype)) for name, dtype in
+                                                   buffers.items()], buffer_sums, local.spread, local.with_moments,
+                     local.stage)

@@ -148,6 +148,24 @@ def autoep_layers(model: torch.nn.Module) -> list[LiveExperts]:
     return found
 
 
+def pipeline_stage(engine: Any) -> tuple[int, int]:
+    """``(stage, stages)`` of a pipeline-parallel engine (DeepSpeed's ``PipelineEngine``); ``(0, 1)`` otherwise."""
+    return (int(engine.stage_id), int(engine.num_stages)) if engine_is_pipeline(engine) else (0, 1)
+
+
+def model_parallel_info(engine: Any) -> tuple[int, int]:
+    """``(tp_size, tp_rank)`` of ``engine``: a pipeline engine's model-parallel axis of its topology (the
+    ``PipeModelDataParallelTopology`` grid; DeepSpeed's TP groups are not set there), else DeepSpeed's TP groups."""
+    grid = getattr(engine, "grid", None)
+    if engine_is_pipeline(engine) and grid is not None:
+        return int(grid.get_slice_parallel_world_size()), int(grid.get_slice_parallel_rank())
+    return tp_group_info()
+
+
+def engine_is_pipeline(engine: Any) -> bool:
+    return getattr(engine, "num_stages", None) is not None
+
+
 def tp_group_info() -> tuple[int, int]:
     """``(tp_size, tp_rank)`` of this process, from DeepSpeed's groups (1, 0 when TP is off)."""
     try:

@@ -18,7 +18,6 @@ import torch
 
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.deepspeed import keys
-from deepspeed_ext.checkpoint.engine_private import tp_group_info
 from deepspeed_ext.checkpoint.expert_names import autoep_named
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
 from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
@@ -125,7 +124,7 @@ def load_resharded(engine: Any,
                    load_lr_scheduler_states: bool = True,
                    load_module_only: bool = False) -> tuple[str, dict[str, Any]]:
     """Restore ``engine`` from ``ckpt`` at the engine's own TP/DP degrees."""
-    tp_size, tp_rank = tp_group_info()
+    tp_size, tp_rank = engine_private.model_parallel_info(engine)
     module = engine.module
     params = list(module.named_parameters())
     if any(getattr(p, LAYOUT_ATTR, None) is None for _, p in params):

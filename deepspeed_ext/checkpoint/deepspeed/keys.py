@@ -43,6 +43,7 @@ DP_WORLD_SIZE = "dp_world_size"
 MP_WORLD_SIZE = "mp_world_size"  # the TP degree
 CHECKPOINT_PARALLEL_DIMS = "checkpoint_parallel_dimensions"
 CHECKPOINT_PP_DEGREE = "pp_degree"
+CHECKPOINT_TP_DEGREE = "tp_degree"
 DS_CONFIG = "ds_config"
 DS_VERSION = "ds_version"
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # upstream AutoTP's TP metadata (>= 0.18.9)

@@ -110,9 +110,9 @@ class OptimizerLayout:
     #: Without ZeRO the model states hold the optimizer, which a universal checkpoint keeps per parameter.
     optimizer_in_model_states = False
 
-    def step(self, group: int, dp: int) -> Any:
-        """The optimizer step of flat group ``group`` (TP rank 0), or None."""
-        return (self.base_state(0, dp)[keys.STATE].get(group) or {}).get(STEP)
+    def step(self, group: int, dp: int, tp: int = 0) -> Any:
+        """The optimizer step of flat group ``group`` in the (tp, dp) file, or None."""
+        return (self.base_state(tp, dp)[keys.STATE].get(group) or {}).get(STEP)
 
     def has_stepped(self) -> bool:
         """Whether the optimizer has taken a step. torch's Adam creates a group's step and moments at its first

@@ -7,6 +7,7 @@ shard lie) is in :mod:`.layouts`; this module merges over TP ranks and reshards,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import shutil
 import threading
@@ -77,16 +78,19 @@ class DeepSpeedCheckpoint:
             self.files.degrees()  # refuses naming TP rank 0's missing model-states file
         reference = self.files.model_files[0]
         first = self.rank_model_states(0)
-        dims = first.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
-        if int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1) != 1:
-            raise CheckpointError(f"{reference}: pipeline parallelism is not supported")
-        self.tp_degree, self.dp_degree = reconcile.degrees(self.files, first, reference)
-        reconcile.check_model_states_agree(self.files.model_files, self.rank_model_states, self.tp_degree,
+        # Files are per model-parallel rank: a pipeline stage's TP ranks, stage-major (mp = stage * TP + tp).
+        self.mp_degree, self.dp_degree = reconcile.degrees(self.files, first, reference)
+        reconcile.check_model_states_agree(self.files.model_files, self.rank_model_states, self.mp_degree,
                                            self.dp_degree)
+        self.pp_degree = reconcile.pipeline_degree(first, reference, self.mp_degree)
+        self.tp_degree = self.mp_degree // self.pp_degree
         self.experts = read_expert_parallel(first, reference, self.dp_degree)
         self._check_experts(reference)
-        self.optimizer: OptimizerLayout = choose_layout(self.files, self.tp_degree, self.dp_degree,
+        self.optimizer: OptimizerLayout = choose_layout(self.files, self.mp_degree, self.dp_degree,
                                                         self._recorded_optimizer_names, self.experts)
+        if self.pp_degree > 1 and self.optimizer.zero_stage == 0:
+            raise CheckpointError(f"{reference}: pipeline parallelism without ZeRO; deepspeed-ext reads pipeline "
+                                  "checkpoints of ZeRO stage 1")
         # Per thread, the memory-mapped optimizer-file pieces its last read returned, released before its next
         # one (writer threads stream tensors side by side).
         self._reads = threading.local()
@@ -94,6 +98,11 @@ class DeepSpeedCheckpoint:
         # What the restore reads with pread: each flat tensor's file and offset, and one descriptor per file.
         self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
         self._readers: dict[Path, ranges.FileReader] = {}
+
+    @property
+    def _degrees_text(self) -> str:
+        pipeline = f"PP={self.pp_degree} x " if self.pp_degree > 1 else ""
+        return f"{pipeline}TP={self.tp_degree} x DP={self.dp_degree}"
 
     def _check_experts(self, reference: Path) -> None:
         """What of AutoEP this reader serves: TP=1 with ZeRO-1/2/3; under ZeRO-1/2 every expert's model-states file
@@ -294,10 +303,22 @@ class DeepSpeedCheckpoint:
         (and so out of ``param_shapes``), which is what a rank beyond the model's KV-head count holds of
         each attention projection. :attr:`layouts` checks that such a rank's shard is indeed empty.
         """
-        per_rank = [self.optimizer.saved_shapes(tp) for tp in range(self.tp_degree)]
+        per_rank = [self.optimizer.saved_shapes(mp) for mp in range(self.mp_degree)]
         experts = self.experts.params if self.experts is not None else {}
         names = list(dict.fromkeys(name for shapes in per_rank for name in shapes if name not in experts))
-        return OrderedDict((name, [shapes.get(name) for shapes in per_rank]) for name in names)
+        stage_of = self._stage_of
+        return OrderedDict((name, [per_rank[stage_of[name] * self.tp_degree + tp].get(name)
+                                   for tp in range(self.tp_degree)]) for name in names)
+
+    @cached_property
+    def _stage_of(self) -> dict[str, int]:
+        """The pipeline stage each parameter is read from: the first that holds it (a layer tied across stages, such
+        as an embedding shared by the first and the last, is held whole by each; without pipeline parallelism, 0)."""
+        found: dict[str, int] = {}
+        for mp in range(self.mp_degree):
+            for name in self.optimizer.saved_shapes(mp):
+                found.setdefault(name, mp // self.tp_degree)
+        return found
 
     @cached_property
     def uc_info(self) -> UCInfo | None:
@@ -337,9 +358,14 @@ class DeepSpeedCheckpoint:
     @cached_property
     def _fragments(self) -> dict[tuple[str, int], list[Fragment]]:
         """``(name, tp) -> fragments`` in DP order."""
-        return {**{(name, tp): fragments for tp in range(self.tp_degree)
-                   for name, fragments in self.optimizer.fragments(tp).items()},
-                **self.optimizer.expert_fragments()}
+        found: dict[tuple[str, int], list[Fragment]] = {}
+        for mp in range(self.mp_degree):
+            stage, tp = divmod(mp, self.tp_degree)
+            for name, fragments in self.optimizer.fragments(mp).items():
+                if self._stage_of.get(name, 0) == stage:  # a tied layer: its first stage's copy
+                    found[(name, tp)] = fragments if self.pp_degree == 1 else [
+                        dataclasses.replace(f, tp_rank=mp if f.tp_rank is None else f.tp_rank) for f in fragments]
+        return {**found, **self.optimizer.expert_fragments()}
 
     def _flat_pieces(self, name: str, tp: int, low: int, high: int) -> list[tuple[int, int, int, int, int]]:
         """Where elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name`` lie, in order:
@@ -472,10 +498,10 @@ class DeepSpeedCheckpoint:
 
     def step(self, name: str) -> torch.Tensor | int:
         fragments = self._fragments.get((name, 0))
-        group, dp = (fragments[0].group, fragments[0].dp_rank) if fragments else (0, 0)
-        value = self.optimizer.step(group, dp)
+        group, dp, mp = (fragments[0].group, fragments[0].dp_rank, fragments[0].tp_rank or 0) if fragments else (0, 0, 0)
+        value = self.optimizer.step(group, dp, mp)
         if value is None:
-            raise CheckpointError(f"{self.optimizer.state_file(0, dp)}: no optimizer step for param group {group}")
+            raise CheckpointError(f"{self.optimizer.state_file(mp, dp)}: no optimizer step for param group {group}")
         step: torch.Tensor | int = value
         return step
 
@@ -499,6 +525,7 @@ class DeepSpeedCheckpoint:
             "tag": self.tag,
             "tp_degree": self.tp_degree,
             "dp_degree": self.dp_degree,
+            **({"pp_degree": self.pp_degree} if self.pp_degree > 1 else {}),
             "zero_stage": self.zero_stage,
             "optimizer": self.optimizer_kind,
             "model_dtypes": lp_dtypes,
@@ -516,7 +543,7 @@ class DeepSpeedCheckpoint:
             "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
             # What a user resuming elsewhere needs (DeepSpeed's own loader fails at other degrees with an
             # assertion about a missing key).
-            "resume": (f"DeepSpeed alone resumes it only at TP={self.tp_degree} x DP={self.dp_degree}; at other "
+            "resume": (f"DeepSpeed alone resumes it only at {self._degrees_text}; at other "
                        "degrees, call deepspeed_ext.enable() (or use deepspeed_ext.initialize) with the "
                        "\"deepspeed_ext\" config section in the resuming run (load-time resharding), or convert it "
                        "with to-universal (docs/trainers.md)"),

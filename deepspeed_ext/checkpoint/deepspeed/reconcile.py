@@ -51,6 +51,21 @@ def degrees(files: TagFiles, first: Mapping[str, Any], reference: Path) -> tuple
     return tp, dp if dp is not None else recorded_dp or 1
 
 
+def pipeline_degree(first: Mapping[str, Any], reference: Path, mp_degree: int) -> int:
+    """The pipeline-parallel degree ``checkpoint_parallel_dimensions`` records (1 where it records none), checked
+    against the model-parallel files present: a pipeline engine writes one model-states file per stage and TP rank."""
+    dims = first.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
+    try:
+        pp = int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1)
+        tp = int(dims.get(keys.CHECKPOINT_TP_DEGREE, mp_degree // max(pp, 1)) or 1)
+    except (TypeError, ValueError, AttributeError):
+        raise CheckpointError(f"{reference}: checkpoint_parallel_dimensions is {dims!r}, not numbers") from None
+    if pp < 1 or pp * tp != mp_degree:
+        raise CheckpointError(f"{reference}: checkpoint_parallel_dimensions says PP={pp} x TP={tp}, but there are "
+                              f"model-states files for {mp_degree} model-parallel ranks")
+    return pp
+
+
 def check_model_states_agree(model_files: Mapping[int, Path], model_states: Callable[[int], Mapping[str, Any]],
                              tp_degree: int, dp_degree: int) -> None:
     """Every TP rank's model states must come from the same save: same step, same TP and DP degrees (where
