@@ -119,7 +119,9 @@ def test_partition_count_that_fits_neither_group_says_what_was_expected(tmp_path
                                  "expert: files of two checkpoints, or a DeepSpeed partitioning not supported")
 
 
-def test_ep_folded_with_tp_is_refused_in_one_line(tmp_path):
+def test_tp_without_deepspeeds_folding_record_is_refused_in_one_line(tmp_path):
+    """AutoEP at TP=2 is read as DeepSpeed folds it (one EP rank per TP rank, its record in each TP rank's model
+    states: tests/e2e/test_expert_parallel.py); TP rank files without that record are refused."""
     tag = fake_autoep(tmp_path / "tag")
     states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
     torch.save({**states, "mp_world_size": 2}, tag / "mp_rank_01_model_states.pt")
@@ -129,7 +131,7 @@ def test_ep_folded_with_tp_is_refused_in_one_line(tmp_path):
         (tag / f"bf16_zero_pp_rank_{rank}_mp_rank_01_optim_states.pt").write_bytes(source.read_bytes())
     with pytest.raises(CheckpointError) as caught:
         DeepSpeedCheckpoint(tag)
-    assert "folded with TP=2" in str(caught.value) and "\n" not in str(caught.value)
+    assert "AutoEP at TP=2 without DeepSpeed's folding record" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_expert_files_of_deepspeeds_older_moe_layer_are_refused(tmp_path):

@@ -83,11 +83,21 @@ class ExpertParallel:
     dp_size: int
     data_before_expert: bool
     params: dict[str, ExpertParam]
+    #: AutoEP folded with AutoTP (DeepSpeed's ``folding`` record): the EP rank of each TP rank, whose files hold
+    #: that EP rank's experts, partitioned over its DP ranks. None: TP=1, EP over the DP ranks.
+    ep_of_tp: tuple[int, ...] | None = None
 
     @property
     def expert_dp_size(self) -> int:
         """How many ranks hold the same experts (ZeRO partitions an expert group over them)."""
-        return self.dp_size // self.ep_size
+        return self.dp_size if self.ep_of_tp is not None else self.dp_size // self.ep_size
+
+    def holder_files(self, ep_rank: int) -> list[tuple[int, int]]:
+        """The (TP rank, DP rank) files holding EP rank ``ep_rank``'s experts, in the order ZeRO partitions them."""
+        if self.ep_of_tp is not None:
+            tp = self.ep_of_tp.index(ep_rank)
+            return [(tp, dp) for dp in range(self.dp_size)]
+        return [(0, dp) for dp in self.holders(ep_rank)]
 
     def ep_rank_of(self, dp_rank: int) -> int:
         if self.data_before_expert:
@@ -123,7 +133,8 @@ def _ranges(experts: Sequence[int]) -> str:
     return f"{experts[0]}..{experts[-1]}" if len(experts) > 1 else ",".join(map(str, experts))
 
 
-def read_expert_parallel(model_states: Mapping[str, Any], path: Path, dp_size: int) -> ExpertParallel | None:
+def read_expert_parallel(model_states: Mapping[str, Any], path: Path, dp_size: int,
+                         tp_size: int = 1) -> ExpertParallel | None:
     """The expert parallelism ``path`` (TP rank 0's model states) records; None for a model without AutoEP.
 
     Refused in one line naming ``path``: records that contradict each other or the parameter shapes, a
@@ -167,7 +178,7 @@ def read_expert_parallel(model_states: Mapping[str, Any], path: Path, dp_size: i
     if len(ep_sizes) > 1:
         raise CheckpointError(f"{path}: AutoEP layers at EP degrees {sorted(ep_sizes)}; one EP degree is supported")
     ep_size = ep_sizes.pop()
-    if dp_size % ep_size:
+    if dp_size % ep_size and tp_size == 1:
         raise CheckpointError(f"{path}: EP={ep_size} does not divide DP={dp_size}")
     config = model_states.get(keys.DS_CONFIG)
     data_before = bool(config.get(DATA_BEFORE_EXPERT, False)) if isinstance(config, Mapping) else False
@@ -200,3 +211,29 @@ def _placement(record: Mapping[str, Any], num_experts: int, ep_size: int, path: 
 def expert_group_indices(param_groups: Sequence[Mapping[str, Any]]) -> set[int]:
     """Which optimizer param groups hold expert parameters (DeepSpeed marks them ``moe``)."""
     return {index for index, group in enumerate(param_groups) if isinstance(group, Mapping) and group.get("moe")}
+
+
+#: The model-states key of AutoEP's record of how it folded EP onto the TP ranks.
+FOLDING = "folding"
+
+
+def folded_onto_tp(records: Sequence[Mapping[str, Any] | None], files: Sequence[Path], ep_size: int) -> tuple[int, ...]:
+    """The EP rank of each TP rank, from each TP rank's ``folding`` record (``records[t]``, in ``files[t]``): AutoEP
+    folded with AutoTP as deepspeed-ext reads it, one EP rank per TP rank (EP = TP, no expert TP). Anything else is
+    refused in one line naming the file."""
+    found = []
+    for tp, (record, path) in enumerate(zip(records, files, strict=True)):
+        if not isinstance(record, Mapping):
+            raise CheckpointError(f"{path}: AutoEP at TP={len(files)} without DeepSpeed's folding record; "
+                                  "deepspeed-ext reads AutoEP with TP > 1 only as DeepSpeed folds it")
+        shape = (int(record.get("tp_size", 0)), int(record.get("tp_rank", -1)), int(record.get("ep_size", 0)),
+                 int(record.get("etp_size", 1)))
+        if shape != (len(files), tp, ep_size, 1) or ep_size != len(files):
+            raise CheckpointError(f"{path}: AutoEP folded as TP={shape[0]} (rank {shape[1]}) x EP={shape[2]} x expert "
+                                  f"TP={shape[3]}; deepspeed-ext reads the folding of one EP rank per TP rank "
+                                  f"(EP = TP = {len(files)}, expert TP 1)")
+        found.append(int(record["ep_rank"]))
+    if sorted(found) != list(range(ep_size)):
+        raise CheckpointError(f"{files[0]}: the TP ranks' folding records give EP ranks {found}, not each of "
+                              f"0..{ep_size - 1} once")
+    return tuple(found)

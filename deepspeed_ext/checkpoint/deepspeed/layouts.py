@@ -297,14 +297,14 @@ class Zero12Layout(_PartitionedLayout):
         if self.experts is None:
             return out
         for ep_rank in range(self.experts.ep_size):
-            for dp in self.experts.holders(ep_rank):
-                experts = self.expert_groups(0, dp)
-                for group, mapping in enumerate(self.wrapper_state(0, dp)[keys.PARAM_SLICE_MAPPINGS]):
+            for tp, dp in self.experts.holder_files(ep_rank):
+                experts = self.expert_groups(tp, dp)
+                for group, mapping in enumerate(self.wrapper_state(tp, dp)[keys.PARAM_SLICE_MAPPINGS]):
                     if group not in experts:
                         continue
                     for name, address in mapping.items():
                         out.setdefault((name, ep_rank), []).append(
-                            Fragment(dp, group, int(address.start), int(address.numel), tp_rank=0))
+                            Fragment(dp, group, int(address.start), int(address.numel), tp_rank=tp))
         return out
 
 
@@ -342,8 +342,8 @@ class Zero3Layout(_PartitionedLayout):
                 continue
             numels = [(name, int(torch.Size(shape).numel())) for name, shape in shapes.items()]
             for ep_rank in range(self.experts.ep_size):
-                owners = [(0, dp) for dp in self.experts.holders(ep_rank)]
-                flat = self.flat(0, owners[0][1], group, MASTER_WEIGHTS).numel()
+                owners = self.experts.holder_files(ep_rank)
+                flat = self.flat(*owners[0], group, MASTER_WEIGHTS).numel()
                 implied = sum(-(-numel // len(owners)) for _, numel in numels)
                 if flat != implied:
                     raise CheckpointError(f"{self.files.optim_files[owners[0]]}: flat partition of expert group "

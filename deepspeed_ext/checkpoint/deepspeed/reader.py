@@ -21,7 +21,7 @@ import torch
 
 from deepspeed_ext.checkpoint import output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys, reconcile
-from deepspeed_ext.checkpoint.deepspeed.experts import read_expert_parallel
+from deepspeed_ext.checkpoint.deepspeed.experts import FOLDING, folded_onto_tp, read_expert_parallel
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
@@ -84,7 +84,12 @@ class DeepSpeedCheckpoint:
                                            self.dp_degree)
         self.pp_degree = reconcile.pipeline_degree(first, reference, self.mp_degree)
         self.tp_degree = self.mp_degree // self.pp_degree
-        self.experts = read_expert_parallel(first, reference, self.dp_degree)
+        self.experts = read_expert_parallel(first, reference, self.dp_degree, self.tp_degree)
+        if self.experts is not None and self.tp_degree > 1 and self.pp_degree == 1:
+            tps = range(self.tp_degree)
+            self.experts = dataclasses.replace(self.experts, ep_of_tp=folded_onto_tp(
+                [self.rank_model_states(tp).get(FOLDING) for tp in tps], [self.files.model_files[tp] for tp in tps],
+                self.experts.ep_size))
         self._check_experts(reference)
         self.optimizer: OptimizerLayout = choose_layout(self.files, self.mp_degree, self.dp_degree,
                                                         self._recorded_optimizer_names, self.experts)
@@ -114,17 +119,22 @@ class DeepSpeedCheckpoint:
                                       "no AutoEP layers (ds_autoep_layers): DeepSpeed's older MoE layer, which "
                                       "deepspeed-ext does not read (it reads AutoEP checkpoints)")
             return
-        if self.tp_degree != 1:
-            raise CheckpointError(f"{reference}: AutoEP at EP={self.experts.ep_size} folded with TP={self.tp_degree}; "
-                                  "deepspeed-ext reads AutoEP checkpoints at TP=1 (as DeepSpeed's own ds_to_universal)")
+        if self.pp_degree != 1:
+            raise CheckpointError(f"{reference}: AutoEP with pipeline parallelism (PP={self.pp_degree}) is not read")
+        if self.tp_degree != 1 and self.files.partitioned_weights:
+            raise CheckpointError(f"{reference}: AutoEP folded with TP={self.tp_degree} under ZeRO-3 is not read")
         if not self.files.optim_files:
             raise CheckpointError(f"{reference}: AutoEP without ZeRO; deepspeed-ext reads AutoEP checkpoints of "
                                   "ZeRO stages 1-3")
         if self.files.partitioned_weights:
             return
         layers = sorted({(param.layer, param.num_experts) for param in self.experts.params.values()})
-        missing = [f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt" for layer, count in layers
-                   for expert in range(count) if (layer, expert, 0) not in self.files.expert_files]
+        placement = next(iter(self.experts.params.values())).placement
+        holder = {expert: self.experts.holder_files(ep_rank)[0][0]  # the TP rank whose files hold it
+                  for ep_rank, experts in enumerate(placement) for expert in experts}
+        missing = [f"layer_{layer}_expert_{expert}_mp_rank_{holder.get(expert, 0):02d}_model_states.pt"
+                   for layer, count in layers for expert in range(count)
+                   if (layer, expert, holder.get(expert, 0)) not in self.files.expert_files]
         if missing:
             raise CheckpointError(f"{self.tag_dir}: {missing[0]} is missing ({len(layers)} AutoEP layers record "
                                   f"{sum(count for _, count in layers)} experts; {len(missing)} expert files missing)")
@@ -498,7 +508,8 @@ class DeepSpeedCheckpoint:
 
     def step(self, name: str) -> torch.Tensor | int:
         fragments = self._fragments.get((name, 0))
-        group, dp, mp = (fragments[0].group, fragments[0].dp_rank, fragments[0].tp_rank or 0) if fragments else (0, 0, 0)
+        first = fragments[0] if fragments else None
+        group, dp, mp = (first.group, first.dp_rank, first.tp_rank or 0) if first is not None else (0, 0, 0)
         value = self.optimizer.step(group, dp, mp)
         if value is None:
             raise CheckpointError(f"{self.optimizer.state_file(mp, dp)}: no optimizer step for param group {group}")
