@@ -107,6 +107,24 @@ def test_placement_that_is_not_consecutive_experts_is_refused(tmp_path):
     assert message.startswith(str(tmp_path / "tag" / "mp_rank_00_model_states.pt")) and "consecutive" in message
 
 
+def _affine_map(ep: int, offsets: list[int]) -> dict:
+    per = 4 // ep
+    return {"version": 1, "params": {"moe.experts.w1": {"logical_shape": [4, 3, 2], "ranks": {
+        rank: {"shard_shape": [per, 3, 2], "pieces": [{"shape": [per, 3, 2], "source": [offset, [6, 2, 1]],
+                                                       "dest": [0, [6, 2, 1]], "locations": [rank]}]}
+        for rank, offset in enumerate(offsets)}}}}
+
+
+def test_the_affine_placement_map_must_agree_with_the_placement(tmp_path):
+    """DeepSpeed writes each stack's placement twice (``expert_placement``, ``affine_maps``); a map that puts a rank's
+    experts elsewhere is refused, one that agrees is read."""
+    ckpt = DeepSpeedCheckpoint(fake_autoep(tmp_path / "ok", layer_record={"affine_maps": _affine_map(2, [0, 12])}))
+    assert torch.equal(ckpt.full_tensor("moe.experts.w1"), EXPERTS)
+    with pytest.raises(CheckpointError) as caught:
+        DeepSpeedCheckpoint(fake_autoep(tmp_path / "off", layer_record={"affine_maps": _affine_map(2, [0, 6])}))
+    assert "the affine map of 'moe.experts.w1' places EP rank 1's share as [(6, [2, 3, 2])]" in str(caught.value)
+
+
 def test_partition_count_that_fits_neither_group_says_what_was_expected(tmp_path):
     tag = fake_autoep(tmp_path / "tag")
     path = tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"

@@ -1,5 +1,6 @@
 """DeepSpeed AutoEP (expert parallelism) as a checkpoint records it: which expert parameters there are, how many
-experts each EP rank holds, and which ranks' files hold each EP rank's share.
+experts each EP rank holds (the placement, checked against the affine placement maps where DeepSpeed writes them),
+and which ranks' files hold each EP rank's share.
 
 AutoEP replaces each MoE block's experts by stacked parameters (``<block>.experts.w1``: ``[local experts, ...]``)
 that EP rank ``e`` holds for its own experts. The model states record, per MoE layer (``ds_autoep_layers``), the
@@ -16,6 +17,7 @@ EP rank ``g % EP``; with it on, rank ``g`` is EP rank ``g // (DP / EP)``.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -175,6 +177,7 @@ def read_expert_parallel(model_states: Mapping[str, Any], path: Path, dp_size: i
                                       f"{len(placement[0])} of the layer's {num_experts} experts")
             params[name] = ExpertParam(name=name, layer=int(layer) if layer is not None else -1,
                                        placement=placement, shape=(num_experts, *local[1:]))
+            _check_affine_map(record, params[name], path)
     if len(ep_sizes) > 1:
         raise CheckpointError(f"{path}: AutoEP layers at EP degrees {sorted(ep_sizes)}; one EP degree is supported")
     ep_size = ep_sizes.pop()
@@ -183,6 +186,30 @@ def read_expert_parallel(model_states: Mapping[str, Any], path: Path, dp_size: i
     config = model_states.get(keys.DS_CONFIG)
     data_before = bool(config.get(DATA_BEFORE_EXPERT, False)) if isinstance(config, Mapping) else False
     return ExpertParallel(ep_size=ep_size, dp_size=dp_size, data_before_expert=data_before, params=params)
+
+
+def _check_affine_map(record: Mapping[str, Any], param: ExpertParam, path: Path) -> None:
+    """Where DeepSpeed also wrote the expert stack's affine placement map (``affine_maps``: per EP rank, the pieces of
+    the logical tensor it holds, each an element offset and shape), it must say what the placement says: each EP
+    rank one piece, its consecutive experts, at their offset in the ``[experts, ...]`` tensor."""
+    maps = (record.get("affine_maps") or {}).get("params") or {}
+    found = maps.get(param.name) if isinstance(maps, Mapping) else None
+    if found is None:
+        return
+    per_expert = math.prod(param.shape[1:])
+    if tuple(int(d) for d in found.get("logical_shape") or ()) != param.shape:
+        raise CheckpointError(f"{path}: the affine map of {param.name!r} has logical shape "
+                              f"{found.get('logical_shape')}, the placement and param_shapes give {list(param.shape)}")
+    ranks = found.get("ranks") or {}
+    for ep_rank, experts in enumerate(param.placement):
+        entry = ranks.get(ep_rank, ranks.get(str(ep_rank))) if isinstance(ranks, Mapping) else None
+        pieces = (entry or {}).get("pieces") or []
+        expected = (experts[0] * per_expert, [len(experts), *param.shape[1:]])
+        got = [(int(piece["source"][0]), [int(d) for d in piece["shape"]]) for piece in pieces]
+        if got != [expected]:
+            raise CheckpointError(f"{path}: the affine map of {param.name!r} places EP rank {ep_rank}'s share as "
+                                  f"{got} (element offset, shape), not experts {experts[0]}..{experts[-1]} at "
+                                  f"{expected}; only such maps are supported")
 
 
 def _placement(record: Mapping[str, Any], num_experts: int, ep_size: int, path: Path,

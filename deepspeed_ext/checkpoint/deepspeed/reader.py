@@ -110,8 +110,8 @@ class DeepSpeedCheckpoint:
         return f"{pipeline}TP={self.tp_degree} x DP={self.dp_degree}"
 
     def _check_experts(self, reference: Path) -> None:
-        """What of AutoEP this reader serves: TP=1 with ZeRO-1/2/3; under ZeRO-1/2 every expert's model-states file
-        present (a tag that lacks one lost part of a save)."""
+        """What of AutoEP this reader serves: ZeRO-1/2/3 at TP=1, and ZeRO-1/2 folded with TP (one EP rank per TP
+        rank); under ZeRO-1/2 every expert's model-states file present (a tag that lacks one lost part of a save)."""
         if self.experts is None:
             if self.files.expert_files:
                 name = self.files.expert_files[min(self.files.expert_files)].name
