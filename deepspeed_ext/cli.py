@@ -88,13 +88,11 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
             if dist.get_rank() == 0:
                 _say_error(str(exc))
             dist.barrier()
-            _leave_distributed(2)
+            return 2
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) != 0:
-            _leave_distributed(0)
-        _say_universal_written(args, source, out)
-        _leave_distributed(0)
+            return 0
     else:
         source = _open(checkpoint, args.tag, accept=_TO_UNIVERSAL_READS)
         out = _write(source, output, "universal", args, **options)
@@ -110,9 +108,10 @@ def _say_universal_written(args: argparse.Namespace, source: Any, out: Path) -> 
 
 
 def _leave_distributed(code: int) -> NoReturn:
-    """End a ``--distributed`` rank whose work is done and published. Its gloo process group leaves a C++ thread
-    behind that aborts the interpreter's teardown now and then ("terminate called without an active exception"),
-    turning a finished conversion into exit code 1 under torchrun: flush, and leave without running it."""
+    """End the program of a ``--distributed`` rank whose work is done (published, or refused on every rank). Its
+    gloo process group leaves a C++ thread behind that aborts the interpreter's teardown now and then ("terminate
+    called without an active exception"), turning a finished conversion into exit code 1 under torchrun (1 run in
+    4 here): flush, and leave without the teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -527,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"deepspeed-ext {args.command}: loading libraries...", file=sys.stderr, flush=True)
         code = args.func(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, rather than at exit
+        if argv is None and getattr(args, "distributed", False):
+            _leave_distributed(code)  # the program itself; a caller in Python gets the code back
         return code
     except BrokenPipeError:
         # The reader of our stdout went away (`inspect | head`): not an error. Point stdout at /dev/null so

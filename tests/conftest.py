@@ -25,7 +25,8 @@ SPLIT_EACH = {"test_maxtext_model_code.py", "test_maxtext.py"}
 #: The longest groups start first, so neither worker is left alone with one at the end (scripts/test.sh passes
 #: --no-loadscope-reorder, else pytest-xdist orders the groups by their number of tests instead); the rest keep
 #: collection order, the many short unit-test groups last, where they fill in.
-LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py", "test_maxtext.py"]
+LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py", "test_expert_parallel.py",
+                 "test_maxtext.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks, and before xdist reads the groups

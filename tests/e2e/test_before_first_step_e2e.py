@@ -8,8 +8,8 @@ converts it as weights alone (``fp32.pt`` per parameter, no moments, no step: up
 the files there are) and resumes it at any degree with the optimizer fresh, as a resume from weights does; the
 run then trains as the uninterrupted one did.
 
-The refusals: a rank that cannot read its checkpoint (here rank 0 is given a pipeline-parallel one, which every
-reader refuses; its neighbours a good one) must not leave the others waiting at their next collective. Each rank
+The refusals: a rank that cannot read its checkpoint (here rank 0 is given one whose model states claim three
+pipeline stages over its two model-parallel files, which every reader refuses; its neighbours a good one) must not leave the others waiting at their next collective. Each rank
 is a process of its own, with its own arguments, and a deadline: a rank left waiting fails the test instead of
 hanging it.
 """
@@ -89,15 +89,15 @@ def test_converts_to_weights_alone_and_resumes_at_another_degree(saved, tmp_path
 
 # ----------------------------------------------------------------------------------------------- the refusals
 def _pipeline_parallel(saved: Path, root: Path) -> Path:
-    """A copy of the save whose model states say it was saved with two pipeline stages (refused by every
-    reader: pipeline parallelism is not supported)."""
+    """A copy of the save whose model states say it was saved with three pipeline stages, which its model-parallel
+    files cannot be (refused by every reader)."""
     copy = root / "pipeline"
     shutil.copytree(saved / "ckpt", copy)
     tag = without_commit_marker(copy / "global_step0")
     for path in sorted(tag.glob("mp_rank_*_model_states.pt")):
         states = serialization.load(path)
         states[keys.CHECKPOINT_PARALLEL_DIMS] = {**(states.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}),
-                                                 keys.CHECKPOINT_PP_DEGREE: 2}
+                                                 keys.CHECKPOINT_PP_DEGREE: 3}
         temporary = path.with_suffix(".tmp")  # the loaded tensors map the file: write beside it, then replace it
         torch.save(states, temporary)
         os.replace(temporary, path)
@@ -148,7 +148,7 @@ def _run_ranks(kind: str, rank_args: list[list[str]], root: Path) -> list[dict]:
 
 
 def test_to_universal_distributed_refused_on_rank_0_stops_every_rank(saved, tmp_path):
-    """``to-universal --distributed`` where rank 0 is handed a pipeline-parallel checkpoint and ranks 1-3 a good
+    """``to-universal --distributed`` where rank 0 is handed a checkpoint whose pipeline record its files contradict and ranks 1-3 a good
     one: every rank stops with status 2, rank 0 says why in one line, and nothing is written."""
     pipeline = _pipeline_parallel(saved, tmp_path)
     out = tmp_path / "out"
@@ -158,13 +158,13 @@ def test_to_universal_distributed_refused_on_rank_0_stops_every_rank(saved, tmp_
     assert [r["returncode"] for r in results] == [2, 2, 2, 2], results
     errors = [line for line in (tmp_path / "rank0.log").read_text().splitlines()
               if line.startswith("deepspeed-ext: error:")]
-    assert len(errors) == 1 and "pipeline parallelism is not supported" in errors[0], errors
+    assert len(errors) == 1 and "checkpoint_parallel_dimensions says PP=3" in errors[0], errors
     assert "rank 0" in errors[0], errors
     assert not out.exists() and not any(tmp_path.glob("out.partial*"))
 
 
 def test_a_resume_refused_on_rank_0_is_refused_on_every_rank(saved, tmp_path):
-    """A training job of two ranks resuming at TP=1 x DP=2: rank 0 cannot read its checkpoint (pipeline-parallel),
+    """A training job of two ranks resuming at TP=1 x DP=2: rank 0 cannot read its checkpoint (a pipeline record its files contradict),
     rank 1 restores from a good one. Both raise the same one-line refusal from ``load_checkpoint`` and meet at
     their next barrier, instead of rank 1 going on to the resume's fingerprint check (a collective) and waiting
     there for rank 0."""
@@ -175,5 +175,5 @@ def test_a_resume_refused_on_rank_0_is_refused_on_every_rank(saved, tmp_path):
     errors = [r["error"] for r in results]
     assert all(error is not None for error in errors), results
     assert errors[0] == errors[1], errors
-    assert errors[0].startswith("RefusedOnEveryRank: ") and "pipeline parallelism is not supported" in errors[0]
+    assert errors[0].startswith("RefusedOnEveryRank: ") and "checkpoint_parallel_dimensions says PP=3" in errors[0]
     assert "refused on rank 0" in errors[0] and "\n" not in errors[0], errors

@@ -335,7 +335,7 @@ _FAULTS = {
     "partitioned for another DP degree": ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                           lambda path: _edit_torch_file(
                                               path, lambda o: o["optimizer_state_dict"].update(partition_count=[2])),
-                                          "partitioned over 2 DP ranks, but the model states say DP=1"),
+                                          "param group 0 is partitioned over 2 ranks, but the model states and files say DP=1"),
 }
 
 

@@ -146,7 +146,7 @@ class _TrainPool:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-#: This test process's pools, by (ranks, TP degree, fp16 allowed on CPU, AutoEP), the most recently used last.
+#: This test process's pools, by (ranks, TP degree, fp16 allowed on CPU), the most recently used last.
 _POOLS: dict[tuple, _TrainPool] = {}
 #: At most this many pooled ranks alive per test process (each holds torch, DeepSpeed and transformers).
 POOLED_RANKS = 6
@@ -155,20 +155,19 @@ POOLED_RANKS = 6
 def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _TrainPool | None:
     """The pool for these runs, started if need be, or None where they need a process of their own: another
     environment, a run expected to fail (it ends its processes), a run measuring its own process (``--timing``),
-    runs at several TP degrees or with and without AutoEP, or pooling turned off (``DSX_TEST_FRESH_PROCESSES=1``)."""
+    runs at several TP degrees, or pooling turned off (``DSX_TEST_FRESH_PROCESSES=1``)."""
     if python != sys.executable or not check or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
         return None
-    degrees, autoep = set(), set()
+    degrees = set()
     for args in runs:
         if "--timing" in args or "--tp" not in args:
             return None
         degrees.add(args[args.index("--tp") + 1])
-        # AutoEP retargets transformers' class-wide output recorders for the models it converts: its runs keep
-        # processes of their own, so that no dense run of the same family meets what an AutoEP run left.
-        autoep.add("--ep" in args and args[len(args) - 1 - args[::-1].index("--ep") + 1] != "0")
-    if len(degrees) != 1 or len(autoep) != 1:
+    if len(degrees) != 1:
         return None
-    key = (nproc, degrees.pop(), any("--allow-cpu-fp16" in args for args in runs), autoep.pop())
+    # AutoEP runs share the pools: DeepSpeed's AutoEP retargets transformers' output recorders per model instance
+    # (the class-wide registry is restored once the hooks are in), so a later run of the family meets nothing left.
+    key = (nproc, degrees.pop(), any("--allow-cpu-fp16" in args for args in runs))
     pool = _POOLS.pop(key, None)
     if pool is None or not pool.alive():
         while _POOLS and sum(p.nproc for p in _POOLS.values()) + nproc > POOLED_RANKS:

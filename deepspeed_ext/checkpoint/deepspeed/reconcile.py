@@ -57,12 +57,11 @@ def pipeline_degree(first: Mapping[str, Any], reference: Path, mp_degree: int) -
     dims = first.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
     try:
         pp = int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1)
-        tp = int(dims.get(keys.CHECKPOINT_TP_DEGREE, mp_degree // max(pp, 1)) or 1)
     except (TypeError, ValueError, AttributeError):
         raise CheckpointError(f"{reference}: checkpoint_parallel_dimensions is {dims!r}, not numbers") from None
-    if pp < 1 or pp * tp != mp_degree:
-        raise CheckpointError(f"{reference}: checkpoint_parallel_dimensions says PP={pp} x TP={tp}, but there are "
-                              f"model-states files for {mp_degree} model-parallel ranks")
+    if pp < 1 or mp_degree % pp:
+        raise CheckpointError(f"{reference}: checkpoint_parallel_dimensions says PP={pp}, but there are model-states "
+                              f"files for {mp_degree} model-parallel ranks, not a multiple of it")
     return pp
 
 
