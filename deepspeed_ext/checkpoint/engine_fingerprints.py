@@ -43,8 +43,10 @@ class LocalSums:
     buffer_sums: torch.Tensor  # [buffer, (numel, sum, sum of squares)]
     spread: torch.Tensor  # (max step, -min step, max global steps, -min global steps)
     with_moments: bool
-    #: The pipeline stage this rank runs (0 without pipeline parallelism): stages hold different parameters.
+    #: The pipeline stage this rank runs and the number of stages (0, 1 without pipeline parallelism): stages
+    #: hold different parameters.
     stage: int = 0
+    stages: int = 1
 
 
 def local_engine_sums(engine: Any, with_moments: bool = True) -> LocalSums:
@@ -97,7 +99,7 @@ class SumsPlan:
         self._params = [name for name, _ in params]
         self._states = states
         self._with_moments = with_moments
-        self._stage = engine_private.pipeline_stage(engine)[0]
+        self._stage, self._stages = engine_private.pipeline_stage(engine)
 
     def regions(self, address: int, nbytes: int) -> list[Any]:
         """The pending states that lie whole in ``nbytes`` of memory at ``address`` (a storage being written),
@@ -148,7 +150,7 @@ class SumsPlan:
                 buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
         return LocalSums(self._params, self._states, self.sums,
                          [(name, buffer.dtype) for name, buffer in self._buffers], buffer_sums, self._spread,
-                         self._with_moments, self._stage)
+                         self._with_moments, self._stage, self._stages)
 
 
 def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
@@ -190,10 +192,10 @@ def _over_every_stage(local: LocalSums) -> LocalSums:
     (and a tied layer, such as an embedding shared by the first and the last stage, is on several). Then the ranks
     agree on the union of the names (one gather of the names), each puts its sums in its rows, and a name held by
     several stages is counted from the first of them only (each holds the whole tensor's copy)."""
+    if local.stages == 1:  # every rank holds the same parameters: nothing to agree on
+        return local
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (local.stage, local.params, [name for name, _ in local.buffers]))
-    if all(params == local.params and buffers == gathered[0][2] for _, params, buffers in gathered):
-        return local
     first_stage: dict[str, int] = {}
     params: list[str] = []
     buffers: dict[str, torch.dtype] = {}
@@ -216,4 +218,4 @@ def _over_every_stage(local: LocalSums) -> LocalSums:
             buffer_sums[buffer_names.index(name)] = local.buffer_sums[i]
     return LocalSums(params, local.states, sums, [(name, own_dtypes.get(name, dtype)) for name, dtype in
                                                    buffers.items()], buffer_sums, local.spread, local.with_moments,
-                     local.stage)
+                     local.stage, local.stages)

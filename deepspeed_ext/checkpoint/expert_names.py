@@ -22,9 +22,9 @@ upstream's converter writes it.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +36,35 @@ from deepspeed_ext.checkpoint.tensor import STEP, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
-#: AutoEP name -> the model's, for the tensors renamed one to one.
+#: ``<block>.<AutoEP suffix>`` <-> ``<block>.<model suffix>``, for the tensors renamed one to one.
 _RENAMED = (
-    (re.compile(r"^(.*)\.router\.gate\.weight$"), r"\1.gate.weight"),
-    (re.compile(r"^(.*)\.router\.e_score_correction_bias$"), r"\1.gate.e_score_correction_bias"),
-    (re.compile(r"^(.*)\.experts\.w2$"), r"\1.experts.down_proj"),
+    ("router.gate.weight", "gate.weight"),
+    ("router.e_score_correction_bias", "gate.e_score_correction_bias"),
+    ("experts.w2", "experts.down_proj"),
 )
-#: The two AutoEP stacks fused into one model tensor along dim 1, in order.
-_GATE, _UP = re.compile(r"^(.*)\.experts\.w1$"), re.compile(r"^(.*)\.experts\.w3$")
-_FUSED = "{}.experts.gate_up_proj"
+#: The two AutoEP stacks fused into one model tensor along dim 1, in order, and that tensor.
+_FUSED_PARTS, _FUSED = ("experts.w1", "experts.w3"), "experts.gate_up_proj"
+
+
+def _block(name: str, suffix: str) -> str | None:
+    """The block ``name`` is ``<block>.<suffix>`` of, or None."""
+    return name[:-len(suffix) - 1] if name.endswith("." + suffix) else None
+
+
+def _model_name(name: str) -> tuple[str, int | None]:
+    """The model's tensor an AutoEP tensor ``name`` is, and which part of a fused one (None: all of it)."""
+    for index, part in enumerate(_FUSED_PARTS):
+        if (block := _block(name, part)) is not None:
+            return f"{block}.{_FUSED}", index
+    for autoep, model in _RENAMED:
+        if (block := _block(name, autoep)) is not None:
+            return f"{block}.{model}", None
+    return name, None
 
 
 def has_autoep_names(names: list[str] | Any) -> bool:
     """Whether these parameter names are AutoEP's (an expert stack ``...experts.w1``)."""
-    return any(_GATE.match(name) for name in names)
+    return any(_block(name, _FUSED_PARTS[0]) is not None for name in names)
 
 
 def model_named(source: CheckpointSource) -> CheckpointSource:
@@ -69,26 +84,20 @@ class ModelNamedSource:
 
     @staticmethod
     def _planned(names: list[str]) -> dict[str, tuple[str, ...]]:
-        """The model's name -> the source names it is made of, in the source's order."""
-        plan: dict[str, tuple[str, ...]] = {}
-        present = set(names)
+        """The model's name -> the source names it is made of, in the source's order (a fused tensor's parts in
+        their order along dim 1)."""
+        parts: dict[str, dict[int, str]] = {}
         for name in names:
-            if match := _GATE.match(name):
-                up = f"{match.group(1)}.experts.w3"
-                if up not in present:
-                    raise CheckpointError(f"AutoEP expert stack {name!r} has no {up!r} beside it to fuse into "
-                                          f"{_FUSED.format(match.group(1))!r}")
-                plan[_FUSED.format(match.group(1))] = (name, up)
-            elif _UP.match(name):
-                continue  # fused with its w1
-            else:
-                renamed = next((pattern.sub(target, name) for pattern, target in _RENAMED if pattern.match(name)),
-                               name)
-                plan[renamed] = (name, )
-        return plan
+            model, part = _model_name(name)
+            parts.setdefault(model, {})[part or 0] = name
+        for model, found in parts.items():
+            if model.endswith("." + _FUSED) and len(found) != len(_FUSED_PARTS):
+                raise CheckpointError(f"AutoEP expert stack {next(iter(found.values()))!r} has no "
+                                      f"{' / '.join(_FUSED_PARTS)} partner beside it to fuse into {model!r}")
+        return {model: tuple(found[index] for index in sorted(found)) for model, found in parts.items()}
 
     # ------------------------------------------------------------------ the source interface
-    @property
+    @cached_property
     def info(self) -> SourceInfo:
         info = self.source.info
         layouts: dict[str, TPLayout] = {}
@@ -172,23 +181,19 @@ def _range(part: LogicalTensor, state: str, low: int, high: int) -> torch.Tensor
 
 
 # --------------------------------------------------------------------------- the other way: AutoEP's names
-def autoep_name_map(model_names: list[str]) -> dict[str, tuple[str, int, int]]:
-    """For a checkpoint under the model's names: AutoEP name -> (the model's tensor, first row, rows) of dim 1 it
-    is (``gate_up_proj`` holds w1 then w3, each half of its dim 1; every other is the whole tensor: rows -1)."""
-    mapped: dict[str, tuple[str, int, int]] = {}
+def autoep_name_map(model_names: list[str]) -> dict[str, tuple[str, int | None]]:
+    """For a checkpoint under the model's names: AutoEP name -> (the model's tensor, which half of its dim 1 it is,
+    None: all of it). Only MoE blocks (those with ``experts.gate_up_proj``) are renamed; every other name is its
+    own."""
+    blocks = {block for name in model_names if (block := _block(name, _FUSED)) is not None}
+    mapped: dict[str, tuple[str, int | None]] = {}
     for name in model_names:
-        if name.endswith(".experts.gate_up_proj"):
-            block = name[:-len(".experts.gate_up_proj")]
-            mapped[f"{block}.experts.w1"] = (name, 0, 0)  # rows filled in by the reader, from the shape
-            mapped[f"{block}.experts.w3"] = (name, 1, 0)
-        elif name.endswith(".experts.down_proj"):
-            mapped[name[:-len("down_proj")] + "w2"] = (name, 0, -1)
-        elif name.endswith(".gate.e_score_correction_bias"):
-            mapped[name[:-len("gate.e_score_correction_bias")] + "router.e_score_correction_bias"] = (name, 0, -1)
-        elif name.endswith(".mlp.gate.weight"):
-            mapped[name[:-len("gate.weight")] + "router.gate.weight"] = (name, 0, -1)
-        else:
-            mapped[name] = (name, 0, -1)
+        if (block := _block(name, _FUSED)) is not None:
+            mapped.update({f"{block}.{part}": (name, index) for index, part in enumerate(_FUSED_PARTS)})
+            continue
+        renamed = next((f"{block}.{autoep}" for autoep, model in _RENAMED
+                        if (block := _block(name, model)) is not None and block in blocks), name)
+        mapped[renamed] = (name, None)
     return mapped
 
 
@@ -220,17 +225,13 @@ class AutoEPNamed:
 
     def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
                         high: int) -> torch.Tensor:
-        model_name, half, whole = self._map[name]
-        if whole == -1:
+        model_name, half = self._map[name]
+        if half is None:
             value: torch.Tensor = self.source.resharded_range(model_name, state, target, rank, low, high)
             return value
         # The fused tensor cut the way ``target`` cuts the stack (dim 0, the experts), both halves of dim 1.
         rows = target.shape[1]
-        fused = TPLayout(shape=(target.shape[0], 2 * rows, *target.shape[2:]), tp_size=target.tp_size,
-                         partition_type=target.partition_type, partition_dim=target.partition_dim,
-                         sub_param_sizes=target.sub_param_sizes, shard_widths=target.shard_widths,
-                         role=target.role) if not target.is_replicated else TPLayout.replicated(
-                             (target.shape[0], 2 * rows, *target.shape[2:]), target.tp_size)
+        fused = replace(target, shape=(target.shape[0], 2 * rows, *target.shape[2:]))
         inner = math.prod(target.shape[2:])
         half_size = rows * inner  # one expert's elements of this half
         pieces, position = [], low
@@ -257,13 +258,13 @@ def model_named_fingerprints(fingerprints: Fingerprints) -> Fingerprints:
     from deepspeed_ext.checkpoint.fingerprint import Fingerprint
     tensors: dict[str, dict[str, Fingerprint]] = {}
     for name, states in fingerprints.tensors.items():
-        if match := _GATE.match(name) or _UP.match(name):
-            fused = tensors.setdefault(_FUSED.format(match.group(1)), {})
-            for state, print_ in states.items():
-                before = fused.get(state, Fingerprint(0, 0.0, 0.0))
-                fused[state] = Fingerprint(before.numel + print_.numel, before.total + print_.total,
-                                           before.total_sq + print_.total_sq)
+        model, part = _model_name(name)
+        if part is None:
+            tensors[model] = dict(states)
             continue
-        renamed = next((pattern.sub(target, name) for pattern, target in _RENAMED if pattern.match(name)), name)
-        tensors[renamed] = dict(states)
+        fused = tensors.setdefault(model, {})
+        for state, print_ in states.items():
+            before = fused.get(state, Fingerprint(0, 0.0, 0.0))
+            fused[state] = Fingerprint(before.numel + print_.numel, before.total + print_.total,
+                                       before.total_sq + print_.total_sq)
     return replace(fingerprints, tensors=tensors)

@@ -57,10 +57,6 @@ class ExpertParam:
         return self.shape[0]
 
     @property
-    def ep_size(self) -> int:
-        return len(self.placement)
-
-    @property
     def layout(self) -> TPLayout:
         """The logical tensor split along the expert dimension over the EP ranks."""
         return expert_layout(self.shape, [len(experts) for experts in self.placement])
@@ -95,22 +91,16 @@ class ExpertParallel:
         return self.dp_size if self.ep_of_tp is not None else self.dp_size // self.ep_size
 
     def holder_files(self, ep_rank: int) -> list[tuple[int, int]]:
-        """The (TP rank, DP rank) files holding EP rank ``ep_rank``'s experts, in the order ZeRO partitions them."""
+        """The (TP rank, DP rank) files holding EP rank ``ep_rank``'s experts, in the order ZeRO partitions them:
+        folded, the DP ranks of the TP rank that is that EP rank; else the DP ranks of its expert-DP group."""
         if self.ep_of_tp is not None:
             tp = self.ep_of_tp.index(ep_rank)
             return [(tp, dp) for dp in range(self.dp_size)]
-        return [(0, dp) for dp in self.holders(ep_rank)]
-
-    def ep_rank_of(self, dp_rank: int) -> int:
         if self.data_before_expert:
-            return dp_rank // self.expert_dp_size
-        return dp_rank % self.ep_size
-
-    def holders(self, ep_rank: int) -> list[int]:
-        """The DP ranks holding EP rank ``ep_rank``'s experts, in the order ZeRO partitions them."""
-        if self.data_before_expert:
-            return list(range(ep_rank * self.expert_dp_size, (ep_rank + 1) * self.expert_dp_size))
-        return list(range(ep_rank, self.dp_size, self.ep_size))
+            dps = range(ep_rank * self.expert_dp_size, (ep_rank + 1) * self.expert_dp_size)
+        else:
+            dps = range(ep_rank, self.dp_size, self.ep_size)
+        return [(0, dp) for dp in dps]
 
     def summary(self) -> dict[str, Any]:
         """What ``inspect`` shows: the EP degree, the experts of each EP rank per layer."""

@@ -313,7 +313,7 @@ class DeepSpeedCheckpoint:
         (and so out of ``param_shapes``), which is what a rank beyond the model's KV-head count holds of
         each attention projection. :attr:`layouts` checks that such a rank's shard is indeed empty.
         """
-        per_rank = [self.optimizer.saved_shapes(mp) for mp in range(self.mp_degree)]
+        per_rank = self._shapes_per_file
         experts = self.experts.params if self.experts is not None else {}
         names = list(dict.fromkeys(name for shapes in per_rank for name in shapes if name not in experts))
         stage_of = self._stage_of
@@ -325,10 +325,15 @@ class DeepSpeedCheckpoint:
         """The pipeline stage each parameter is read from: the first that holds it (a layer tied across stages, such
         as an embedding shared by the first and the last, is held whole by each; without pipeline parallelism, 0)."""
         found: dict[str, int] = {}
-        for mp in range(self.mp_degree):
-            for name in self.optimizer.saved_shapes(mp):
+        for mp, shapes in enumerate(self._shapes_per_file):
+            for name in shapes:
                 found.setdefault(name, mp // self.tp_degree)
         return found
+
+    @cached_property
+    def _shapes_per_file(self) -> list[OrderedDict[str, tuple[int, ...]]]:
+        """Per model-parallel rank's files (stage-major), ``{name: local shape}`` of what its optimizer holds."""
+        return [self.optimizer.saved_shapes(mp) for mp in range(self.mp_degree)]
 
     @cached_property
     def uc_info(self) -> UCInfo | None:
@@ -352,7 +357,7 @@ class DeepSpeedCheckpoint:
         if self.experts is None:
             return found
         # The stacked experts, split over the EP ranks (their shards are EP ranks', not TP ranks').
-        order = [name for name in self.optimizer.saved_shapes(0)]
+        order = list(self._shapes_per_file[0])
         layouts = {**found, **{name: param.layout for name, param in self.experts.params.items()}}
         return {name: layouts[name] for name in [*order, *(n for n in layouts if n not in order)]}
 

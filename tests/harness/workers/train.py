@@ -71,12 +71,13 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
         state = _stage0_live_state(engine)
     else:
         _link_moment_fragments(engine)
+        moments = _has_moments(engine)
         state = {}
         for name, param in engine.module.named_parameters():
             if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
                 continue
             fp32 = safe_get_full_fp32_param(param).clone()
-            if not _has_moments(engine):  # a fresh optimizer (before its first step) has none yet: zeros
+            if not moments:  # a fresh optimizer (before its first step) has none yet: zeros
                 state[name] = {"fp32": fp32, **{key: torch.zeros_like(fp32) for key in STATES[1:]}}
                 continue
             state[name] = {"fp32": fp32,
