@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.fingerprint import ROW_ELEMENTS, Fingerprint, Fingerprints, partial_sums
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
-from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, ordered_states
 from deepspeed_ext.checkpoint.zipsave import Region
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR
 
@@ -63,7 +63,9 @@ class SumsPlan:
 
     def __init__(self, engine: Any, with_moments: bool = True):
         tp_size, tp_rank = engine_private.model_parallel_info(engine)
-        states = (MASTER_WEIGHTS, *ADAM_STATES) if with_moments else (MASTER_WEIGHTS, )
+        # The master and every tensor state the optimizer keeps (Adam's moments, Muon's and SGD's momentum, ...).
+        states = ordered_states(engine_private.live_tensor_states(engine)) if with_moments else (MASTER_WEIGHTS, )
+        whole = engine_private.muon_whole_offsets(engine)
         params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
         stage0 = engine_private.stage0_slots(engine)
         base = engine_private.base_optimizer(engine)
@@ -84,7 +86,7 @@ class SumsPlan:
             if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
                 continue
             for j, state in enumerate(states):
-                local = engine_private.owned_state(param, state, stage0, base, dp_rank)
+                local = engine_private.owned_state(param, state, stage0, base, dp_rank, whole)
                 if local is not None and local.numel():
                     self.pending[i, j] = local.detach()
         self.sums = torch.zeros(len(params), len(states), 3, dtype=torch.float64)
@@ -172,8 +174,8 @@ def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
             found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
             if dtype in (torch.bfloat16, torch.float16):
                 found.roundings[name] = float(torch.finfo(dtype).eps)
-            if local.with_moments:  # no optimizer steps a buffer: checkpoints carry its moments as zeros
-                for state in ADAM_STATES:
+            if local.with_moments:  # no optimizer steps a buffer: checkpoints carry its states as zeros
+                for state in local.states[1:]:
                     found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
     spread = local.spread
     for index, key in ((0, "step"), (2, "global_steps")):

@@ -33,7 +33,7 @@ import torch
 
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.zero0 import FP16_OPTIMIZER, FP16_UNFUSED_OPTIMIZER, TORCH_OPTIMIZER
-from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MUON_MOMENTUM, STEP, USE_MUON, optimizer_state_keys
 from deepspeed_ext.errors import DeepSpeedExtError
 
 # --------------------------------------------------------------------------- the up-front check
@@ -294,11 +294,42 @@ def stage0_param_names(engine: Any) -> list[list[str]] | None:
 
 
 # --------------------------------------------------------------------------- where a state lives
+def muon_whole_offsets(engine: Any) -> dict[torch.nn.Parameter, tuple[int, int]]:
+    """ZeRO-1/2 under DeepSpeed's Muon (optimizer not offloaded): ``(param group, offset)`` of each parameter with
+    elements in this rank's partition of a Muon group, in that group's momentum, which holds those parameters
+    *whole*, one after another in partition order (Newton-Schulz needs whole matrices; a matrix split between two
+    partitions has its momentum on both ranks). Empty for every other engine and optimizer."""
+    optimizer = getattr(engine, "optimizer", None)
+    partitions = getattr(optimizer, "params_in_partition", None)
+    base = base_optimizer(engine)
+    if (partitions is None or partitions_weights(engine) or getattr(optimizer, "cpu_offload", False)
+            or "muon" not in type(base).__name__.lower()):
+        return {}
+    found: dict[torch.nn.Parameter, tuple[int, int]] = {}
+    for group, params in enumerate(partitions):
+        if not params or not base.param_groups[group].get(USE_MUON):
+            continue
+        offset = 0
+        for param in params:
+            found[param] = (group, offset)
+            offset += param.numel()
+    return found
+
+
+def _whole_state(base: Any, group: int, state: str) -> torch.Tensor | None:
+    flat = base.param_groups[group][keys.PARAMS][0]
+    value: torch.Tensor | None = base.state.get(flat, {}).get(state)
+    return value
+
+
 def state_targets(param: torch.nn.Parameter, state: str | None, engine: Any,
-                  stage0: Mapping[torch.nn.Parameter, LiveSlot]) -> list[tuple[torch.Tensor, int]] | None:
+                  stage0: Mapping[torch.nn.Parameter, LiveSlot],
+                  whole: Mapping[torch.nn.Parameter, tuple[int, int]] | None = None
+                  ) -> list[tuple[torch.Tensor, int]] | None:
     """Where this rank keeps ``state`` (None: the fp32 master) of a ZeRO-0/1/2 parameter: ``(1-D tensor, start)``
     pairs, each holding elements ``[start, start + numel)`` of the TP-local parameter flattened; None if no
-    optimizer manages the parameter.
+    optimizer manages the parameter. ``whole``: :func:`muon_whole_offsets`, where Muon's momentum holds the whole
+    parameter.
 
     ZeRO gives every optimizer parameter an ``_hp_mapping``; it is None where the parameter lies wholly in
     another DP rank's partition, and then this rank keeps nothing of it.
@@ -311,23 +342,29 @@ def state_targets(param: torch.nn.Parameter, state: str | None, engine: Any,
     mapping = param._hp_mapping
     if mapping is None:
         return []
+    if state == MUON_MOMENTUM and whole and param in whole:
+        group, offset = whole[param]
+        momentum = _whole_state(base_optimizer(engine), group, state)
+        if momentum is not None:
+            return [(momentum.narrow(0, offset, param.numel()), 0)]
     return [(mapping.get_hp_fragment(state), int(mapping.lp_fragment_address.start))]
 
 
 def owned_state(param: Any, state: str, stage0: Mapping[Any, LiveSlot], base: Any,
-                dp_rank: int) -> torch.Tensor | None:
+                dp_rank: int, whole: Mapping[Any, tuple[int, int]] | None = None) -> torch.Tensor | None:
     """The part of ``param``'s ``state`` this rank owns: its ZeRO partition, the whole tensor on DP rank 0
-    without ZeRO, or None (another rank's, or the state does not exist yet)."""
+    without ZeRO, or None (another rank's, or the state does not exist yet). ``whole``:
+    :func:`muon_whole_offsets` (a rank owns the part of a whole-parameter momentum its partition holds)."""
     master = state == MASTER_WEIGHTS
     slot = stage0.get(param)
     if slot is not None:
         if dp_rank != 0:
             return None
         try:
-            whole: torch.Tensor = slot.master_of() if master else slot.moment_of(base, state)
+            held: torch.Tensor = slot.master_of() if master else slot.moment_of(base, state)
         except KeyError:
             return None
-        return whole
+        return held
     if is_zero3_param(param):  # the flat partition is padded to equal sizes; keep the real part
         try:
             local: torch.Tensor | None = param._z3_optimizer.get_local_fp32_param(param, None if master else state)
@@ -345,10 +382,13 @@ def owned_state(param: Any, state: str, stage0: Mapping[Any, LiveSlot], base: An
         return fragment
     # DeepSpeed links the moment fragments lazily (at the next step after a load): read them from the flat
     # partition's state, where the fragment sits at the same address as the master's.
-    flat = base.param_groups[mapping.param_group_index][keys.PARAMS][0]
-    moment = base.state.get(flat, {}).get(state)
+    moment = _whole_state(base, mapping.param_group_index, state)
     if moment is None:
         return None
+    if state == MUON_MOMENTUM and whole and param in whole:
+        _, offset = whole[param]
+        start = offset + int(mapping.lp_fragment_address.start)
+        return moment.narrow(0, start, int(mapping.lp_fragment_address.numel))
     address = mapping.hp_fragment_address
     narrowed: torch.Tensor = moment.narrow(0, address.start, address.numel)
     return narrowed
@@ -422,54 +462,118 @@ def refresh_zero3_partitions(engine: Any) -> None:
 
 
 # --------------------------------------------------------------------------- restoring optimizer state
-def ensure_adam_state(engine: Any, params: list[tuple[str, torch.nn.Parameter]],
-                      stage0: Mapping[torch.nn.Parameter, LiveSlot]) -> None:
-    """Create the Adam buffers a fresh engine does not have yet and link each parameter's fragment to them.
-
-    Adam creates its state at the first step, so before that there is nowhere to put restored
-    moments. The buffers have the shape of the tensor the optimizer steps (a flat fp32 partition, or
-    the parameter), exactly what Adam would create, so Adam then updates them in place.
-    """
+def live_tensor_states(engine: Any) -> tuple[str, ...]:
+    """The tensor states the engine's optimizer keeps (Adam's moments, Muon's or SGD's momentum, ...), by key."""
     base = base_optimizer(engine)
-    # torch's Adam counts steps in a float tensor; DeepSpeed's fused and CPU Adams in a plain int.
-    fresh_step = (lambda: torch.tensor(0.0)) if isinstance(base, torch.optim.Adam | torch.optim.AdamW) else int
+    found: dict[str, None] = {}
+    for state in (base.state.values() if base is not None else ()):
+        if isinstance(state, Mapping):
+            found.update(dict.fromkeys(optimizer_state_keys(state)[0]))
+    return tuple(found)
 
-    def ensure(key: torch.Tensor) -> dict[str, Any]:
-        state: dict[str, Any] = base.state[key]
-        if any(name not in state for name in ADAM_STATES):
-            state.setdefault("step", fresh_step())
-            for name in ADAM_STATES:
-                state.setdefault(name, torch.zeros_like(key, memory_format=torch.preserve_format))
-        return state
 
-    if partitions_weights(engine):
-        # ZeRO-3 steps one flat fp32 partition per sub-group (its param groups list them only during a step).
-        for flat in engine.optimizer.fp32_partitioned_groups_flat:
-            ensure(flat)
-        return
-    for _, param in params:
-        if param in stage0:
-            ensure(stage0[param].key)
-            continue
+class StateEntries:
+    """Where the torch optimizer keeps each parameter's state on this rank: the tensor its state is keyed by (a
+    flat partition, a master, the parameter itself) and the param group that steps it; found once per restore."""
+
+    def __init__(self, engine: Any, stage0: Mapping[Any, LiveSlot]):
+        self.base = base_optimizer(engine)
+        self._stage0 = stage0
+        self._zero3: dict[Any, torch.Tensor] = {}
+        if partitions_weights(engine):  # each sub-group's flat fp32 partition (its param groups list it mid-step)
+            optimizer = engine.optimizer
+            self._zero3 = {param: flat for params, flat in zip(optimizer.fp16_groups,
+                                                               optimizer.fp32_partitioned_groups_flat, strict=True)
+                           for param in params}
+        self._groups = {id(key): group for group in self.base.param_groups for key in group[keys.PARAMS]}
+
+    def key(self, param: Any) -> torch.Tensor | None:
+        """The tensor ``param``'s state is keyed by; None where this rank keeps none of it."""
+        if param in self._stage0:
+            return self._stage0[param].key
+        if is_zero3_param(param):
+            return self._zero3.get(param)
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:
+            return None
+        key: torch.Tensor = self.base.param_groups[mapping.param_group_index][keys.PARAMS][0]
+        return key
+
+    def group(self, param: Any) -> Mapping[str, Any] | None:
+        """The live param group that steps ``param`` (its hyperparameters; Muon's ``use_muon``)."""
+        key = self.key(param)
+        return self._groups.get(id(key)) if key is not None else None
+
+
+def ensure_optimizer_states(engine: Any, wanted: Mapping[Any, tuple[tuple[str, ...], Mapping[str, Any]]],
+                            entries: StateEntries, whole: Mapping[torch.nn.Parameter, tuple[int, int]]) -> None:
+    """Create the states a fresh optimizer does not have yet, for each parameter of ``wanted``: ``param ->
+    (tensor states, {scalar state: saved value})``, and link each ZeRO-1/2 fragment to them.
+
+    Optimizers create their state at the first step (torch's Adam, SGD, DeepSpeed's Muon), so before that there is
+    nowhere to put restored states. Each tensor state has the shape of the tensor the optimizer steps (a flat fp32
+    partition, or the parameter), as the optimizer would create it, so it then updates it in place; Muon's momentum
+    under ZeRO-1/2 holds the partition's whole parameters (fp32: DeepSpeed casts it to its gradients' dtype at its
+    first use, as it does a momentum its own load restored). A scalar (the step) is created as the saved one is
+    kept (a number, or a tensor), unless the optimizer already keeps it otherwise.
+    """
+    base = entries.base
+    for param, (tensors, scalars) in wanted.items():
+        key = entries.key(param)
+        if key is None:
             continue
-        flat = base.param_groups[mapping.param_group_index][keys.PARAMS][0]
-        state = ensure(flat)
-        if not mapping.optim_fragment or any(key not in mapping.optim_fragment for key in ADAM_STATES):
-            mapping.set_optim_state_fragment(flat, state)
+        state: dict[str, Any] = base.state[key]
+        for name, value in scalars.items():
+            if name not in state:
+                state[name] = _fresh_scalar(base, name, value)
+        added = False
+        for name in tensors:
+            if name in state:
+                continue
+            added = True
+            if name == MUON_MOMENTUM and param in whole:
+                group, _ = whole[param]
+                size = sum(p.numel() for p in engine.optimizer.params_in_partition[group])
+                state[name] = torch.zeros(size, dtype=torch.float32, device=key.device)
+            else:
+                state[name] = torch.zeros_like(key, memory_format=torch.preserve_format)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is not None and not is_zero3_param(param) and (
+                added or not mapping.optim_fragment):
+            mapping.set_optim_state_fragment(key, state)
 
 
-def set_optimizer_step_and_groups(engine: Any, step: torch.Tensor | int | None, saved: Mapping[str, Any]) -> None:
-    """The optimizer's step (every state's, in the type it keeps it), loss scaling, gradient clipping and each
-    param group's hyperparameters, from ``saved`` (the summary ``zero/optimizer_state.pt`` keeps)."""
+def _fresh_scalar(base: Any, name: str, saved: Any) -> Any:
+    """A scalar state as the live optimizer keeps it: torch's optimizers count steps in a float tensor (so does
+    the torch Adam that DeepSpeed's Muon may step its other parameters with), DeepSpeed's own in a plain int."""
+    if name != STEP:
+        return saved.clone() if torch.is_tensor(saved) else saved
+    number = saved.item() if torch.is_tensor(saved) else saved
+    stepper = getattr(base, "aux_optimizer", None) or base
+    if type(stepper).__module__.startswith("torch.optim"):
+        return torch.tensor(float(number))
+    return int(number)
+
+
+def set_optimizer_scalars(values: Mapping[Any, Mapping[str, Any]], entries: StateEntries) -> None:
+    """Each parameter's param-group scalars (``param -> {state: saved value}``: the step), in the type the
+    optimizer keeps them (a float tensor for torch's Adam, a plain int for DeepSpeed's fused and CPU Adams)."""
+    for param, scalars in values.items():
+        key = entries.key(param)
+        if key is None:
+            continue
+        state = entries.base.state[key]
+        for name, value in scalars.items():
+            old = state.get(name)
+            number = value.item() if torch.is_tensor(value) else value
+            state[name] = (torch.tensor(float(number), dtype=old.dtype, device=old.device) if torch.is_tensor(old)
+                           else type(old)(number) if old is not None else value)
+
+
+def set_optimizer_groups(engine: Any, saved: Mapping[str, Any]) -> None:
+    """Loss scaling, gradient clipping and each param group's hyperparameters, from ``saved`` (the summary
+    ``zero/optimizer_state.pt`` keeps)."""
     base = base_optimizer(engine)
-    if step is not None:
-        # Every tensor the optimizer steps (ZeRO-3's flat partitions are in its param groups only mid-step).
-        for state in base.state.values():
-            old = state.get("step")
-            state["step"] = (torch.tensor(float(step), dtype=old.dtype, device=old.device)
-                             if torch.is_tensor(old) else type(old)(step) if old is not None else step)
     _restore_loss_scale(engine.optimizer, saved)
     if keys.CLIP_GRAD in saved and hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = saved[keys.CLIP_GRAD]

@@ -219,6 +219,13 @@ class AutoEPNamed:
     def step(self, name: str) -> Any:
         return self.source.step(self._map[name][0])
 
+    def scalar(self, name: str, state: str) -> Any:
+        return self.source.scalar(self._map[name][0], state)
+
+    def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        states: tuple[tuple[str, ...], tuple[str, ...]] = self.source.states_of(self._map[name][0])
+        return states
+
     def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
         shape = target.local_shape(rank)
         return self.resharded_range(name, state, target, rank, 0, math.prod(shape)).reshape(shape)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,7 @@ from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.expert_names import autoep_named
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
-from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MUON_MOMENTUM, USE_MUON
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, shard_rank, tag_autotp_model
@@ -86,6 +87,10 @@ class ReshardingSource(Protocol):
 
     def has(self, name: str, state: str) -> bool: ...
 
+    def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
+
+    def scalar(self, name: str, state: str) -> torch.Tensor | int: ...
+
     def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor: ...
 
     def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
@@ -137,34 +142,35 @@ def load_resharded(engine: Any,
     if missing:
         raise CheckpointError(f"{ckpt.path}: no saved tensors for {len(missing)} model parameters, e.g. "
                               f"{missing[:3]}")
-    # A universal checkpoint made from weights alone (HF, params-only MaxText) has no moments: the
+    # A universal checkpoint made from weights alone (HF, params-only MaxText) has no optimizer state: the
     # optimizer keeps its fresh state, as when training starts from pretrained weights.
     with_optimizer = load_optimizer_states and not load_module_only and ckpt.has_optimizer_states
-    states = (MASTER_WEIGHTS, *ADAM_STATES) if with_optimizer else (MASTER_WEIGHTS, )
 
     # ZeRO-3 holds each rank's part of the low-precision weights in flat partitions, not in ``param.data``.
     zero3 = engine_private.partitions_weights(engine)
     with torch.no_grad():
         stage0 = engine_private.stage0_slots(engine)
-        if with_optimizer:
-            engine_private.ensure_adam_state(engine, params, stage0)
-        for name, param in params:
-            if name not in available:
-                continue  # frozen parameter the source did not train: keep its constructor value
+        whole = engine_private.muon_whole_offsets(engine)
+        entries = engine_private.StateEntries(engine, stage0) if with_optimizer else None
+        restored = [(name, param) for name, param in params if name in available  # frozen: keep its value
+                    # A rank beyond the KV-head count holds none of the tensor; DeepSpeed keeps such empty
+                    # parameters out of the optimizer, so there is nothing to restore here.
+                    and math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
+        saved = {param: _saved_states(ckpt, name, entries.group(param) if entries else None, with_optimizer)
+                 for name, param in restored}
+        scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]} for name, param in restored}
+        if entries is not None:
+            engine_private.ensure_optimizer_states(
+                engine, {param: (saved[param][0][1:], scalars[param]) for _, param in restored}, entries, whole)
+        for name, param in restored:
             layout = getattr(param, LAYOUT_ATTR)
             rank = shard_rank(param, tp_rank)  # AutoEP experts: the EP rank
-            if math.prod(layout.local_shape(rank)) == 0:
-                # This rank holds none of the tensor (a rank beyond the KV-head count); DeepSpeed keeps such
-                # empty parameters out of the optimizer, so there is nothing to restore here.
-                continue
-            for state in states:
-                if state != MASTER_WEIGHTS and not ckpt.has(name, state):
-                    raise CheckpointError(f"{ckpt.path}: no saved {state} for {name!r}")
+            for state in saved[param][0]:
                 if engine_private.is_zero3_param(param):  # ZeRO-3: read only this DP rank's partition of the TP slice
                     _set_zero3_partition(param, ckpt, name, state, layout, rank)
                     continue
                 master = state == MASTER_WEIGHTS
-                targets = engine_private.state_targets(param, None if master else state, engine, stage0)
+                targets = engine_private.state_targets(param, None if master else state, engine, stage0, whole)
                 if targets is None and not master:
                     raise CheckpointError(f"parameter {name!r} is not managed by a ZeRO/BF16 optimizer; cannot "
                                           "restore its optimizer state")
@@ -175,8 +181,9 @@ def load_resharded(engine: Any,
             engine_private.refresh_zero3_partitions(engine)
         _restore_buffers(module, ckpt, available, tp_size, tp_rank)
 
-        if with_optimizer:
-            _restore_step_and_groups(engine, ckpt, [name for name, _ in params if name in available])
+        if entries is not None:
+            engine_private.set_optimizer_scalars(scalars, entries)
+            engine_private.set_optimizer_groups(engine, ckpt.optimizer_state_for_universal())
 
     client_state = _restore_engine_state(engine, ckpt, load_lr_scheduler_states and not load_module_only)
     return str(ckpt.path), client_state
@@ -191,9 +198,21 @@ def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available:
             buffer.copy_(value.to(buffer.dtype))
 
 
-def _restore_step_and_groups(engine: Any, ckpt: ReshardingSource, names: list[str]) -> None:
-    step = ckpt.step(names[0]) if names else None
-    engine_private.set_optimizer_step_and_groups(engine, step, ckpt.optimizer_state_for_universal())
+def _saved_states(ckpt: ReshardingSource, name: str, group: Mapping[str, Any] | None,
+                  with_optimizer: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The states to restore of ``name``: (tensor states, the master first; scalars). Refused where the optimizer
+    that saved them stepped the parameter otherwise than the live one will: DeepSpeed's Muon steps a matrix with
+    momentum (``use_muon``) and the rest with Adam, and a parameter must come back into the same kind of group."""
+    if not with_optimizer:
+        return (MASTER_WEIGHTS, ), ()
+    tensors, scalars = ckpt.states_of(name)
+    if len(tensors) == 1 and not scalars:
+        raise CheckpointError(f"{ckpt.path}: no saved optimizer state for {name!r}")
+    if group is not None and USE_MUON in group and bool(group[USE_MUON]) != (MUON_MOMENTUM in tensors):
+        here, there = ("Muon", "without Muon's momentum") if group[USE_MUON] else ("Adam", "with Muon's momentum")
+        raise CheckpointError(f"{ckpt.path}: {name!r} was saved {there} ({'/'.join(tensors[1:])}), but this run "
+                              f"steps it with {here}: the Muon/Adam split of the parameters differs (use_muon)")
+    return tensors, scalars
 
 
 def _restore_engine_state(engine: Any, ckpt: ReshardingSource, load_lr_scheduler: bool) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.checkpoint.states import ADAM_STATES as ADAM_STATES
 from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS as MASTER_WEIGHTS
 from deepspeed_ext.checkpoint.states import STEP as STEP
+from deepspeed_ext.checkpoint.states import has_optimizer
 
 if TYPE_CHECKING:  # torch-free at import: reshard-orbax and the CLI's help need no torch
     from deepspeed_ext.checkpoint.fingerprint import Fingerprints
@@ -38,7 +39,9 @@ class SourceInfo:
     path: Path
     #: Every parameter's TP layout at save time, in the checkpoint's order (TP=1 for HF and MaxText).
     layouts: Mapping[str, TPLayout]
-    #: The states every parameter has: ``fp32`` alone, or with ``exp_avg``, ``exp_avg_sq`` and ``step``.
+    #: The states any parameter has: ``fp32`` alone, or with its optimizer's (``exp_avg``, ``exp_avg_sq`` and
+    #: ``step`` for Adam; ``momentum_buffer`` for SGD; both for Muon, whose groups differ). Each
+    #: :class:`~deepspeed_ext.checkpoint.tensor.LogicalTensor` says which of them it has.
     states: tuple[str, ...]
     #: The training step the checkpoint was saved at (0 when it records none).
     global_step: int = 0
@@ -61,8 +64,8 @@ class SourceInfo:
 
     @property
     def has_optimizer(self) -> bool:
-        """Whether the parameters carry Adam moments (a resume then continues the optimizer)."""
-        return ADAM_STATES[0] in self.states
+        """Whether the parameters carry an optimizer's state (a resume then continues the optimizer)."""
+        return has_optimizer(self.states)
 
 
 @runtime_checkable

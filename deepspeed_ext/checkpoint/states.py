@@ -1,6 +1,75 @@
-"""The states of a parameter, in the names DeepSpeed's universal layout uses: fp32 master weights, the Adam
-moments, and the optimizer step. A module of its own so that the tensor and source layers share them."""
+"""The states of a parameter, in the names DeepSpeed's universal layout uses: the fp32 master weights, then whatever
+the optimizer keeps per parameter under its own keys (Adam's ``exp_avg`` / ``exp_avg_sq``, SGD's and Muon's
+``momentum_buffer``, Adagrad's ``sum``, ...), then its scalars (the ``step``). A module of its own so that the
+tensor and source layers share them, torch-free.
+
+An optimizer's per-parameter *tensor* states have the parameter's elements (they are resharded like it); its
+*scalar* states (a number, or a tensor of one element without dimensions) are per param group and carried as they
+are. Anything else (a state with its own shape) is refused by whoever meets it, naming the optimizer, the state and
+its shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 MASTER_WEIGHTS = "fp32"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 STEP = "step"
+#: DeepSpeed's Muon: the momentum of the matrices it steps, and the param-group flag that marks them.
+MUON_MOMENTUM = "momentum_buffer"
+USE_MUON = "use_muon"
+
+
+def is_scalar_state(value: Any) -> bool:
+    """A scalar state (carried per param group, not resharded): a number, or a tensor without dimensions."""
+    shape = getattr(value, "shape", None)
+    return shape is None or len(shape) == 0
+
+
+def ordered_states(names: Iterable[str], scalars: Iterable[str] = ()) -> tuple[str, ...]:
+    """States in the order every reader reports them: the master, Adam's moments (in upstream's order), any other
+    tensor states by name, then the scalars with the step last. An Adam checkpoint's order is what it always was:
+    ``fp32, exp_avg, exp_avg_sq, step``."""
+    tensors, scalar_set = set(names) - {MASTER_WEIGHTS}, set(scalars)
+    tensors -= scalar_set
+    front = [state for state in ADAM_STATES if state in tensors]
+    rest = sorted(tensors - set(front))
+    tail = sorted(scalar_set - {STEP}) + ([STEP] if STEP in scalar_set else [])
+    return (MASTER_WEIGHTS, *front, *rest, *tail)
+
+
+def optimizer_state_keys(group_state: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(tensor states, scalar states)`` of one torch optimizer state entry, by key."""
+    tensors = tuple(key for key, value in group_state.items() if not is_scalar_state(value))
+    scalars = tuple(key for key, value in group_state.items() if is_scalar_state(value))
+    return tensors, scalars
+
+
+def tensor_states(states: Iterable[str]) -> tuple[str, ...]:
+    """The states of ``states`` that are tensors of the parameter's elements (the master included)."""
+    return tuple(state for state in states if state != STEP and not is_scalar_name(state))
+
+
+#: Scalar states besides the step that optimizers keep (torch's NAdam: ``mu_product``), known by name so that a
+#: reader need not open a file to tell.
+KNOWN_SCALARS = frozenset({STEP, "mu_product"})
+
+
+def is_scalar_name(state: str) -> bool:
+    return state in KNOWN_SCALARS
+
+
+def has_optimizer(states: Iterable[str]) -> bool:
+    """Whether ``states`` carry an optimizer's state (more than the master weights)."""
+    return any(state != MASTER_WEIGHTS for state in states)
+
+
+def optimizer_states_summary(param_states: Mapping[str, tuple[str, ...]]) -> dict[str, int]:
+    """What ``inspect`` shows of the optimizer: for each set of states, how many parameters have it."""
+    counts: dict[str, int] = {}
+    for states in param_states.values():
+        key = "/".join(states)
+        counts[key] = counts.get(key, 0) + 1
+    return counts

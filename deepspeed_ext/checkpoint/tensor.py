@@ -51,6 +51,8 @@ class LogicalTensor:
     dtype: torch.dtype = torch.float32
     extra: dict[str, Any] = field(default_factory=dict)
     range_loader: Callable[[str, int, int], torch.Tensor] | None = None
+    #: Which of ``states`` are scalars (the optimizer step; carried per param group, never streamed in blocks).
+    scalars: tuple[str, ...] = (STEP, )
 
     def load(self, state: str = MASTER_WEIGHTS) -> torch.Tensor | int:
         if state not in self.states:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import re
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -43,7 +45,9 @@ from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_inf
 from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo,
                                              WriteOptions, check_against_record, finite_check, protected_paths,
                                              required_model_config)
-from deepspeed_ext.checkpoint.tensor import ADAM_STATES, MASTER_WEIGHTS, STEP, FiniteCheck, LogicalTensor
+from deepspeed_ext.checkpoint.states import (ADAM_STATES, KNOWN_SCALARS, MASTER_WEIGHTS, MUON_MOMENTUM, STEP,
+                                             has_optimizer, optimizer_states_summary, ordered_states)
+from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -51,7 +55,8 @@ if TYPE_CHECKING:
     from deepspeed_ext.checkpoint.model_config import ConfigFit
 
 OPTIMIZER_STATE_FILE = keys.UNIVERSAL_OPTIMIZER_STATE_FILE
-TENSOR_STATES = (MASTER_WEIGHTS, *ADAM_STATES)
+#: States known to be tensors without opening a file (any other name is told by its file's content).
+KNOWN_TENSOR_STATES = frozenset({MASTER_WEIGHTS, *ADAM_STATES, MUON_MOMENTUM, "sum"})
 
 
 def _standalone(tensor: torch.Tensor) -> torch.Tensor:
@@ -283,23 +288,33 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
             param_dir = zero / tensor.name
             param_dir.mkdir()
             # A source without optimizer state (HF weights, a params-only MaxText checkpoint) has only fp32:
-            # no moment files, and the resuming optimizer starts fresh.
-            for state in TENSOR_STATES:
-                if state in tensor.states:
-                    # A source that reads ranges is read on the writer thread, block by block; others (HF,
-                    # MaxText: whole arrays) here, as before.
-                    blocks = (tensor.blocks(state) if tensor.range_loader is not None else
-                              iter([tensor.load_tensor(state).reshape(-1)]))
-                    writer.submit(stream_state, tensor, state, param_dir / f"{state}.pt", blocks)
-            if STEP in tensor.states:
-                step = tensor.load(STEP)
-                written.step = _as_int(step) if written.step is None else written.step
-                writer.submit(save, step, param_dir / f"{STEP}.pt")
+            # no moment files, and the resuming optimizer starts fresh. Each state is a file named by the
+            # optimizer's key (Adam's exp_avg.pt, SGD's momentum_buffer.pt, ...); the scalars come last.
+            for state in tensor.states:
+                path = param_dir / f"{state_file_stem(tensor.name, state)}.pt"
+                if state in tensor.scalars:
+                    value = tensor.load(state)
+                    if state == STEP:
+                        written.step = _as_int(value) if written.step is None else written.step
+                    writer.submit(save, value, path)
+                    continue
+                # A source that reads ranges is read on the writer thread, block by block; others (HF,
+                # MaxText: whole arrays) here, as before.
+                blocks = (tensor.blocks(state) if tensor.range_loader is not None else
+                          iter([tensor.load_tensor(state).reshape(-1)]))
+                writer.submit(stream_state, tensor, state, path, blocks)
     if finite is not None:
         finite.raise_if_any()
     source.raise_if_damaged()
     check_against_record(source.info, written, names)
     return written
+
+
+def state_file_stem(name: str, state: str) -> str:
+    """The file name (less ``.pt``) of a state: the optimizer's own key, refused where it cannot be one."""
+    if not re.fullmatch(r"[A-Za-z0-9_]+", state):
+        raise CheckpointError(f"{name}: optimizer state {state!r} has a name that cannot be a file name")
+    return state
 
 
 def _write_summary(source: CheckpointSource, partial: Path) -> None:
@@ -384,8 +399,38 @@ class UniversalCheckpoint:
         if not listed:
             return found
         listed_set = set(listed)
-        return [name for name in found if name in listed_set
-                or any(self.has(name, state) for state in (*ADAM_STATES, STEP))]
+        return [name for name in found if name in listed_set or has_optimizer(self._state_files(name))]
+
+    def _state_files(self, name: str) -> list[str]:
+        """The states ``zero/<name>/`` holds a file of, by name."""
+        try:
+            return [entry[:-3] for entry in os.listdir(self.zero / name) if entry.endswith(".pt")]
+        except OSError:
+            return []
+
+    @cached_property
+    def param_states(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's states, from the files it has: the master, its optimizer's tensor states, its scalars."""
+        found = {}
+        for name in self.names:
+            files = self._state_files(name)
+            scalars = [state for state in files if self._is_scalar(name, state)]
+            found[name] = ordered_states([state for state in files if state not in scalars], scalars)
+        return found
+
+    @cached_property
+    def _scalar_names(self) -> dict[str, bool]:
+        return {}
+
+    def _is_scalar(self, name: str, state: str) -> bool:
+        """Whether ``state`` is a scalar (a bare value in its file) rather than a tensor (``{'param': ...}``): known
+        for the usual names, else told by the first file of that name (the same for every parameter)."""
+        if state in KNOWN_SCALARS or state in KNOWN_TENSOR_STATES:
+            return state in KNOWN_SCALARS
+        if state not in self._scalar_names:
+            data = serialization.load(self.file(name, state))
+            self._scalar_names[state] = not (isinstance(data, dict) and keys.PARAM in data)
+        return self._scalar_names[state]
 
     def _refuse_missing_parameters(self) -> None:
         """At opening: refuse a parameter the checkpoint lists but does not hold under ``zero/`` (a conversion
@@ -417,6 +462,11 @@ class UniversalCheckpoint:
 
     def has(self, name: str, state: str = MASTER_WEIGHTS) -> bool:
         return self.file(name, state).is_file()
+
+    def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``name``'s tensor states (the master first) and its scalar states."""
+        states, scalars = self.param_states[name], self._scalars
+        return tuple(s for s in states if s not in scalars), tuple(s for s in states if s in scalars)
 
     def load(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
         """The full tensor of ``name``/``state``, memory-mapped: only pages that are touched get read."""
@@ -478,6 +528,15 @@ class UniversalCheckpoint:
         return ranges.resharded_range(whole, target, rank, low, high,
                                       lambda _, start, stop: [(here, start, stop - start)])
 
+    def scalar(self, name: str, state: str) -> torch.Tensor | int:
+        """A scalar state of ``name`` (the step), from its file."""
+        value = self.step(name) if state == STEP else (serialization.load(self.file(name, state))
+                                                        if self.has(name, state) else None)
+        if value is None:
+            raise CheckpointError(f"{self.file(name, state)}: no optimizer {state}")
+        found: torch.Tensor | int = value
+        return found
+
     def step(self, name: str) -> torch.Tensor | int | None:
         path = self.file(name, STEP)
         step: torch.Tensor | int | None
@@ -514,8 +573,8 @@ class UniversalCheckpoint:
 
     @cached_property
     def has_optimizer_states(self) -> bool:
-        """Whether the checkpoint holds Adam moments (a universal checkpoint from HF weights does not)."""
-        return any(self.has(name, state) for name in self.names[:1] for state in ADAM_STATES)
+        """Whether the checkpoint holds an optimizer's states (a universal checkpoint from HF weights does not)."""
+        return any(has_optimizer(states) for states in self.param_states.values())
 
     def model_dtype(self, name: str) -> torch.dtype:
         """The dtype the source model held ``name`` in: its copied module weights', else the stored tensor's."""
@@ -534,12 +593,12 @@ class UniversalCheckpoint:
     def info(self) -> SourceInfo:
         recorded = self.uc_info
         states = self.model_states if self.model_state_files else {}
-        first = self.names[0] if self.names else None
+        every = {state for states in self.param_states.values() for state in states}
         return SourceInfo(format="universal",
                           given=self.given,
                           path=self.path,
                           layouts=self.layouts,
-                          states=tuple(s for s in (*TENSOR_STATES, STEP) if first is not None and self.has(first, s)),
+                          states=ordered_states(every - set(self._scalars), every & set(self._scalars)),
                           global_step=int(states.get(keys.GLOBAL_STEPS) or 0),
                           tp_degree=int(states.get(keys.MP_WORLD_SIZE) or 1),
                           dp_degree=int(states.get(keys.DP_WORLD_SIZE) or 1),
@@ -550,29 +609,44 @@ class UniversalCheckpoint:
                           metadata="deepspeed_ext" if recorded else "none",
                           fingerprints=recorded.fingerprints if recorded else None)
 
+    @property
+    def _scalars(self) -> tuple[str, ...]:
+        every = {state for states in self.param_states.values() for state in states}
+        return tuple(sorted(state for state in every if state in KNOWN_SCALARS or self._scalar_names.get(state)))
+
+    def _expected_states(self, name: str) -> tuple[str, ...]:
+        """The tensor states ``name`` must have: those the checkpoint's record lists for it; without a record, the
+        master, and some optimizer state where any parameter has one (a parameter's param group decides which)."""
+        recorded = self.uc_info.fingerprints if self.uc_info is not None else None
+        if recorded is not None and name in recorded.tensors:
+            return tuple(recorded.tensors[name])
+        return (MASTER_WEIGHTS, )
+
     def tensors(self) -> Iterator[LogicalTensor]:
-        expected = self.info.states
+        any_optimizer = self.has_optimizer_states
+        scalars = self._scalars
         for name, layout in self.layouts.items():
-            states = tuple(s for s in (*TENSOR_STATES, STEP) if self.has(name, s))
-            # Every parameter has the states the first one has (a torn conversion may lack one file of one).
-            missing = [state for state in expected if state not in states]
-            if missing:
-                raise CheckpointError(f"{self.file(name, missing[0])}: missing ({self.names[0]} has "
-                                      f"{'/'.join(expected)}, {name} only {'/'.join(states) or 'nothing'})")
+            states = self.param_states[name]
+            # A torn conversion may lack one file of one parameter.
+            missing = [state for state in self._expected_states(name) if state not in states]
+            if missing or (any_optimizer and not has_optimizer(states)):
+                what = missing[0] if missing else "optimizer state"
+                others = next(s for s in self.param_states.values() if has_optimizer(s)) if not missing else ()
+                raise CheckpointError(f"{self.file(name, missing[0] if missing else MASTER_WEIGHTS).parent}: "
+                                      f"{what} missing (has {'/'.join(states) or 'nothing'}"
+                                      f"{'; others have ' + '/'.join(others) if others else ''})")
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
-                if state != STEP:
+                if state not in scalars:
                     return self.load(name, state)
-                step = self.step(name)
-                if step is None:  # not reached: ``step`` is among the states only where its file is
-                    raise CheckpointError(f"{self.file(name, STEP)}: no optimizer step")
-                return step
+                return self.scalar(name, state)
 
             def range_loader(state: str, low: int, high: int, name: str = name) -> torch.Tensor:
                 return self.full_range(name, state, low, high)
 
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
-                                dtype=self.model_dtype(name), range_loader=range_loader)
+                                dtype=self.model_dtype(name), range_loader=range_loader,
+                                scalars=tuple(s for s in states if s in scalars))
 
     def raise_if_damaged(self) -> None:
         """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where
@@ -582,6 +656,7 @@ class UniversalCheckpoint:
         states = self.model_states
         opt = self.optimizer_state
         first = self.names[0] if self.names else None
+        stepped = next((name for name, states in self.param_states.items() if STEP in states), None)
         master = [self.load(n) for n in self.names]  # memory-mapped: only headers are read
         return {
             "kind": "universal",
@@ -592,7 +667,8 @@ class UniversalCheckpoint:
             "zero_stage": int(opt.get(keys.ZERO_STAGE, 1)) if opt else None,
             "tensor_dtypes": sorted({str(t.dtype).replace("torch.", "") for t in master}),
             "global_steps": states.get(keys.GLOBAL_STEPS),
-            "optimizer_step": None if first is None else _as_int(self.step(first)),
+            "optimizer_step": None if first is None else _as_int(self.step(stepped or first)),
+            "optimizer_states": optimizer_states_summary(self.param_states),
             "deepspeed_version": str(states.get(keys.DS_VERSION)),
             "metadata": "deepspeed_ext" if self.uc_info else "none",
             "num_parameters": sum(t.numel() for t in master),

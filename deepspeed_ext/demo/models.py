@@ -190,14 +190,15 @@ def ds_config(*,
               kv_heads: int = 4,
               restore: str = "deepspeed_ext",
               fingerprints: str = "error",
-              ep: int = 0) -> dict[str, Any]:
+              ep: int = 0,
+              optimizer: str = "adam") -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
     ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`). ``ep``: train an MoE family with DeepSpeed
-    AutoEP at that expert-parallel degree (0: AutoEP off)."""
+    AutoEP at that expert-parallel degree (0: AutoEP off). ``optimizer``: one of :data:`OPTIMIZERS`."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
-        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": not fused_adam}},
+        **optimizer_section(optimizer, lr, fused_adam),
         "zero_optimization": {"stage": zero},
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 12, "loss_scale_window": 2},
@@ -221,6 +222,32 @@ def ds_config(*,
         # bf16 + ZeRO-1 + fp32 gradient accumulation selects DeepSpeed's BF16_Optimizer.
         config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     return config
+
+
+#: The optimizers the demo trains with: DeepSpeed's own by config (``adam``, ``muon``, ``adagrad``), or a client
+#: ``torch.optim`` optimizer the script builds (``sgd``: SGD with momentum).
+OPTIMIZERS = ("adam", "muon", "adagrad", "sgd")
+
+
+def optimizer_section(optimizer: str, lr: float, fused_adam: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config's optimizer entries for the demo's ``optimizer``; a client optimizer
+    (:func:`client_optimizer`) has none, and needs ``zero_allow_untested_optimizer`` under ZeRO."""
+    if optimizer == "adam":
+        return {"optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": not fused_adam}}}
+    if optimizer == "muon":  # Muon for the matrices, its auxiliary Adam for embeddings, norms and the head
+        return {"optimizer": {"type": "Muon", "params": {"lr": lr, "momentum": 0.9, "weight_decay": 0.01}}}
+    if optimizer == "adagrad":
+        return {"optimizer": {"type": "Adagrad", "params": {"lr": lr}}}
+    if optimizer in OPTIMIZERS:
+        return {"zero_allow_untested_optimizer": True}
+    raise ValueError(f"unknown optimizer {optimizer!r} (choose from {', '.join(OPTIMIZERS)})")
+
+
+def client_optimizer(optimizer: str, parameters: Any, lr: float = 1e-2) -> torch.optim.Optimizer | None:
+    """The optimizer the script builds itself and hands ``deepspeed.initialize`` (None: DeepSpeed builds it)."""
+    if optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    return None
 
 
 def batch(step: int, dp_rank: int, dp_size: int, micro: int = 0, grad_accum: int = 1, vocab: int = 101) -> torch.Tensor:

@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--grad-accum-dtype", choices=["fp32", "bf16", "fp16"],
                    help="DeepSpeed data_types.grad_accum_dtype (bf16 + ZeRO-1 + fp32 selects BF16_Optimizer)")
+    p.add_argument("--optimizer", default="adam", help="adam, muon, adagrad (DeepSpeed's, by config) or sgd (a "
+                   "client torch.optim.SGD with momentum)")
     p.add_argument("--fused-adam", action="store_true",
                    help="DeepSpeed's FusedAdam instead of torch's Adam (without ZeRO, bf16 then uses the flat "
                    "FP16_Optimizer instead of FP16_UnfusedOptimizer)")
@@ -98,7 +100,7 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     import torch.distributed as dist
 
     import deepspeed_ext
-    from deepspeed_ext.demo.models import batch, build_model, ds_config, tiny_config
+    from deepspeed_ext.demo.models import batch, build_model, client_optimizer, ds_config, tiny_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % args.tp:
@@ -122,9 +124,11 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        kv_heads=args.kv_heads,
                        restore=args.restore,
                        fingerprints=args.fingerprints,
-                       ep=args.ep)
+                       ep=args.ep,
+                       optimizer=args.optimizer)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
-    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config)
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config,
+                           optimizer=client_optimizer(args.optimizer, model.parameters()))
 
     from deepspeed_ext.checkpoint.engine_private import tp_group_info
     tp_size, tp_rank = tp_group_info()

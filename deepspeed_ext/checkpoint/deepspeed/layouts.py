@@ -32,6 +32,7 @@ from deepspeed_ext.checkpoint.deepspeed.experts import ExpertParallel, expert_gr
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, indexed_state
 from deepspeed_ext.checkpoint.deepspeed.zero0 import SavedStage0
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP
+from deepspeed_ext.checkpoint.states import MUON_MOMENTUM, USE_MUON
 from deepspeed_ext.errors import CheckpointError
 
 #: Without ZeRO, the parameter names the optimizer of TP rank ``tp`` holds, per param group, where
@@ -110,9 +111,21 @@ class OptimizerLayout:
     #: Without ZeRO the model states hold the optimizer, which a universal checkpoint keeps per parameter.
     optimizer_in_model_states = False
 
+    def group_state(self, tp: int, dp: int, group: int) -> dict[str, Any]:
+        """The torch optimizer's state entry of flat group ``group`` (without ZeRO: the entry's key) in the (tp, dp)
+        file: its tensor states and its scalars (``{}`` before the first step)."""
+        state: dict[str, Any] = self.base_state(tp, dp)[keys.STATE].get(group) or {}
+        return state
+
     def step(self, group: int, dp: int, tp: int = 0) -> Any:
         """The optimizer step of flat group ``group`` in the (tp, dp) file, or None."""
-        return (self.base_state(tp, dp)[keys.STATE].get(group) or {}).get(STEP)
+        return self.group_state(tp, dp, group).get(STEP)
+
+    def whole_param_offsets(self, tp: int, dp: int, group: int, state: str) -> dict[str, int] | None:
+        """Where a state that holds *whole* parameters lies: ``{name: offset of the parameter's first element}`` in
+        the (tp, dp) file's tensor of ``state`` for flat group ``group``; None where the state is laid out like the
+        fp32 master partition (every state of every optimizer but Muon's momentum under ZeRO-1/2)."""
+        return None
 
     def has_stepped(self) -> bool:
         """Whether the optimizer has taken a step. torch's Adam creates a group's step and moments at its first
@@ -130,8 +143,8 @@ class OptimizerLayout:
         return out
 
     def _missing_moment(self, path: Path, state: str, what: str) -> CheckpointError:
-        return CheckpointError(f"{path}: no optimizer state {state!r} for {what} (only Adam-family optimizers are "
-                               "supported)")
+        return CheckpointError(f"{path}: no optimizer state {state!r} for {what} (its optimizer keeps "
+                               "other states there: files of two checkpoints, or of two optimizers)")
 
 
 class Stage0Layout(OptimizerLayout):
@@ -308,10 +321,45 @@ class Zero12Layout(_PartitionedLayout):
         return out
 
 
+    def whole_param_offsets(self, tp: int, dp: int, group: int, state: str) -> dict[str, int] | None:
+        """DeepSpeed's Muon under ZeRO-1/2 keeps a param group's momentum for the *whole* parameters whose elements
+        lie in a rank's partition, one after another in partition order (Newton-Schulz needs whole matrices; a
+        matrix split between two partitions has its momentum on both). Only there: with the optimizer offloaded to
+        the CPU, and for every other state, the state is laid out like the master partition."""
+        if state != MUON_MOMENTUM or not self._muon_group(tp, dp, group) or self._optimizer_offloaded:
+            return None
+        mapping = self.wrapper_state(tp, dp)[keys.PARAM_SLICE_MAPPINGS][group]
+        shapes = self.saved_shapes(tp)
+        offsets, offset = {}, 0
+        for name in mapping:
+            offsets[name] = offset
+            offset += int(torch.Size(shapes[name]).numel())
+        held = self.flat(tp, dp, group, state).numel()
+        if held != offset:
+            raise CheckpointError(f"{self.files.optim_files[(tp, dp)]}: Muon's {state} of param group {group} holds "
+                                  f"{held} elements, the whole parameters of its partition {offset}: a layout of "
+                                  "DeepSpeed's Muon not supported")
+        return offsets
+
+    def _muon_group(self, tp: int, dp: int, group: int) -> bool:
+        groups = self.base_state(tp, dp).get(keys.PARAM_GROUPS) or []
+        return group < len(groups) and bool(groups[group].get(USE_MUON))
+
+    @functools.cached_property
+    def _optimizer_offloaded(self) -> bool:
+        config = self.files.model_states(0).get(keys.DS_CONFIG) or {}
+        zero = config.get("zero_optimization") or {} if isinstance(config, dict) else {}
+        offload = zero.get("offload_optimizer") or {} if isinstance(zero, dict) else {}
+        return isinstance(offload, dict) and str(offload.get("device", "none")).lower() not in ("none", "")
+
+
 class BF16OptimizerLayout(Zero12Layout):
     """BF16_Optimizer writes ZeRO-1's files minus ``zero_stage`` (reported as stage 1, which it partitions like)."""
 
     kind = "BF16_Optimizer"
+
+    def whole_param_offsets(self, tp: int, dp: int, group: int, state: str) -> dict[str, int] | None:
+        return None  # its Muon keeps the momentum laid out like the master partition
 
 
 class Zero3Layout(_PartitionedLayout):

@@ -26,7 +26,9 @@ from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.manifest import FilesChecked
-from deepspeed_ext.checkpoint.source import ADAM_STATES, MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
+from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
+from deepspeed_ext.checkpoint.states import (is_scalar_state, optimizer_state_keys, optimizer_states_summary,
+                                             ordered_states)
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError
 from deepspeed_ext.module_inject.upstream import name_patterns, unsharded_weights
@@ -103,6 +105,12 @@ class DeepSpeedCheckpoint:
         # What the restore reads with pread: each flat tensor's file and offset, and one descriptor per file.
         self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
         self._readers: dict[Path, ranges.FileReader] = {}
+        #: Per (name, TP rank, state): the fragments in that state's tensors; per (tp, dp, group, state): where
+        #: whole parameters lie in a state that holds them (None: laid out like the master).
+        self._remapped: dict[tuple[str, int, str], list[Fragment]] = {}
+        self._whole_offsets: dict[tuple[int, int, int, str], dict[str, int] | None] = {}
+        #: The optimizer's scalar states met so far (the step): carried per param group, not resharded.
+        self._scalars: set[str] = {STEP}
 
     @property
     def _degrees_text(self) -> str:
@@ -194,18 +202,83 @@ class DeepSpeedCheckpoint:
 
     @cached_property
     def has_optimizer_states(self) -> bool:
-        """Every parameter has master weights, and Adam moments and a step once the optimizer has stepped (a
-        stepped checkpoint without them is refused). A save before the first step has the masters alone: it
-        converts to what a weights-only source gives (fp32 files, no moments, no step), and a resume from it
-        keeps the engine's fresh optimizer, as one from pretrained weights does."""
+        """Every parameter has master weights, and its optimizer's states once the optimizer has stepped. A save
+        before the first step has the masters alone: it converts to what a weights-only source gives (fp32 files,
+        no moments, no step), and a resume from it keeps the engine's fresh optimizer, as one from pretrained
+        weights does."""
         return self.optimizer.has_stepped()
+
+    @cached_property
+    def param_states(self) -> dict[str, tuple[str, ...]]:
+        """Each parameter's states: the master, then the tensor states and scalars its param group's optimizer
+        keeps, by their keys (Adam's ``exp_avg``/``exp_avg_sq``/``step``, Muon's and SGD's ``momentum_buffer``,
+        Adagrad's ``sum``/``step``...). Param groups may differ: DeepSpeed's Muon steps its matrices with momentum
+        and the rest with Adam. A persistent buffer, which no optimizer steps, has every tensor state any group
+        has (zeros) and the step."""
+        if not self.has_optimizer_states:
+            return {name: (MASTER_WEIGHTS, ) for name in self.layouts}
+        by_entry: dict[tuple[int, int, int], tuple[str, ...]] = {}
+        found: dict[str, tuple[str, ...]] = {}
+        for name in self.layouts:
+            if name in self.buffers:
+                continue
+            fragment = self._fragments_of(name)[0]
+            entry = (fragment.tp_rank or 0, fragment.dp_rank, fragment.group)
+            if entry not in by_entry:
+                by_entry[entry] = self._states_of_entry(*entry)
+            found[name] = by_entry[entry]
+        every = [state for states in found.values() for state in states]
+        buffer_states = ordered_states([s for s in every if s != STEP], [STEP] if STEP in every else [])
+        return {name: found.get(name, buffer_states) for name in self.layouts}
+
+    def _fragments_of(self, name: str) -> list[Fragment]:
+        """The fragments of ``name`` on its first TP (or EP) rank that holds any of it."""
+        for tp in range(self.layouts[name].tp_size):
+            fragments = self._fragments.get((name, tp))
+            if fragments:
+                return fragments
+        raise CheckpointError(f"{self.tag_dir}: parameter {name!r} is in no optimizer partition")
+
+    def _states_of_entry(self, tp: int, dp: int, group: int) -> tuple[str, ...]:
+        """The states a torch optimizer state entry holds, checked to be of a shape this reader reshards: a tensor
+        state must hold the elements of the entry's fp32 master (or, Muon's momentum under ZeRO-1/2, its whole
+        parameters); a scalar is carried."""
+        entry = self.optimizer.group_state(tp, dp, group)
+        tensors, scalars = optimizer_state_keys(entry)
+        self._scalars.update(scalars)
+        master = self.optimizer.flat(tp, dp, group, MASTER_WEIGHTS).numel()
+        for state in tensors:
+            if self.optimizer.whole_param_offsets(tp, dp, group, state) is not None:
+                continue
+            value = entry[state]
+            if value.numel() != master:
+                raise CheckpointError(
+                    f"{self.optimizer.state_file(tp, dp)}: the optimizer ({self.optimizer_kind} over "
+                    f"{self._torch_optimizer_name}) keeps state {state!r} of shape {tuple(value.shape)} for param "
+                    f"group {group}, whose fp32 master has {master} elements: a state not laid out like its "
+                    "parameters (factored or per-row) cannot be resharded, and is not converted")
+        return ordered_states(tensors, scalars)
+
+    @property
+    def _torch_optimizer_name(self) -> str:
+        """What the checkpoint says of the torch optimizer it wrapped (its param groups' keys name it no better)."""
+        groups = self.optimizer.base_state(0, 0).get(keys.PARAM_GROUPS) or []
+        settings = sorted({key for group in groups for key in group if key != keys.PARAMS})
+        return f"a torch optimizer with settings {', '.join(settings[:8])}"
 
     @property
     def _states(self) -> tuple[str, ...]:
-        return (MASTER_WEIGHTS, *ADAM_STATES, STEP) if self.has_optimizer_states else (MASTER_WEIGHTS, )
+        """Every state any parameter has (the union, in reading order)."""
+        every = {state for states in self.param_states.values() for state in states}
+        return ordered_states(every - self._scalars, every & self._scalars)
 
     def has(self, name: str, state: str = MASTER_WEIGHTS) -> bool:
-        return name in self.layouts and (state == MASTER_WEIGHTS or self.has_optimizer_states)
+        return name in self.layouts and state in self.param_states[name]
+
+    def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``name``'s tensor states (the master first) and its scalar states."""
+        states = self.param_states[name]
+        return (tuple(s for s in states if s not in self._scalars), tuple(s for s in states if s in self._scalars))
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet. The files'
@@ -216,7 +289,7 @@ class DeepSpeedCheckpoint:
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
                 with self._damage_first():
-                    return self.step(name) if state == STEP else self.full_tensor(name, state)
+                    return self.scalar(name, state) if state in self._scalars else self.full_tensor(name, state)
 
             def range_loader(state: str, low: int, high: int, name: str = name) -> torch.Tensor:
                 with self._damage_first():
@@ -226,7 +299,8 @@ class DeepSpeedCheckpoint:
             yield LogicalTensor(name=name,
                                 shape=layout.shape,
                                 layout=layout,
-                                states=self._states,
+                                states=self.param_states[name],
+                                scalars=tuple(self._scalars),
                                 loader=loader,
                                 dtype=weights.dtype if torch.is_tensor(weights) else torch.float32,
                                 range_loader=range_loader)
@@ -382,12 +456,34 @@ class DeepSpeedCheckpoint:
                         dataclasses.replace(f, tp_rank=mp if f.tp_rank is None else f.tp_rank) for f in fragments]
         return {**found, **self.optimizer.expert_fragments()}
 
-    def _flat_pieces(self, name: str, tp: int, low: int, high: int) -> list[tuple[int, int, int, int, int]]:
+    def _state_fragments(self, name: str, tp: int, state: str) -> list[Fragment]:
+        """The fragments of TP rank ``tp``'s shard of ``name`` in the tensors of ``state``: the master's, except
+        where the state holds whole parameters (Muon's momentum under ZeRO-1/2), where each fragment lies at the
+        parameter's place in that tensor plus the fragment's place in the parameter."""
+        fragments = self._fragments.get((name, tp), [])
+        if state == MASTER_WEIGHTS or not fragments:
+            return fragments
+        key = (name, tp, state)
+        found = self._remapped.get(key)
+        if found is None:
+            found, position = [], 0
+            for f in fragments:
+                entry = (tp if f.tp_rank is None else f.tp_rank, f.dp_rank, f.group, state)
+                if entry not in self._whole_offsets:
+                    self._whole_offsets[entry] = self.optimizer.whole_param_offsets(*entry)
+                offsets = self._whole_offsets[entry]
+                found.append(f if offsets is None else dataclasses.replace(f, start=offsets[name] + position))
+                position += f.numel
+            self._remapped[key] = found
+        return found
+
+    def _flat_pieces(self, name: str, tp: int, low: int, high: int,
+                     state: str = MASTER_WEIGHTS) -> list[tuple[int, int, int, int, int]]:
         """Where elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name`` lie, in order:
         ``(tp, dp, group, start, count)``, elements ``[start, start + count)`` of that flat tensor (the DP
         fragments that hold them)."""
         pieces, offset = [], 0
-        for f in self._fragments.get((name, tp), []):
+        for f in self._state_fragments(name, tp, state):
             first, last = max(low, offset), min(high, offset + f.numel)
             if first < last:
                 held_by = tp if f.tp_rank is None else f.tp_rank
@@ -402,7 +498,7 @@ class DeepSpeedCheckpoint:
         """Elements ``[low, high)`` of TP rank ``tp``'s flattened shard of ``name``, read from the DP
         fragments that hold them (a view into the memory-mapped file when one fragment does)."""
         pieces = []
-        for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high):
+        for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high, state):
             piece = self.optimizer.flat(held_by, dp, group, state).narrow(0, start, count)
             pieces.append(piece)
             mapped = self.optimizer.mapped_file(held_by, dp)
@@ -416,7 +512,7 @@ class DeepSpeedCheckpoint:
         """:meth:`_flat_pieces` with the file and offset each flat tensor's bytes are at, to read them with
         ``pread`` (:mod:`..ranges`)."""
         found: list[ranges.Piece] = []
-        for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high):
+        for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high, state):
             key = (held_by, dp, group, state)
             stored = self._stored.get(key)
             if stored is None:  # once per flat tensor: the optimizer files stay mapped while the reader lives
@@ -512,14 +608,24 @@ class DeepSpeedCheckpoint:
         self._in_flight.clear()
 
     def step(self, name: str) -> torch.Tensor | int:
-        fragments = self._fragments.get((name, 0))
-        first = fragments[0] if fragments else None
-        group, dp, mp = (first.group, first.dp_rank, first.tp_rank or 0) if first is not None else (0, 0, 0)
-        value = self.optimizer.step(group, dp, mp)
-        if value is None:
-            raise CheckpointError(f"{self.optimizer.state_file(mp, dp)}: no optimizer step for param group {group}")
-        step: torch.Tensor | int = value
-        return step
+        return self.scalar(name, STEP)
+
+    def scalar(self, name: str, state: str) -> torch.Tensor | int:
+        """A scalar state (the step) of the param group ``name`` is in; a buffer's: the first group's that has it."""
+        if state not in self.param_states.get(name, ()):
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r} has no optimizer state {state!r} (its "
+                                  f"optimizer keeps {', '.join(self.param_states.get(name, ())[1:]) or 'none'})")
+        holders = ([self._fragments_of(name)[0]] if name not in self.buffers else
+                   [fragments[0] for fragments in self._fragments.values() if fragments])
+        for first in holders:
+            mp, dp = first.tp_rank or 0, first.dp_rank
+            value = self.optimizer.group_state(mp, dp, first.group).get(state)
+            if value is not None and is_scalar_state(value):
+                found: torch.Tensor | int = value
+                return found
+        first = holders[0]
+        raise CheckpointError(f"{self.optimizer.state_file(first.tp_rank or 0, first.dp_rank)}: no optimizer "
+                              f"{state} for param group {first.group}")
 
     # ------------------------------------------------------------------ summary
     def _commit_summary(self) -> str:
@@ -544,6 +650,8 @@ class DeepSpeedCheckpoint:
             **({"pp_degree": self.pp_degree} if self.pp_degree > 1 else {}),
             "zero_stage": self.zero_stage,
             "optimizer": self.optimizer_kind,
+            **({"optimizer_states": optimizer_states_summary(self.param_states)} if self.has_optimizer_states
+               else {}),
             "model_dtypes": lp_dtypes,
             "optimizer_dtype": str(self.optimizer.flat(0, 0, 0, MASTER_WEIGHTS).dtype).replace("torch.", ""),
             "global_steps": first.get(keys.GLOBAL_STEPS),
