@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP, CheckpointSource
+from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, CheckpointSource
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
 
 #: Elements compared per chunk: the temporaries stay at a few hundred MiB whatever the tensor's size.
@@ -158,11 +158,12 @@ def _held_in(source: CheckpointSource, tensor: LogicalTensor, state: str) -> tor
 
 def _compare_state(a: LogicalTensor, b: LogicalTensor, state: str, tolerance: Tolerance,
                    held_in: tuple[torch.dtype | None, torch.dtype | None] = (None, None)) -> StateDiff:
-    if state == STEP:
-        step_a, step_b = (int(t.load(STEP)) for t in (a, b))
-        diff = StateDiff(a.name, state, [], [], "int", "int", precision="int", max_abs=float(abs(step_a - step_b)))
-        diff.ok = step_a == step_b
-        diff.note = "" if diff.ok else f"step {step_a} vs {step_b}"
+    if state in a.scalars or state in b.scalars:  # the step, and any other scalar an optimizer keeps
+        value_a, value_b = (_number(t.load(state)) for t in (a, b))
+        kind = "int" if isinstance(value_a, int) and isinstance(value_b, int) else "float"
+        diff = StateDiff(a.name, state, [], [], kind, kind, precision=kind, max_abs=float(abs(value_a - value_b)))
+        diff.ok = value_a == value_b
+        diff.note = "" if diff.ok else f"{state} {value_a} vs {value_b}"
         return diff
     x, y = a.load_tensor(state).detach(), b.load_tensor(state).detach()
     diff = StateDiff(a.name, state, list(x.shape), list(y.shape), _name(x.dtype), _name(y.dtype))
@@ -177,6 +178,12 @@ def _compare_state(a: LogicalTensor, b: LogicalTensor, state: str, tolerance: To
         _accumulate(diff, chunk_x, chunk_y, low, tolerance)
     diff.ok = diff.beyond == 0
     return diff
+
+
+def _number(value: Any) -> int | float:
+    """A scalar state as a number: an integral value as an int (a step kept in a float tensor is still a count)."""
+    number = value.item() if torch.is_tensor(value) else value
+    return int(number) if float(number).is_integer() else float(number)
 
 
 def _chunks(x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -41,7 +41,7 @@ class LocalSums:
     sums: torch.Tensor  # [param, state, (numel, sum, sum of squares)], float64
     buffers: list[tuple[str, torch.dtype]]
     buffer_sums: torch.Tensor  # [buffer, (numel, sum, sum of squares)]
-    spread: torch.Tensor  # (max step, -min step, max global steps, -min global steps)
+    spread: torch.Tensor  # (lowest step, -lowest step, highest step, -highest step, global steps, -global steps)
     with_moments: bool
     #: The pipeline stage this rank runs and the number of stages (0, 1 without pipeline parallelism): stages
     #: hold different parameters.
@@ -95,9 +95,11 @@ class SumsPlan:
         self._buffers = [(name, buffer) for name, buffer in persistent_buffers(engine.module).items()
                          if name not in dict(params)]
         self._sum_buffers = tp_rank == 0 and dp_rank == 0
-        steps = engine_private.live_steps(engine)
-        # The steps travel as max and -min, so one MAX all-reduce shows whether every rank agrees.
-        self._spread = torch.tensor([steps[1], -steps[0], steps[2], -steps[2]], dtype=torch.float64)
+        low, high, global_steps = engine_private.live_steps(engine)
+        # Each rank's lowest and highest optimizer step (param groups may count differently: DeepSpeed's Muon
+        # without ZeRO keeps its Adam parameters' steps apart) and its global step travel as max and -min, so one
+        # MAX all-reduce shows whether every rank agrees.
+        self._spread = torch.tensor([low, -low, high, -high, global_steps, -global_steps], dtype=torch.float64)
         self._params = [name for name, _ in params]
         self._states = states
         self._with_moments = with_moments
@@ -178,11 +180,11 @@ def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
                 for state in local.states[1:]:
                     found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
     spread = local.spread
-    for index, key in ((0, "step"), (2, "global_steps")):
+    for index, key in ((0, "lowest step"), (2, "step"), (4, "global_steps")):
         high, low = spread[index].item(), -spread[index + 1].item()
         if high != low:
             problems.append(f"the {key} differs between ranks ({int(low)}..{int(high)})")
-        elif high >= 0:
+        elif high >= 0 and key != "lowest step":
             setattr(found, key, int(high))
     return found, problems
 

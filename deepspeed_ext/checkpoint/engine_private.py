@@ -472,6 +472,22 @@ def live_tensor_states(engine: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
+def expected_tensor_states(base: Any, group: Mapping[str, Any]) -> set[str] | None:
+    """The tensor states the live optimizer keeps for a param group once it steps, for the optimizers whose keys
+    are known (None: another optimizer, not checked): a checkpoint of one optimizer restored into a run of another
+    would leave the optimizer without the states it reads at its first step."""
+    name = type(getattr(base, "aux_optimizer", None) or base).__name__ if USE_MUON not in group else "Muon"
+    if name == "Muon":
+        return {MUON_MOMENTUM} if group.get(USE_MUON) else {"exp_avg", "exp_avg_sq"}
+    if "Adam" in name and "Lamb" not in name:
+        return {"exp_avg", "exp_avg_sq", *(("max_exp_avg_sq", ) if group.get("amsgrad") else ())}
+    if name == "SGD":
+        return {MUON_MOMENTUM} if group.get("momentum") else set()
+    if name == "Adagrad":
+        return {"sum"}
+    return None
+
+
 class StateEntries:
     """Where the torch optimizer keeps each parameter's state on this rank: the tensor its state is keyed by (a
     flat partition, a master, the parameter itself) and the param group that steps it; found once per restore."""

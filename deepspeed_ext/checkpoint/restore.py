@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +20,7 @@ from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.expert_names import autoep_named
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
-from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MUON_MOMENTUM, USE_MUON
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, USE_MUON
 from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, shard_rank, tag_autotp_model
@@ -156,8 +155,7 @@ def load_resharded(engine: Any,
                     # A rank beyond the KV-head count holds none of the tensor; DeepSpeed keeps such empty
                     # parameters out of the optimizer, so there is nothing to restore here.
                     and math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
-        saved = {param: _saved_states(ckpt, name, entries.group(param) if entries else None, with_optimizer)
-                 for name, param in restored}
+        saved = {param: _saved_states(ckpt, name, entries, param, with_optimizer) for name, param in restored}
         scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]} for name, param in restored}
         if entries is not None:
             engine_private.ensure_optimizer_states(
@@ -198,20 +196,26 @@ def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available:
             buffer.copy_(value.to(buffer.dtype))
 
 
-def _saved_states(ckpt: ReshardingSource, name: str, group: Mapping[str, Any] | None,
+def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.StateEntries | None, param: Any,
                   with_optimizer: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The states to restore of ``name``: (tensor states, the master first; scalars). Refused where the optimizer
-    that saved them stepped the parameter otherwise than the live one will: DeepSpeed's Muon steps a matrix with
-    momentum (``use_muon``) and the rest with Adam, and a parameter must come back into the same kind of group."""
-    if not with_optimizer:
+    """The states to restore of ``name``: (tensor states, the master first; scalars). Refused where the live
+    optimizer keeps other states for the parameter than the checkpoint holds: a checkpoint of another optimizer, or
+    a parameter that changed sides in DeepSpeed's Muon (momentum for the matrices, ``use_muon``; Adam for the rest).
+    """
+    if not with_optimizer or entries is None:
         return (MASTER_WEIGHTS, ), ()
     tensors, scalars = ckpt.states_of(name)
     if len(tensors) == 1 and not scalars:
         raise CheckpointError(f"{ckpt.path}: no saved optimizer state for {name!r}")
-    if group is not None and USE_MUON in group and bool(group[USE_MUON]) != (MUON_MOMENTUM in tensors):
-        here, there = ("Muon", "without Muon's momentum") if group[USE_MUON] else ("Adam", "with Muon's momentum")
-        raise CheckpointError(f"{ckpt.path}: {name!r} was saved {there} ({'/'.join(tensors[1:])}), but this run "
-                              f"steps it with {here}: the Muon/Adam split of the parameters differs (use_muon)")
+    group = entries.group(param)
+    expected = engine_private.expected_tensor_states(entries.base, group) if group is not None else None
+    if expected is not None and expected != set(tensors[1:]):
+        how = ("Muon's momentum" if group is not None and group.get(USE_MUON) else
+               f"{type(entries.base).__name__}'s {'/'.join(sorted(expected)) or 'no state'}")
+        raise CheckpointError(f"{ckpt.path}: {name!r} was saved with optimizer state {'/'.join(tensors[1:])}, but "
+                              f"this run steps it with {how}: a checkpoint of another optimizer (or another "
+                              "Muon/Adam split of the parameters) cannot continue it; load it without its "
+                              "optimizer state (load_optimizer_states=False) to start the optimizer fresh")
     return tensors, scalars
 
 

@@ -614,13 +614,14 @@ class UniversalCheckpoint:
         every = {state for states in self.param_states.values() for state in states}
         return tuple(sorted(state for state in every if state in KNOWN_SCALARS or self._scalar_names.get(state)))
 
-    def _expected_states(self, name: str) -> tuple[str, ...]:
-        """The tensor states ``name`` must have: those the checkpoint's record lists for it; without a record, the
-        master, and some optimizer state where any parameter has one (a parameter's param group decides which)."""
+    def _expected_states(self, name: str, states: tuple[str, ...]) -> tuple[str, ...]:
+        """The states ``name`` must have: those the checkpoint's record lists for it, and the states that come
+        together (Adam's two moments: one without the other is a file lost)."""
         recorded = self.uc_info.fingerprints if self.uc_info is not None else None
-        if recorded is not None and name in recorded.tensors:
-            return tuple(recorded.tensors[name])
-        return (MASTER_WEIGHTS, )
+        expected = list(recorded.tensors[name]) if recorded is not None and name in recorded.tensors else []
+        if any(state in states for state in ADAM_STATES):
+            expected += ADAM_STATES
+        return tuple(dict.fromkeys(expected))
 
     def tensors(self) -> Iterator[LogicalTensor]:
         any_optimizer = self.has_optimizer_states
@@ -628,13 +629,12 @@ class UniversalCheckpoint:
         for name, layout in self.layouts.items():
             states = self.param_states[name]
             # A torn conversion may lack one file of one parameter.
-            missing = [state for state in self._expected_states(name) if state not in states]
-            if missing or (any_optimizer and not has_optimizer(states)):
-                what = missing[0] if missing else "optimizer state"
-                others = next(s for s in self.param_states.values() if has_optimizer(s)) if not missing else ()
-                raise CheckpointError(f"{self.file(name, missing[0] if missing else MASTER_WEIGHTS).parent}: "
-                                      f"{what} missing (has {'/'.join(states) or 'nothing'}"
-                                      f"{'; others have ' + '/'.join(others) if others else ''})")
+            missing = [state for state in self._expected_states(name, states) if state not in states]
+            if any_optimizer and not has_optimizer(states):
+                missing.append(next(s for s in self.param_states.values() if has_optimizer(s))[1])
+            if missing:
+                raise CheckpointError(f"{self.file(name, missing[0])}: missing ({name} has "
+                                      f"{'/'.join(states) or 'nothing'})")
 
             def loader(state: str, name: str = name) -> torch.Tensor | int:
                 if state not in scalars:

@@ -63,7 +63,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
     and :class:`MissingConfigError` when a model config is needed and there is none (nothing to verify
     against); a damaged checkpoint is a report with problems, not an exception. ``strict``: files beside a
     manifest that it does not list are problems too (by default they are reported only)."""
-    from deepspeed_ext.checkpoint.tensor import STEP, FiniteCheck
+    from deepspeed_ext.checkpoint.tensor import FiniteCheck
     fmt = FORMATS[detect(path)]  # not a checkpoint at all: an error, not a failed verification
     path = checkpoint_path(path)  # a Trainer output_dir: its newest checkpoint-N
     try:
@@ -90,7 +90,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
         except CheckpointError as exc:
             report.problems.append(f"{exc} (tensor checks stopped here)")
             break
-        for state in (s for s in tensor.states if s != STEP):
+        for state in (s for s in tensor.states if s not in tensor.scalars):
             try:
                 value = finite.check(tensor.name, state, tensor.load_tensor(state))
             except DamagedFilesError:  # what the read failed on is a damaged file, listed above

@@ -206,6 +206,8 @@ def ds_config(*,
         "steps_per_print": 1000,
         "tensor_parallel": tensor_parallel_section(family, tp, kv_heads),
     }
+    if optimizer == "muon" and zero == 3:
+        config["zero_optimization"]["reduce_scatter"] = False  # DeepSpeed's Muon refuses it under ZeRO-3
     if ep:
         from deepspeed_ext.presets import expert_parallel_preset
         # Grouped GEMM kernels are for accelerators; on the CPU AutoEP runs each expert's matmuls.

@@ -30,6 +30,9 @@ __all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses",
 
 def child_env(python: str = sys.executable) -> dict[str, str]:
     env = demo_runner.child_env()
+    # DeepSpeed's Muon torch.compiles its Newton-Schulz step; on the CPU each new process compiles it again, 78 s of
+    # a 13 s training run. No test is about compilation: the same code runs eagerly.
+    env.setdefault("TORCHDYNAMO_DISABLE", "1")
     if python != sys.executable:
         # Another environment (another DeepSpeed): its JIT-built ops in its own cache, where scripts/setup.sh
         # builds them, not in ours (inherited from this process). The venv's python is a symlink: not resolved.

@@ -45,6 +45,7 @@ class Scenario:
     fused_adam: bool = False  # DeepSpeed's FusedAdam instead of torch's Adam
     kv_heads: int = 4  # 2: TP=3/4 ranks beyond the KV-head count hold empty attention shards
     ep: int = 0  # DeepSpeed AutoEP's expert-parallel degree for an MoE family (0: off)
+    optimizer: str = "adam"  # the demo's --optimizer: adam, muon, adagrad (DeepSpeed's) or sgd (a client's)
     python: str = sys.executable  # the environment (DeepSpeed version) that trains, converts and resumes
     model_config: dict | None = None  # an HF config.json's values instead of the family's tiny config
     steps: int = 5
@@ -83,7 +84,8 @@ class Scenario:
                     ["--grad-accum-dtype", self.grad_accum_dtype] if self.grad_accum_dtype else []) + (
                         ["--fused-adam"] if self.fused_adam else []) + (
                             ["--allow-cpu-fp16"] if self.dtype == "fp16" else []) + (
-                                ["--ep", str(self.ep)] if self.ep else [])
+                                ["--ep", str(self.ep)] if self.ep else []) + (
+                                    ["--optimizer", self.optimizer] if self.optimizer != "adam" else [])
 
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
@@ -275,16 +277,22 @@ def assert_universal_matches_live(scenario: Scenario, optimizer_steps: int | Non
     assert sorted(universal.names) == sorted(live[0]) == sorted(layouts)
     compared = 0
     for name, layout in layouts.items():
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+        # Every state the live optimizer keeps for the parameter (Adam's moments, Muon's or SGD's momentum, ...),
+        # in the dtype it keeps it (DeepSpeed's Muon keeps its ZeRO-1/2 momentum in the gradients' bf16).
+        tensor_states, scalars = universal.states_of(name)
+        assert sorted(tensor_states) == sorted(live[0][name]), (name, tensor_states, sorted(live[0][name]))
+        for state in tensor_states:
             full = universal.load(name, state)
-            assert full.dtype == torch.float32 and tuple(full.shape) == layout.shape, (name, state, full.shape)
+            assert full.dtype == live[0][name][state].dtype and tuple(full.shape) == layout.shape, (
+                name, state, full.dtype, full.shape)
             for rank in range(scenario.tp):
                 expected = live[rank][name][state]
                 got = layout.slice(full, rank)
                 assert torch.equal(got, expected), f"{name}/{state}: TP rank {rank} differs from the live engine"
                 compared += 1
-        step = universal.step(name)
-        assert int(step) == (scenario.save_at if optimizer_steps is None else optimizer_steps), (name, step)
+        if "step" in scalars:
+            step = universal.step(name)
+            assert int(step) == (scenario.save_at if optimizer_steps is None else optimizer_steps), (name, step)
     return compared
 
 

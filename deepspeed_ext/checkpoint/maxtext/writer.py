@@ -33,7 +33,7 @@ from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TR
                                                          from_maxtext, row_blocks, to_maxtext)
 from deepspeed_ext.checkpoint.source import (CheckpointSource, WriteOptions, finite_check, protected_paths,
                                              required_model_config)
-from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, STEP
+from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, STEP
 from deepspeed_ext.errors import CheckpointError
 
 if TYPE_CHECKING:  # torch only where tensors are handed over
@@ -140,8 +140,31 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                                            before_publish=source.raise_if_damaged))
 
 
+def _refuse_other_optimizers(tensors: Mapping[str, LogicalTensor], label: str) -> None:
+    """``--with-optimizer`` writes MaxText's ``opt_type=adamw`` state (optax's Adam moments): the source must have
+    been stepped by Adam/AdamW throughout. Other optimizers are refused in one line: MaxText's ``sgd`` is optax's
+    SGD without momentum (nothing to put SGD's momentum in), and its ``muon`` keeps optax's own Muon state (a
+    momentum for the matrices its own rule picks, Adam's moments for the rest), which this writer does not lay out."""
+    from deepspeed_ext.checkpoint.states import MUON_MOMENTUM
+    other: dict[str, list[str]] = {}
+    for tensor in tensors.values():
+        kept = tuple(s for s in tensor.states if s not in tensor.scalars and s != MASTER_WEIGHTS)
+        if kept != ADAM_STATES:
+            other.setdefault("/".join(kept) or "no state", []).append(tensor.name)
+    if not other:
+        return
+    states, names = next(iter(other.items()))
+    hint = ("DeepSpeed's Muon or SGD with momentum; MaxText's opt_type=sgd keeps no momentum and its opt_type=muon "
+            "a state of optax's own" if MUON_MOMENTUM in states else "not Adam/AdamW")
+    raise CheckpointError(f"{label}: --with-optimizer carries Adam/AdamW moments into MaxText's opt_type=adamw, but "
+                          f"{len(names)} parameter(s) hold optimizer state {states} (e.g. {names[0]}: {hint}); "
+                          "write the weights alone (without --with-optimizer): the MaxText run then starts its "
+                          "optimizer fresh")
+
+
 def _optimizer_step(tensors: Mapping[str, LogicalTensor], label: str) -> int:
     """The optimizer step the source's tensors carry (``--with-optimizer``)."""
+    _refuse_other_optimizers(tensors, label)
     first = next(iter(tensors.values()))
     if STEP not in first.states:
         raise CheckpointError(f"{label}: no optimizer step to carry (--with-optimizer)")

@@ -18,7 +18,12 @@ from typing import Any
 
 import torch
 
-STATES = ("fp32", "exp_avg", "exp_avg_sq")
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # Adam's; another optimizer's are its own keys (tensor_state_keys)
+
+
+def tensor_state_keys(state: dict[str, Any]) -> list[str]:
+    """The keys of a torch optimizer state entry that hold tensors of the parameter's elements (not the step)."""
+    return [key for key, value in state.items() if torch.is_tensor(value) and value.dim() > 0]
 
 
 def _stage0_live_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
@@ -32,8 +37,9 @@ def _stage0_live_state(engine: Any) -> dict[str, dict[str, torch.Tensor]]:
         slot = slots.get(param)
         if slot is None or param.numel() == 0:
             continue  # not optimized, or an empty shard (filled in by dump_live_state)
+        keys = tensor_state_keys(torch_optimizer.state.get(slot.key, {}))
         state[name] = {"fp32": slot.master_of().view(param.shape).clone(),
-                       **{key: slot.moment_of(torch_optimizer, key).view(param.shape).clone() for key in STATES[1:]}}
+                       **{key: slot.moment_of(torch_optimizer, key).view(param.shape).clone() for key in keys}}
     return state
 
 
@@ -56,6 +62,49 @@ def _link_moment_fragments(engine: Any) -> None:
             mapping.set_optim_state_fragment(flat, base.state[flat])
 
 
+def _state_keys_of(engine: Any, base: Any, param: Any) -> list[str]:
+    """The tensor states the optimizer keeps for ``param``'s param group (the same on every rank)."""
+    if hasattr(param, "ds_id"):  # ZeRO-3: the flat partition of the parameter's sub-group
+        optimizer = engine.optimizer
+        flat = next(flat for params, flat in zip(optimizer.fp16_groups, optimizer.fp32_partitioned_groups_flat)
+                    if any(p is param for p in params))
+        return tensor_state_keys(base.state.get(flat, {}))
+    groups = getattr(engine.optimizer, "bit16_groups", None) or engine.optimizer.bf16_groups  # BF16_Optimizer's
+    group = next(index for index, params in enumerate(groups) if any(p is param for p in params))
+    return tensor_state_keys(base.state.get(base.param_groups[group]["params"][0], {}))
+
+
+def _muon_whole_momentum(engine: Any) -> dict[str, torch.Tensor]:
+    """DeepSpeed's Muon under ZeRO-1/2 keeps a param group's momentum for the *whole* parameters of each rank's
+    partition (its ``params_in_partition``, one after another), which DeepSpeed's fragment API cannot cut: each
+    parameter's TP-local momentum, read from DeepSpeed's own buffers on the ranks that hold it, gathered over DP."""
+    import torch.distributed as dist
+    optimizer = engine.optimizer
+    base = getattr(optimizer, "optimizer", None)
+    partitions = getattr(optimizer, "params_in_partition", None)
+    if partitions is None or "muon" not in type(base).__name__.lower() or getattr(optimizer, "cpu_offload", False):
+        return {}
+    names = {id(param): name for name, param in engine.module.named_parameters()}
+    mine = {}
+    for group, params in enumerate(partitions):
+        flat = base.param_groups[group]["params"][0]
+        momentum = base.state.get(flat, {}).get("momentum_buffer")
+        if not params or momentum is None or not base.param_groups[group].get("use_muon"):
+            continue
+        offset = 0
+        for param in params:
+            mine[names[id(param)]] = momentum[offset:offset + param.numel()].view(param.shape).clone()
+            offset += param.numel()
+    gathered: list[Any] = [None] * dist.get_world_size(group=engine.optimizer.dp_process_group)
+    dist.all_gather_object(gathered, mine, group=engine.optimizer.dp_process_group)
+    found: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, value in part.items():
+            assert name not in found or torch.equal(found[name], value), f"{name}: DP ranks' momentum copies differ"
+            found[name] = value
+    return found
+
+
 def _has_moments(engine: Any) -> bool:
     """Whether the optimizer holds Adam moments (torch's Adam creates them at its first step)."""
     base = getattr(engine.optimizer, "optimizer", None)
@@ -72,6 +121,8 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
     else:
         _link_moment_fragments(engine)
         moments = _has_moments(engine)
+        whole = _muon_whole_momentum(engine)
+        base = engine.optimizer.optimizer
         state = {}
         for name, param in engine.module.named_parameters():
             if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
@@ -80,14 +131,17 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
             if not moments:  # a fresh optimizer (before its first step) has none yet: zeros
                 state[name] = {"fp32": fp32, **{key: torch.zeros_like(fp32) for key in STATES[1:]}}
                 continue
-            state[name] = {"fp32": fp32,
-                           **{key: safe_get_full_optimizer_state(param, key).clone() for key in STATES[1:]}}
+            keys = _state_keys_of(engine, base, param)
+            state[name] = {"fp32": fp32, **{key: whole[name] if key == "momentum_buffer" and name in whole else
+                                            safe_get_full_optimizer_state(param, key).clone() for key in keys}}
     for name, param in engine.module.named_parameters():
         shape = tuple(getattr(param, "ds_shape", param.shape))
         if torch.Size(shape).numel() == 0:
             # A rank beyond the KV-head count holds no attention shard; DeepSpeed leaves such empty
-            # parameters out of the optimizer, so they have no fp32 master or moments to ask for.
-            state[name] = {key: torch.zeros(shape) for key in STATES}
+            # parameters out of the optimizer, so they have no fp32 master or moments to ask for (empty tensors
+            # under every state key this rank's optimizer keeps).
+            seen = {key for states in state.values() for key in states} or set(STATES)
+            state[name] = {key: torch.zeros(shape) for key in seen}
     from deepspeed_ext.checkpoint.model_config import persistent_buffers
     for name, buffer in persistent_buffers(engine.module).items():  # carried as tensors no optimizer steps
         state[name] = {"fp32": buffer.detach().float().clone(), "exp_avg": torch.zeros(buffer.shape),
