@@ -151,12 +151,15 @@ def load_resharded(engine: Any,
         stage0 = engine_private.stage0_slots(engine)
         whole = engine_private.muon_whole_offsets(engine)
         entries = engine_private.StateEntries(engine, stage0) if with_optimizer else None
-        restored = [(name, param) for name, param in params if name in available  # frozen: keep its value
-                    # A rank beyond the KV-head count holds none of the tensor; DeepSpeed keeps such empty
-                    # parameters out of the optimizer, so there is nothing to restore here.
-                    and math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
-        saved = {param: _saved_states(ckpt, name, entries, param, with_optimizer) for name, param in restored}
-        scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]} for name, param in restored}
+        saved_params = [(name, param) for name, param in params if name in available]  # frozen: keep its value
+        # A rank beyond the KV-head count holds none of the tensor: nothing of it to restore. DeepSpeed keeps such
+        # empty parameters out of the optimizer; an optimizer that keeps state for them anyway (torch's Adagrad
+        # creates it at construction) gets the saved step, so every rank counts alike.
+        restored = [(name, param) for name, param in saved_params
+                    if math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
+        saved = {param: _saved_states(ckpt, name, entries, param, with_optimizer) for name, param in saved_params}
+        scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]}
+                   for name, param in saved_params}
         if entries is not None:
             engine_private.ensure_optimizer_states(
                 engine, {param: (saved[param][0][1:], scalars[param]) for _, param in restored}, entries, whole)

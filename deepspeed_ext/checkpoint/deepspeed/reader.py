@@ -222,8 +222,7 @@ class DeepSpeedCheckpoint:
         for name in self.layouts:
             if name in self.buffers:
                 continue
-            fragment = self._fragments_of(name)[0]
-            entry = (fragment.tp_rank or 0, fragment.dp_rank, fragment.group)
+            entry = self._first_entry(name)
             if entry not in by_entry:
                 by_entry[entry] = self._states_of_entry(*entry)
             found[name] = by_entry[entry]
@@ -231,12 +230,14 @@ class DeepSpeedCheckpoint:
         buffer_states = ordered_states([s for s in every if s != STEP], [STEP] if STEP in every else [])
         return {name: found.get(name, buffer_states) for name in self.layouts}
 
-    def _fragments_of(self, name: str) -> list[Fragment]:
-        """The fragments of ``name`` on its first TP (or EP) rank that holds any of it."""
+    def _first_entry(self, name: str) -> tuple[int, int, int]:
+        """``(tp, dp, group)``: the optimizer state entry holding the first fragment of ``name`` (the files of its
+        first TP, or EP, rank that holds any of it)."""
         for tp in range(self.layouts[name].tp_size):
             fragments = self._fragments.get((name, tp))
             if fragments:
-                return fragments
+                first = fragments[0]
+                return (tp if first.tp_rank is None else first.tp_rank), first.dp_rank, first.group
         raise CheckpointError(f"{self.tag_dir}: parameter {name!r} is in no optimizer partition")
 
     def _states_of_entry(self, tp: int, dp: int, group: int) -> tuple[str, ...]:
@@ -615,17 +616,15 @@ class DeepSpeedCheckpoint:
         if state not in self.param_states.get(name, ()):
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r} has no optimizer state {state!r} (its "
                                   f"optimizer keeps {', '.join(self.param_states.get(name, ())[1:]) or 'none'})")
-        holders = ([self._fragments_of(name)[0]] if name not in self.buffers else
-                   [fragments[0] for fragments in self._fragments.values() if fragments])
-        for first in holders:
-            mp, dp = first.tp_rank or 0, first.dp_rank
-            value = self.optimizer.group_state(mp, dp, first.group).get(state)
+        holders = ([self._first_entry(name)] if name not in self.buffers else
+                   [self._first_entry(other) for other in self.layouts if other not in self.buffers])
+        for mp, dp, group in holders:
+            value = self.optimizer.group_state(mp, dp, group).get(state)
             if value is not None and is_scalar_state(value):
                 found: torch.Tensor | int = value
                 return found
-        first = holders[0]
-        raise CheckpointError(f"{self.optimizer.state_file(first.tp_rank or 0, first.dp_rank)}: no optimizer "
-                              f"{state} for param group {first.group}")
+        mp, dp, group = holders[0]
+        raise CheckpointError(f"{self.optimizer.state_file(mp, dp)}: no optimizer {state} for param group {group}")
 
     # ------------------------------------------------------------------ summary
     def _commit_summary(self) -> str:
