@@ -1,5 +1,5 @@
 """Any optimizer's states, not just Adam's, on checkpoints written in DeepSpeed's ZeRO-1 layout without training
-(the real engine's: tests/e2e/test_any_optimizer.py): each state the optimizer keeps is read, written and read
+(the real engine's: tests/e2e/test_any_optimizer_e2e.py): each state the optimizer keeps is read, written and read
 back under its own key; a state not laid out like its parameters is refused in one line."""
 
 from __future__ import annotations
