@@ -410,12 +410,17 @@ class UniversalCheckpoint:
 
     @cached_property
     def param_states(self) -> dict[str, tuple[str, ...]]:
-        """Each parameter's states, from the files it has: the master, its optimizer's tensor states, its scalars."""
+        """Each parameter's states, from the files it has: the master, its optimizer's tensor states, its scalars.
+        Upstream's ZeRO-3 output keeps the step only in ``zero/optimizer_state.pt`` (no ``step.pt`` at all): there
+        a parameter with optimizer states has that step."""
+        files = {name: self._state_files(name) for name in self.names}
+        step_elsewhere = not any(STEP in states for states in files.values())
         found = {}
-        for name in self.names:
-            files = self._state_files(name)
-            scalars = [state for state in files if self._is_scalar(name, state)]
-            found[name] = ordered_states([state for state in files if state not in scalars], scalars)
+        for name, states in files.items():
+            scalars = [state for state in states if self._is_scalar(name, state)]
+            if step_elsewhere and has_optimizer(states) and self.step(name) is not None:
+                scalars.append(STEP)
+            found[name] = ordered_states([state for state in states if state not in scalars], scalars)
         return found
 
     @cached_property
@@ -609,7 +614,7 @@ class UniversalCheckpoint:
                           metadata="deepspeed_ext" if recorded else "none",
                           fingerprints=recorded.fingerprints if recorded else None)
 
-    @property
+    @cached_property
     def _scalars(self) -> tuple[str, ...]:
         every = {state for states in self.param_states.values() for state in states}
         return tuple(sorted(state for state in every if state in KNOWN_SCALARS or self._scalar_names.get(state)))

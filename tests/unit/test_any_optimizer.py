@@ -105,3 +105,27 @@ def test_a_state_file_lost_from_a_universal_checkpoint_is_named(sgd_checkpoint, 
     (out / "zero" / plan.params[-1].name / "momentum_buffer.pt").unlink()
     with pytest.raises(CheckpointError, match="momentum_buffer.pt: missing"):
         list(UniversalCheckpoint(out).tensors())
+
+
+def test_a_universal_checkpoint_with_its_step_only_in_the_optimizer_summary_carries_it(tmp_path):
+    """Upstream's ZeRO-3 output keeps the step in ``zero/optimizer_state.pt`` alone (no ``step.pt``): every
+    parameter with optimizer states still has it, as its scalar state."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import synth_checkpoint
+
+    from deepspeed_ext.api import convert
+    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+    plan = synth_checkpoint.make_plan(synth_checkpoint.llama_config_dict(TINY), tp=2)
+    synth_checkpoint.write_checkpoint(plan, tmp_path / "ckpt", log=False)
+    out = convert(DeepSpeedCheckpoint(tmp_path / "ckpt"), tmp_path / "universal", to="universal", progress=False)
+    step = int(serialization.load(out / "zero" / plan.params[0].name / "step.pt"))
+    for path in (out / "zero").glob("*/step.pt"):
+        path.unlink()
+    summary = out / "zero" / "optimizer_state.pt"
+    serialization.save({**serialization.load(summary),
+                        keys.OPTIMIZER_STATE_DICT: {keys.STATE: {0: {"step": step}}, keys.PARAM_GROUPS: []}}, summary)
+    universal = UniversalCheckpoint(out)
+    for param in plan.params:
+        assert universal.states_of(param.name) == (("fp32", "exp_avg", "exp_avg_sq"), ("step", ))
+        assert int(universal.scalar(param.name, "step")) == step
