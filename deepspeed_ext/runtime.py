@@ -429,14 +429,15 @@ def _write_failure(path: str, exc: BaseException) -> str:
 
 
 def _guarded_writes(engine: Any, plan: Any, failures: list[str], zipsave_files: bool) -> Any:
-    """The engine's checkpoint writes replaced, for one ``save_checkpoint``, by a save that is durable (fsynced)
+    """The engine's checkpoint writes (and its copy of the recovery scripts) replaced, for one ``save_checkpoint``,
+    by a save that is durable (fsynced)
     when it returns and never raises: a failed write (a full disk) is recorded in ``failures``, its file removed,
     and the rest of this rank's files skipped, so that every rank reaches DeepSpeed's own barrier and the ranks
     can then agree that the save failed (:func:`_raise_if_any_rank_failed`). With ``zipsave_files`` the files
     are written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks
     as they are written; where zipsave cannot (another torch), torch.save writes the file and what ``plan``
     summed from it is forgotten."""
-    from deepspeed_ext.checkpoint import durable, zipsave
+    from deepspeed_ext.checkpoint import durable, faults, zipsave
 
     def make_save(own: Any) -> Any:
         def save(state_dict: Any, path: str) -> None:
@@ -457,7 +458,22 @@ def _guarded_writes(engine: Any, plan: Any, failures: list[str], zipsave_files: 
                     os.unlink(path)
         return save
 
-    return engine_private.checkpoint_files_written_by(engine, make_save)
+    def make_copy(own: Any) -> Any:
+        def copy(save_path: str) -> None:
+            if failures:
+                return
+            try:
+                faults.reached("recovery-scripts")
+                own(save_path)
+            except OSError as exc:  # DeepSpeed's recovery scripts, written past its checkpoint engine
+                path = str(exc.filename2 or exc.filename or save_path)
+                failures.append(f"{path}: {_write_failure(path, exc)}")
+        return copy
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(engine_private.checkpoint_files_written_by(engine, make_save))
+    stack.enter_context(engine_private.recovery_scripts_copied_by(engine, make_copy))
+    return stack
 
 
 class _SumsThread:

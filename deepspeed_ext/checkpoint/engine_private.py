@@ -69,6 +69,7 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
         ("DeepSpeedEngine.zero_optimization_stage", "the ZeRO stage"),
         ("DeepSpeedEngine.zero_optimization_partition_weights", "ZeRO-3"),
         ("DeepSpeedEngine.train_batch_size", "the restored sample count"),
+        ("DeepSpeedEngine._copy_recovery_script", "a full disk while DeepSpeed copies its recovery scripts"),
     ),
     "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": (
         ("TorchCheckpointEngine.save", "writing DeepSpeed's files through deepspeed-ext"),
@@ -657,6 +658,22 @@ def writes_torch_zip_files(engine: Any) -> bool:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     writer = checkpoint_engine(engine)
     return type(writer) is TorchCheckpointEngine and bool(getattr(writer, "zipfile_serialization", False))
+
+
+@contextlib.contextmanager
+def recovery_scripts_copied_by(engine: Any, make_copy: Callable[[Callable[[str], None]], Callable[[str], None]]
+                               ) -> Iterator[None]:
+    """For the ``with`` block, DeepSpeed's copy of its recovery scripts (``zero_to_fp32.py``) into a save, a write
+    outside its checkpoint engine, is done by ``make_copy(its own copy)`` instead."""
+    own = getattr(engine, "_copy_recovery_script", None)
+    if own is None:
+        yield
+        return
+    engine._copy_recovery_script = make_copy(own)
+    try:
+        yield
+    finally:
+        del engine._copy_recovery_script  # the class's own method again
 
 
 @contextlib.contextmanager

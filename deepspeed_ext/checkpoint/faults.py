@@ -6,6 +6,8 @@ killer would) the first time it reaches ``POINT`` while saving ``TAG`` (any tag 
 (one rank's write failing while the others' succeed). The points, in the order a save reaches them:
 
 * ``mid-file``: inside a checkpoint file, after its first block of tensor data is written;
+* ``recovery-scripts``: as DeepSpeed copies its recovery scripts (``zero_to_fp32.py``) into the save, a write
+  outside its checkpoint engine;
 * ``files-written``: this rank's files are written, before the ranks agree that every rank's were;
 * ``before-marker``: every file is written and durable, before the commit marker;
 * ``before-publish``: the marker is written, before the tag is moved into place;
@@ -22,7 +24,7 @@ import os
 import signal
 
 ENV = "DEEPSPEED_EXT_FAULT"
-POINTS = ("mid-file", "files-written", "before-marker", "before-publish", "before-latest", "before-cleanup")
+POINTS = ("mid-file", "recovery-scripts", "files-written", "before-marker", "before-publish", "before-latest", "before-cleanup")
 
 #: The tag being saved (set by the save hook), for a fault that names one.
 current_tag: str | None = None

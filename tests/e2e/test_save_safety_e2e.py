@@ -204,3 +204,21 @@ def test_one_rank_failing_its_write_stops_every_rank_with_its_reason(tmp_path, m
     assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)
     assert sorted(p.name for p in save_dir.iterdir()) == ["global_step3", "latest", "zero_to_fp32.py",
                                                           "zero_to_torch.py"]
+
+
+def test_a_failed_copy_of_deepspeeds_recovery_scripts_stops_every_rank_with_its_reason(tmp_path, monkeypatch):
+    """DeepSpeed copies ``zero_to_fp32.py`` into a save past its checkpoint engine; that write failing on rank 0
+    (a disk that fills there) is the same one line on every rank, not rank 0's traceback and rank 1 left at a
+    barrier; latest still names global_step3."""
+    save_dir = tmp_path / "save"
+    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", f"recovery-scripts@{TORN}:0=error")
+    proc = torchrun_train(2, ["--tp", "2", "--steps", "6", "--save-dir", str(save_dir), "--save-at", "3",
+                              "--save-at", "5"], tmp_path / "failed.log", check=False)
+    monkeypatch.delenv("DEEPSPEED_EXT_FAULT")
+    output = proc.stdout + proc.stderr
+    reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
+    assert proc.returncode != 0 and len(reasons) == 1, output[-3000:]
+    (reason, ) = reasons
+    assert f"saving checkpoint '{TORN}'" in reason and "failed on rank 0:" in reason, reason
+    assert "injected I/O error at recovery-scripts" in reason and output.count(reason) >= 2, reason
+    assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)

@@ -66,6 +66,7 @@ CLIP_GRAD = "clip_grad"
 BASE_OPTIMIZER_STATE = "base_optimizer_state"  # the wrapped torch optimizer's state dict
 SINGLE_PARTITION_OF_FP32_GROUPS = "single_partition_of_fp32_groups"  # this rank's flat fp32 master per group
 PARAM_SLICE_MAPPINGS = "param_slice_mappings"  # per group, {name: (start, numel)} in that partition
+GROUP_PADDINGS = "group_paddings"  # per group, the padding its master is saved without (its torch state keeps it)
 # ZeRO-3
 FP32_FLAT_GROUPS = "fp32_flat_groups"  # this rank's flat fp32 master per group
 

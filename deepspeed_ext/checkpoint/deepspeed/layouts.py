@@ -121,6 +121,11 @@ class OptimizerLayout:
         """The optimizer step of flat group ``group`` in the (tp, dp) file, or None."""
         return self.group_state(tp, dp, group).get(STEP)
 
+    def padding(self, tp: int, dp: int, group: int) -> int:
+        """Elements the (tp, dp) file's optimizer states of flat group ``group`` may hold past its fp32 master:
+        ZeRO-1/2 save the master without the group's padding (``group_paddings``), the torch state with it."""
+        return 0
+
     def whole_param_offsets(self, tp: int, dp: int, group: int, state: str) -> dict[str, int] | None:
         """Where a state that holds *whole* parameters lies: ``{name: offset of the parameter's first element}`` in
         the (tp, dp) file's tensor of ``state`` for flat group ``group``; None where the state is laid out like the
@@ -320,6 +325,10 @@ class Zero12Layout(_PartitionedLayout):
                             Fragment(dp, group, int(address.start), int(address.numel), tp_rank=tp))
         return out
 
+
+    def padding(self, tp: int, dp: int, group: int) -> int:
+        paddings = self.wrapper_state(tp, dp).get(keys.GROUP_PADDINGS) or []
+        return int(paddings[group]) if group < len(paddings) else 0
 
     def whole_param_offsets(self, tp: int, dp: int, group: int, state: str) -> dict[str, int] | None:
         """DeepSpeed's Muon under ZeRO-1/2 keeps a param group's momentum for the *whole* parameters whose elements

@@ -248,11 +248,12 @@ class DeepSpeedCheckpoint:
         tensors, scalars = optimizer_state_keys(entry)
         self._scalars.update(scalars)
         master = self.optimizer.flat(tp, dp, group, MASTER_WEIGHTS).numel()
+        padding = self.optimizer.padding(tp, dp, group)
         for state in tensors:
             if self.optimizer.whole_param_offsets(tp, dp, group, state) is not None:
                 continue
             value = entry[state]
-            if value.numel() != master:
+            if not master <= value.numel() <= master + padding:
                 raise CheckpointError(
                     f"{self.optimizer.state_file(tp, dp)}: the optimizer ({self.optimizer_kind} over "
                     f"{self._torch_optimizer_name}) keeps state {state!r} of shape {tuple(value.shape)} for param "
