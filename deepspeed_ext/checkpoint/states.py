@@ -47,18 +47,9 @@ def optimizer_state_keys(group_state: Mapping[str, Any]) -> tuple[tuple[str, ...
     return tensors, scalars
 
 
-def tensor_states(states: Iterable[str]) -> tuple[str, ...]:
-    """The states of ``states`` that are tensors of the parameter's elements (the master included)."""
-    return tuple(state for state in states if state != STEP and not is_scalar_name(state))
-
-
 #: Scalar states besides the step that optimizers keep (torch's NAdam: ``mu_product``), known by name so that a
 #: reader need not open a file to tell.
 KNOWN_SCALARS = frozenset({STEP, "mu_product"})
-
-
-def is_scalar_name(state: str) -> bool:
-    return state in KNOWN_SCALARS
 
 
 def has_optimizer(states: Iterable[str]) -> bool:

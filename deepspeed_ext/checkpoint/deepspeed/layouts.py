@@ -117,10 +117,6 @@ class OptimizerLayout:
         state: dict[str, Any] = self.base_state(tp, dp)[keys.STATE].get(group) or {}
         return state
 
-    def step(self, group: int, dp: int, tp: int = 0) -> Any:
-        """The optimizer step of flat group ``group`` in the (tp, dp) file, or None."""
-        return self.group_state(tp, dp, group).get(STEP)
-
     def padding(self, tp: int, dp: int, group: int) -> int:
         """Elements the (tp, dp) file's optimizer states of flat group ``group`` may hold past its fp32 master:
         ZeRO-1/2 save the master without the group's padding (``group_paddings``), the torch state with it."""
