@@ -430,13 +430,12 @@ def _write_failure(path: str, exc: BaseException) -> str:
 
 def _guarded_writes(engine: Any, plan: Any, failures: list[str], zipsave_files: bool) -> Any:
     """The engine's checkpoint writes (and its copy of the recovery scripts) replaced, for one ``save_checkpoint``,
-    by a save that is durable (fsynced)
-    when it returns and never raises: a failed write (a full disk) is recorded in ``failures``, its file removed,
-    and the rest of this rank's files skipped, so that every rank reaches DeepSpeed's own barrier and the ranks
-    can then agree that the save failed (:func:`_raise_if_any_rank_failed`). With ``zipsave_files`` the files
-    are written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks
-    as they are written; where zipsave cannot (another torch), torch.save writes the file and what ``plan``
-    summed from it is forgotten."""
+    by a save that is durable (fsynced) when it returns and never raises: a failed write (a full disk) is recorded
+    in ``failures``, its file removed, and the rest of this rank's files skipped, so that every rank reaches
+    DeepSpeed's own barrier and the ranks can then agree that the save failed (:func:`_raise_if_any_rank_failed`).
+    With ``zipsave_files`` the files are written by zipsave, which shows ``plan`` (the fingerprints' sums, when not
+    None) each storage's blocks as they are written; where zipsave cannot (another torch), torch.save writes the
+    file and what ``plan`` summed from it is forgotten."""
     from deepspeed_ext.checkpoint import durable, faults, zipsave
 
     def make_save(own: Any) -> Any:

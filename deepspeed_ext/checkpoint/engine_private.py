@@ -480,7 +480,7 @@ def expected_tensor_states(base: Any, group: Mapping[str, Any]) -> set[str] | No
     name = type(getattr(base, "aux_optimizer", None) or base).__name__ if USE_MUON not in group else "Muon"
     if name == "Muon":
         return {MUON_MOMENTUM} if group.get(USE_MUON) else {"exp_avg", "exp_avg_sq"}
-    if "Adam" in name and "Lamb" not in name:
+    if "Adam" in name:  # torch's Adam/AdamW, DeepSpeed's FusedAdam and CPUAdam
         return {"exp_avg", "exp_avg_sq", *(("max_exp_avg_sq", ) if group.get("amsgrad") else ())}
     if name == "SGD":
         return {MUON_MOMENTUM} if group.get("momentum") else set()
@@ -522,27 +522,23 @@ class StateEntries:
         return self._groups.get(id(key)) if key is not None else None
 
 
-def ensure_optimizer_states(engine: Any, wanted: Mapping[Any, tuple[tuple[str, ...], Mapping[str, Any]]],
-                            entries: StateEntries, whole: Mapping[torch.nn.Parameter, tuple[int, int]]) -> None:
-    """Create the states a fresh optimizer does not have yet, for each parameter of ``wanted``: ``param ->
-    (tensor states, {scalar state: saved value})``, and link each ZeRO-1/2 fragment to them.
+def ensure_optimizer_states(engine: Any, wanted: Mapping[Any, tuple[str, ...]], entries: StateEntries,
+                            whole: Mapping[torch.nn.Parameter, tuple[int, int]]) -> None:
+    """Create the tensor states a fresh optimizer does not have yet, for each parameter of ``wanted`` (``param ->
+    its tensor states``), and link each ZeRO-1/2 fragment to them (the scalars: :func:`set_optimizer_scalars`).
 
     Optimizers create their state at the first step (torch's Adam, SGD, DeepSpeed's Muon), so before that there is
     nowhere to put restored states. Each tensor state has the shape of the tensor the optimizer steps (a flat fp32
     partition, or the parameter), as the optimizer would create it, so it then updates it in place; Muon's momentum
     under ZeRO-1/2 holds the partition's whole parameters (fp32: DeepSpeed casts it to its gradients' dtype at its
-    first use, as it does a momentum its own load restored). A scalar (the step) is created as the saved one is
-    kept (a number, or a tensor), unless the optimizer already keeps it otherwise.
+    first use, as it does a momentum its own load restored).
     """
     base = entries.base
-    for param, (tensors, scalars) in wanted.items():
+    for param, tensors in wanted.items():
         key = entries.key(param)
         if key is None:
             continue
         state: dict[str, Any] = base.state[key]
-        for name, value in scalars.items():
-            if name not in state:
-                state[name] = _fresh_scalar(base, name, value)
         added = False
         for name in tensors:
             if name in state:
@@ -574,7 +570,8 @@ def _fresh_scalar(base: Any, name: str, saved: Any) -> Any:
 
 def set_optimizer_scalars(values: Mapping[Any, Mapping[str, Any]], entries: StateEntries) -> None:
     """Each parameter's param-group scalars (``param -> {state: saved value}``: the step), in the type the
-    optimizer keeps them (a float tensor for torch's Adam, a plain int for DeepSpeed's fused and CPU Adams)."""
+    optimizer keeps them (a float tensor for torch's Adam, a plain int for DeepSpeed's fused and CPU Adams), created
+    where a fresh optimizer has none yet (:func:`_fresh_scalar`)."""
     for param, scalars in values.items():
         key = entries.key(param)
         if key is None:
@@ -584,7 +581,7 @@ def set_optimizer_scalars(values: Mapping[Any, Mapping[str, Any]], entries: Stat
             old = state.get(name)
             number = value.item() if torch.is_tensor(value) else value
             state[name] = (torch.tensor(float(number), dtype=old.dtype, device=old.device) if torch.is_tensor(old)
-                           else type(old)(number) if old is not None else value)
+                           else type(old)(number) if old is not None else _fresh_scalar(entries.base, name, value))
 
 
 def set_optimizer_groups(engine: Any, saved: Mapping[str, Any]) -> None:

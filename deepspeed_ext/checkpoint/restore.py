@@ -157,12 +157,12 @@ def load_resharded(engine: Any,
         # creates it at construction) gets the saved step, so every rank counts alike.
         restored = [(name, param) for name, param in saved_params
                     if math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
-        saved = {param: _saved_states(ckpt, name, entries, param, with_optimizer) for name, param in saved_params}
+        saved = {param: _saved_states(ckpt, name, entries, param) for name, param in saved_params}
         scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]}
                    for name, param in saved_params}
         if entries is not None:
-            engine_private.ensure_optimizer_states(
-                engine, {param: (saved[param][0][1:], scalars[param]) for _, param in restored}, entries, whole)
+            engine_private.ensure_optimizer_states(engine, {param: saved[param][0][1:] for _, param in restored},
+                                                   entries, whole)
         for name, param in restored:
             layout = getattr(param, LAYOUT_ATTR)
             rank = shard_rank(param, tp_rank)  # AutoEP experts: the EP rank
@@ -199,21 +199,23 @@ def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available:
             buffer.copy_(value.to(buffer.dtype))
 
 
-def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.StateEntries | None, param: Any,
-                  with_optimizer: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.StateEntries | None,
+                  param: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The states to restore of ``name``: (tensor states, the master first; scalars). Refused where the live
     optimizer keeps other states for the parameter than the checkpoint holds: a checkpoint of another optimizer, or
     a parameter that changed sides in DeepSpeed's Muon (momentum for the matrices, ``use_muon``; Adam for the rest).
     """
-    if not with_optimizer or entries is None:
+    if entries is None:  # the optimizer's states are not loaded
         return (MASTER_WEIGHTS, ), ()
     tensors, scalars = ckpt.states_of(name)
     if len(tensors) == 1 and not scalars:
         raise CheckpointError(f"{ckpt.path}: no saved optimizer state for {name!r}")
     group = entries.group(param)
-    expected = engine_private.expected_tensor_states(entries.base, group) if group is not None else None
+    if group is None:  # this rank keeps none of its state
+        return tensors, scalars
+    expected = engine_private.expected_tensor_states(entries.base, group)
     if expected is not None and expected != set(tensors[1:]):
-        how = ("Muon's momentum" if group is not None and group.get(USE_MUON) else
+        how = ("Muon's momentum" if group.get(USE_MUON) else
                f"{type(entries.base).__name__}'s {'/'.join(sorted(expected)) or 'no state'}")
         raise CheckpointError(f"{ckpt.path}: {name!r} was saved with optimizer state {'/'.join(tensors[1:])}, but "
                               f"this run steps it with {how}: a checkpoint of another optimizer (or another "

@@ -184,12 +184,11 @@ def test_a_full_disk_mid_save_fails_every_rank_with_one_reason_and_keeps_the_las
     assert sorted(read_losses(tmp_path / "resumed.json")) == [4, 5, 6]
 
 
-def test_one_rank_failing_its_write_stops_every_rank_with_its_reason(tmp_path, monkeypatch):
-    """Only rank 1's write of global_step5 fails (an I/O error injected inside its file); rank 0's succeed. Both
-    ranks raise the same line, naming rank 1 and its file, instead of rank 0 committing half a save or waiting for
-    rank 1; nothing of global_step5 is left and latest still names global_step3."""
-    save_dir = tmp_path / "save"
-    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", f"mid-file@{TORN}:1=error")
+def _save_failing_at(fault: str, save_dir, tmp_path, monkeypatch) -> tuple[str, str]:
+    """Train to step 6 at TP=2 saving global_step3 and global_step5, with ``DEEPSPEED_EXT_FAULT=fault`` (an I/O error
+    injected on one rank): the run fails, no rank is killed, and every rank raises the same one line. Returns the
+    output and that line."""
+    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", fault)
     proc = torchrun_train(2, ["--tp", "2", "--steps", "6", "--save-dir", str(save_dir), "--save-at", "3",
                               "--save-at", "5"], tmp_path / "failed.log", check=False)
     monkeypatch.delenv("DEEPSPEED_EXT_FAULT")
@@ -198,6 +197,15 @@ def test_one_rank_failing_its_write_stops_every_rank_with_its_reason(tmp_path, m
     reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
     assert len(reasons) == 1, output[-3000:]
     (reason, ) = reasons
+    return output, reason
+
+
+def test_one_rank_failing_its_write_stops_every_rank_with_its_reason(tmp_path, monkeypatch):
+    """Only rank 1's write of global_step5 fails (an I/O error injected inside its file); rank 0's succeed. Both
+    ranks raise the same line, naming rank 1 and its file, instead of rank 0 committing half a save or waiting for
+    rank 1; nothing of global_step5 is left and latest still names global_step3."""
+    save_dir = tmp_path / "save"
+    output, reason = _save_failing_at(f"mid-file@{TORN}:1=error", save_dir, tmp_path, monkeypatch)
     assert f"saving checkpoint '{TORN}'" in reason and "failed on rank 1:" in reason, reason
     assert "other rank" not in reason and "mp_rank_01" in reason and "injected I/O error" in reason, reason
     assert output.count(reason) >= 2  # rank 0 said it too
@@ -211,14 +219,7 @@ def test_a_failed_copy_of_deepspeeds_recovery_scripts_stops_every_rank_with_its_
     (a disk that fills there) is the same one line on every rank, not rank 0's traceback and rank 1 left at a
     barrier; latest still names global_step3."""
     save_dir = tmp_path / "save"
-    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", f"recovery-scripts@{TORN}:0=error")
-    proc = torchrun_train(2, ["--tp", "2", "--steps", "6", "--save-dir", str(save_dir), "--save-at", "3",
-                              "--save-at", "5"], tmp_path / "failed.log", check=False)
-    monkeypatch.delenv("DEEPSPEED_EXT_FAULT")
-    output = proc.stdout + proc.stderr
-    reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
-    assert proc.returncode != 0 and len(reasons) == 1, output[-3000:]
-    (reason, ) = reasons
+    output, reason = _save_failing_at(f"recovery-scripts@{TORN}:0=error", save_dir, tmp_path, monkeypatch)
     assert f"saving checkpoint '{TORN}'" in reason and "failed on rank 0:" in reason, reason
     assert "injected I/O error at recovery-scripts" in reason and output.count(reason) >= 2, reason
     assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)

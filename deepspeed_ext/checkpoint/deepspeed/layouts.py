@@ -321,7 +321,6 @@ class Zero12Layout(_PartitionedLayout):
                             Fragment(dp, group, int(address.start), int(address.numel), tp_rank=tp))
         return out
 
-
     def padding(self, tp: int, dp: int, group: int) -> int:
         paddings = self.wrapper_state(tp, dp).get(keys.GROUP_PADDINGS) or []
         return int(paddings[group]) if group < len(paddings) else 0
@@ -352,10 +351,11 @@ class Zero12Layout(_PartitionedLayout):
 
     @functools.cached_property
     def _optimizer_offloaded(self) -> bool:
-        config = self.files.model_states(0).get(keys.DS_CONFIG) or {}
-        zero = config.get("zero_optimization") or {} if isinstance(config, dict) else {}
-        offload = zero.get("offload_optimizer") or {} if isinstance(zero, dict) else {}
-        return isinstance(offload, dict) and str(offload.get("device", "none")).lower() not in ("none", "")
+        """Whether the saved run offloaded its optimizer (DeepSpeed's config, saved in the model states)."""
+        found: Any = self.files.model_states(0).get(keys.DS_CONFIG)
+        for key in ("zero_optimization", "offload_optimizer", "device"):
+            found = found.get(key) if isinstance(found, dict) else None
+        return str(found or "none").lower() != "none"
 
 
 class BF16OptimizerLayout(Zero12Layout):

@@ -33,7 +33,7 @@ from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TR
                                                          from_maxtext, row_blocks, to_maxtext)
 from deepspeed_ext.checkpoint.source import (CheckpointSource, WriteOptions, finite_check, protected_paths,
                                              required_model_config)
-from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, STEP
+from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, MUON_MOMENTUM, STEP
 from deepspeed_ext.errors import CheckpointError
 
 if TYPE_CHECKING:  # torch only where tensors are handed over
@@ -145,7 +145,6 @@ def _refuse_other_optimizers(tensors: Mapping[str, LogicalTensor], label: str) -
     been stepped by Adam/AdamW throughout. Other optimizers are refused in one line: MaxText's ``sgd`` is optax's
     SGD without momentum (nothing to put SGD's momentum in), and its ``muon`` keeps optax's own Muon state (a
     momentum for the matrices its own rule picks, Adam's moments for the rest), which this writer does not lay out."""
-    from deepspeed_ext.checkpoint.states import MUON_MOMENTUM
     other: dict[str, list[str]] = {}
     for tensor in tensors.values():
         kept = tuple(s for s in tensor.states if s not in tensor.scalars and s != MASTER_WEIGHTS)
