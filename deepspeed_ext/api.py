@@ -31,18 +31,22 @@ def open_checkpoint(path: str | Path,
                     config: str | Path | Mapping[str, Any] | None = None,
                     family: str | None = None,
                     dtype: str = "source",
+                    mtp: str | None = None,
                     format: str | None = None) -> CheckpointSource:
     """Open the checkpoint at ``path``, whatever its format; nothing but metadata is read yet.
 
     ``tag``: the DeepSpeed tag (default: ``latest``). ``config``: an HF config (``config.json`` path or dict) to
     use instead of the one recorded with the checkpoint (needed for HF weights without ``config.json`` and for
     MaxText checkpoints not written by deepspeed-ext). ``family``: a MaxText checkpoint's model family
-    (default: recorded, else inferred). ``dtype``: HF weights are read in this dtype (``source``: the files').
+    (default: recorded, else inferred). ``dtype``: HF weights are read in this dtype (``source``: the files';
+    quantized weights: what transformers dequantizes them to). ``mtp``: an HF release's layers past
+    ``num_hidden_layers`` (DeepSeek-V3's multi-token prediction): None refuses them, ``"drop"`` leaves them out,
+    ``"keep"`` writes them back into an HF output.
     ``format``: which to read where the directory holds two (``deepspeed`` or ``huggingface`` in a Hugging Face
     Trainer checkpoint). The result has ``info`` (a :class:`~deepspeed_ext.checkpoint.source.SourceInfo`),
     ``tensors()`` (full tensors, streamed one at a time) and ``summary()``.
     """
-    return _open_checkpoint(path, tag=tag, config=config, family=family, dtype=dtype, format=format)
+    return _open_checkpoint(path, tag=tag, config=config, family=family, dtype=dtype, mtp=mtp, format=format)
 
 
 def convert(source: CheckpointSource | str | Path,

@@ -40,7 +40,10 @@ def _open(path: str, tag: str | None = None, config: str | None = None, family: 
     # The registry's opener (the API's, plus ``accept``: which command reads the formats this one does not).
     from deepspeed_ext.checkpoint.formats import open_checkpoint
     _say_which_trainer_checkpoint(path, tag)
-    return open_checkpoint(path, tag=tag, config=config, family=family, **options)
+    source = open_checkpoint(path, tag=tag, config=config, family=family, **options)
+    for note in getattr(source, "notes", ()):  # what an HF release was read as (its text model, its MTP layer)
+        print(f"deepspeed-ext: {path}: {note}", file=sys.stderr)
+    return source
 
 
 def _say_which_trainer_checkpoint(path: str, tag: str | None = None) -> None:
@@ -119,7 +122,7 @@ def _leave_distributed(code: int) -> NoReturn:
 
 def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh
-    source = _open(args.source, args.tag, args.config, args.family)
+    source = _open(args.source, args.tag, args.config, args.family, mtp=args.mtp)
     items = _write(source, args.output, "maxtext", args, family=args.family, scan_layers=args.scan_layers,
                    dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
                    with_optimizer=args.with_optimizer)
@@ -154,16 +157,35 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
 
 
 def cmd_to_hf(args: argparse.Namespace) -> int:
-    source = _open(args.source, args.tag, args.config, args.family)
+    source = _open(args.source, args.tag, args.config, args.family, mtp=args.mtp)
     out = _write(source, args.output, "hf", args, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                 tokenizer=args.tokenizer)
+                 tokenizer=args.tokenizer, quantize=args.quantize, fp8_block=_fp8_block(args.fp8_block),
+                 like=args.like)
     if not args.quiet:
         print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 
+def _fp8_block(text: str) -> tuple[int, int]:
+    """``--fp8-block ROWSxCOLS``."""
+    try:
+        rows, cols = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--fp8-block must be ROWSxCOLS, e.g. 128x128, not {text!r}") from None
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"--fp8-block must be positive, not {text!r}")
+    return rows, cols
+
+
+def _mtp_option(p: argparse.ArgumentParser, keep: bool = False) -> None:
+    p.add_argument("--mtp", choices=["drop", "keep"] if keep else ["drop"],
+                   help="HF sources: what to do with decoder layers past num_hidden_layers (DeepSeek-V3's "
+                   "multi-token-prediction layer): drop them" + (", or keep them (written back untouched into the HF "
+                   "output)" if keep else "") + "; without it such a checkpoint is refused")
+
+
 def cmd_from_hf(args: argparse.Namespace) -> int:
-    source = _open(args.source, None, args.config, dtype=args.dtype, accept=_FROM_HF_READS)
+    source = _open(args.source, None, args.config, dtype=args.dtype, mtp=args.mtp, accept=_FROM_HF_READS)
     out = _write(source, args.output, "universal", args, progress_label="from-hf")
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.info.layouts)} parameters, fresh optimizer state); "
@@ -188,7 +210,7 @@ def cmd_reshard_orbax(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    source = _open(args.checkpoint, args.tag, args.config, args.family)
+    source = _open(args.checkpoint, args.tag, args.config, args.family, mtp=args.mtp)
     summary: dict[str, Any] = source.summary()
     layouts = source.info.layouts
     if args.json:
@@ -221,8 +243,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.compare import Tolerance, compare_sources, logits_report
     if args.atol < 0 or args.rtol < 0 or args.ulp < 0:
         raise ValueError("--atol, --rtol and --ulp must not be negative")
-    a = _open(args.a, config=args.config, family=args.family)
-    b = _open(args.b, config=args.config, family=args.family)
+    a = _open(args.a, config=args.config, family=args.family, mtp=args.mtp)
+    b = _open(args.b, config=args.config, family=args.family, mtp=args.mtp)
     report = compare_sources(a, b, Tolerance(args.atol, args.rtol, args.ulp), progress=not args.quiet and not args.json)
     if args.logits:
         report.logits = logits_report(a, b)
@@ -353,6 +375,7 @@ def _add_to_maxtext(sub: Any, family_help: str) -> None:
     p.add_argument("--with-optimizer", action="store_true",
                    help="also write the Adam moments as MaxText's optax adamw state (opt_state)")
     p.add_argument("--config", help=_CONFIG_HELP)
+    _mtp_option(p)
     _writer_options(p)
     p.set_defaults(func=cmd_to_maxtext)
 
@@ -394,6 +417,15 @@ def _add_to_hf(sub: Any, family_help: str) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 2GB or 500MB (default 5GB)")
     p.add_argument("--tokenizer", help="a directory whose tokenizer files (tokenizer.json, tokenizer_config.json, "
                    "...) to add to the output")
+    p.add_argument("--quantize", choices=["fp8", "mxfp4"],
+                   help="write quantized weights as releases ship them: fp8 = block FP8 (e4m3 with a "
+                   "weight_scale_inv per tile, DeepSeek-V3's format) of every linear weight that is whole tiles; "
+                   "mxfp4 = gpt-oss's experts (*_blocks, *_scales)")
+    p.add_argument("--fp8-block", default="128x128", help="--quantize fp8: the tile, ROWSxCOLS (default 128x128)")
+    p.add_argument("--like", help="the original release's HF directory: write its layout (a multimodal model's "
+                   "naming and config), with the tensors the trained model lacks (vision tower, projector, "
+                   "multi-token-prediction layer) copied from it")
+    _mtp_option(p, keep=True)
     p.add_argument("--config", help=_CONFIG_HELP)
     p.add_argument("--family", help="MaxText sources: " + family_help)
     _writer_options(p)
@@ -412,7 +444,9 @@ def _add_from_hf(sub: Any) -> None:
                    "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
     p.add_argument("--config", help="an HF config.json to use (default: the directory's config.json)")
     p.add_argument("--dtype", choices=["source", "bfloat16", "float32"], default="source",
-                   help="dtype of the stored weights (default: the files' dtype)")
+                   help="dtype of the stored weights (default: the files' dtype; block-FP8 and MXFP4 weights: the "
+                   "dtype transformers dequantizes them to)")
+    _mtp_option(p)
     _writer_options(p)
     p.set_defaults(func=cmd_from_hf)
 
@@ -470,6 +504,7 @@ def _add_compare(sub: Any, family_help: str) -> None:
     p.add_argument("--logits", action="store_true",
                    help="also compare transformers' logits of both on fixed tokens (per-token KL, argmax agreement)")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    _mtp_option(p)
     p.add_argument("--config", help="an HF config.json for a side that has none (MaxText, HF)")
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_compare)
@@ -485,6 +520,7 @@ def _add_inspect(sub: Any, family_help: str) -> None:
                    "a Trainer output_dir, a universal, HF or MaxText checkpoint)")
     p.add_argument("--tag", help=_TAG_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    _mtp_option(p)
     p.add_argument("--config", help="an HF config.json where the checkpoint has none (MaxText, HF)")
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_inspect)

@@ -194,13 +194,15 @@ def open_checkpoint(path: str | Path,
                     config: str | Path | Mapping[str, Any] | None = None,
                     family: str | None = None,
                     dtype: str = "source",
+                    mtp: str | None = None,
                     format: str | None = None,
                     accept: Mapping[str, str] | None = None) -> CheckpointSource:
     """The source at ``path`` in whatever format it is (or in ``format``, where the directory holds several).
 
     ``config``: an HF config (a ``config.json`` path or its dict) to use instead of the recorded one, and for
     the formats that may lack one (HF weights without config.json, MaxText checkpoints not written by
-    deepspeed-ext). ``family``: MaxText's model family. ``dtype``: the dtype HF weights are read in.
+    deepspeed-ext). ``family``: MaxText's model family. ``dtype``: the dtype HF weights are read in. ``mtp``:
+    HF layers past ``num_hidden_layers`` (:class:`~deepspeed_ext.checkpoint.source.OpenOptions`).
     ``accept``: the formats the caller reads, each mapped to nothing, and the others to the line it says when
     one of them is found instead.
     """
@@ -220,4 +222,4 @@ def open_checkpoint(path: str | Path,
         raise CheckpointError(f"{path}: {accept[found[0]]}")
     model_config = read_config(config) if isinstance(config, str | Path) else dict(config) if config else None
     return FORMATS[readable[0]].open(path, OpenOptions(tag=tag, model_config=model_config, family=family,
-                                                       dtype=dtype))
+                                                       dtype=dtype, mtp=mtp))

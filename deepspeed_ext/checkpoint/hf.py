@@ -43,6 +43,7 @@ from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, Sour
                                              protected_paths, record_check, required_model_config)
 from deepspeed_ext.checkpoint.model_config import (ConfigFit, output_dtype, safetensors_dtype_code,
                                                    torch_dtype)
+from deepspeed_ext.checkpoint.quantization import STORAGE_CODES
 from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -50,6 +51,8 @@ from deepspeed_ext.module_inject.layout import TPLayout
 _T = TypeVar("_T")
 
 CONFIG_FILE = "config.json"
+#: ``mtp``: what to do with decoder layers past ``num_hidden_layers`` (None: refuse them).
+MTP_CHOICES = (None, "drop", "keep")
 #: What ``save_pretrained`` (model, generation config, tokenizer) writes beside the weights and config, copied
 #: into a to-hf output from the folder the source sits in (an HF directory, a Trainer checkpoint-N).
 COMPANION_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -174,7 +177,8 @@ def _header(entries: list[FileTensor], metadata: Mapping[str, str], reserve: int
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for entry in entries:
-        header[entry.name] = {"dtype": safetensors_dtype_code(entry.dtype), "shape": list(entry.shape),
+        code = STORAGE_CODES.get(entry.dtype) or safetensors_dtype_code(entry.dtype)
+        header[entry.name] = {"dtype": code, "shape": list(entry.shape),
                               "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -210,6 +214,12 @@ class HFOptions(WriteOptions):
     dtype: str = "source"
     max_shard_size: int | str = "5GB"
     tokenizer: str | Path | None = None
+    #: ``fp8`` (block FP8, tiles of ``fp8_block``) or ``mxfp4`` (gpt-oss's experts): write quantized weights.
+    quantize: str | None = None
+    fp8_block: tuple[int, int] = (128, 128)
+    #: An HF directory (a multimodal or DeepSeek-V3 release) whose layout to write into: its naming, its config,
+    #: and the tensors the source model lacks (a vision tower, a multi-token-prediction layer), copied.
+    like: str | Path | None = None
 
 
 def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOptions()) -> Path:
@@ -223,7 +233,10 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
 
     model_config = required_model_config(source.info)
     label, dtype = str(source.info.given), options.dtype
+    like = _like_source(source, options)
     companions = {path.name: path for path in companion_files(source.info)}
+    if like is not None:
+        companions.update((path.name, path) for path in companion_files(like.info))
     if options.tokenizer is not None:  # files given explicitly win over the source folder's
         companions.update((path.name, path) for path in tokenizer_files(Path(options.tokenizer)))
     given = out
@@ -246,8 +259,16 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
     tensors = {**tensors, **{t.name: t for t in params}}
     with fit.first():
         splits = hf_expert_splits(model_config.get("model_type"))
-        pieces = {t.name: file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits) for t in params}
-        plan = {entry.name: entry for entries in pieces.values() for entry in entries}
+        pieces: dict[str, list[FileTensor | QuantizedPiece]] = {
+            t.name: list(file_tensors(t.name, tuple(t.shape), out_dtypes[t.name], splits)) for t in params}
+        if like is not None:
+            params += _like_layout(like, params, pieces, dtype, label)
+        quantized = None
+        if options.quantize is not None:
+            quantized = _quantize_plan(options, model_config, pieces, {t.name: tuple(t.shape) for t in params},
+                                       label, fit)
+        plan = {entry.name: entry for entries in pieces.values() for piece in entries
+                for entry in _stored_entries(piece)}
         split = split_state_dict_into_shards_factory(plan, get_storage_size=lambda entry: entry.nbytes,
                                                      filename_pattern=FILENAME_PATTERN,
                                                      max_shard_size=options.max_shard_size)
@@ -261,7 +282,12 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
                 recorded.raise_if_wrong()
             source.raise_if_damaged()
             config = fit.result()
-            config.save_pretrained(partial)
+            if like is not None:
+                _write_like_config(like, partial / CONFIG_FILE, quantized)
+            else:
+                config.save_pretrained(partial)
+                if quantized is not None:
+                    _add_to_config(partial / CONFIG_FILE, {"quantization_config": quantized})
             for name, companion in companions.items():
                 shutil.copyfile(companion, partial / name)
             if GENERATION_CONFIG not in companions:
@@ -274,6 +300,135 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
                 durable.replace_file(partial / INDEX_FILE, json.dumps(index, indent=2) + "\n")
             ManifestRecorder(partial).write()
     return Path(given)
+
+
+# --------------------------------------------------------------------------- quantized and release layouts
+@dataclass(frozen=True)
+class QuantizedPiece:
+    """A weight written quantized: the values it is cut from (``piece``) and the two tensors stored for them."""
+
+    piece: FileTensor  # the values (their span in the parameter; name: the dequantized tensor's)
+    data: FileTensor  # packed values
+    scales: FileTensor
+    method: str
+    block: tuple[int, int]
+
+
+def _stored_entries(piece: FileTensor | QuantizedPiece) -> tuple[FileTensor, ...]:
+    return (piece.data, piece.scales) if isinstance(piece, QuantizedPiece) else (piece, )
+
+
+def _quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
+                   pieces: dict[str, list[FileTensor | QuantizedPiece]], shapes: Mapping[str, tuple[int, ...]],
+                   label: str, fit: ConfigFit) -> dict[str, Any]:
+    """Replace the pieces written quantized by :class:`QuantizedPiece`; the ``quantization_config`` to write."""
+    from deepspeed_ext.checkpoint import quantization as q
+    if options.quantize == q.FP8:
+        block = tuple(options.fp8_block)
+        if len(block) != 2 or not all(isinstance(v, int) and v > 0 for v in block):
+            raise CheckpointError(f"--fp8-block must be two positive integers ROWSxCOLS, not {options.fp8_block!r}")
+        bm, bn = int(block[0]), int(block[1])
+        from deepspeed_ext.checkpoint.model_config import linear_weights
+        linear = linear_weights(fit.result())
+        skipped: set[str] = set()
+        for param, entries in pieces.items():
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, FileTensor):
+                    continue
+                is_linear = param in linear or (entry.expert is not None and entry.name.endswith(".weight"))
+                if not is_linear or param == TIED_PAIR[0]:
+                    continue
+                if not q.fp8_quantizable(entry.shape, (bm, bn)):
+                    skipped.add(entry.name.rsplit(".", 1)[0])
+                    continue
+                grid = (*entry.shape[:-2], entry.shape[-2] // bm, entry.shape[-1] // bn)
+                entries[i] = QuantizedPiece(entry, FileTensor(entry.name, param, entry.shape, q.FP8_DTYPE),
+                                            FileTensor(entry.name + q.FP8_SCALE_SUFFIX, param, grid, torch.float32),
+                                            q.FP8, (bm, bn))
+        not_converted = sorted({"lm_head", *skipped})
+        return {"quant_method": q.FP8, "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [bm, bn], "modules_to_not_convert": not_converted}
+    if options.quantize == q.MXFP4:
+        if model_config.get("model_type") != "gpt_oss":
+            raise CheckpointError(f"{label}: --quantize mxfp4 writes gpt-oss's experts as its release does; this is a "
+                                  f"{model_config.get('model_type')!r} model (use --quantize fp8)")
+        for param, entries in pieces.items():
+            if not re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)", param):
+                continue
+            (entry, ) = entries
+            assert isinstance(entry, FileTensor)
+            *lead, k, n = shapes[param]
+            if k % q.MX_BLOCK:
+                raise CheckpointError(f"{param}: {k} input features are not whole MXFP4 blocks of {q.MX_BLOCK}")
+            stem = entry.name
+            entries[0] = QuantizedPiece(
+                entry, FileTensor(stem + q.MX_BLOCKS_SUFFIX, param, (*lead, n, k // q.MX_BLOCK, q.MX_BLOCK // 2),
+                                  torch.uint8),
+                FileTensor(stem + q.MX_SCALES_SUFFIX, param, (*lead, n, k // q.MX_BLOCK), torch.uint8),
+                q.MXFP4, (1, q.MX_BLOCK))
+        return {"quant_method": q.MXFP4, "modules_to_not_convert": list(q.GPT_OSS_NOT_CONVERTED)}
+    raise CheckpointError(f"--quantize must be one of {', '.join(q.METHODS)}, not {options.quantize!r}")
+
+
+def _like_source(source: CheckpointSource, options: HFOptions) -> HFCheckpoint | None:
+    """The release whose layout to write into: ``like``, or an HF source that keeps its set-aside tensors."""
+    if options.like is not None:
+        like = Path(options.like)
+        if not (like / CONFIG_FILE).is_file():
+            raise CheckpointError(f"{like}: no {CONFIG_FILE} (--like expects the HF directory of the original "
+                                  "release)")
+        return HFCheckpoint(like, mtp="keep")
+    if isinstance(source, HFCheckpoint) and source.kept:
+        return source
+    return None
+
+
+def _like_layout(like: HFCheckpoint, params: list[LogicalTensor],
+                 pieces: dict[str, list[FileTensor | QuantizedPiece]], dtype: str, label: str) -> list[LogicalTensor]:
+    """Name the pieces as ``like`` stores its text model, check they are the tensors it has, and add its tensors
+    the model lacks (read from it, in their own dtype unless ``dtype`` says otherwise)."""
+    have = {t.name: tuple(t.shape) for t in params}
+    wanted = {name: shape for name, shape in like.shapes.items()}
+    if set(have) != set(wanted) or any(have[n] != wanted[n] for n in have):
+        missing, extra = sorted(set(wanted) - set(have)), sorted(set(have) - set(wanted))
+        wrong = sorted(n for n in set(have) & set(wanted) if have[n] != wanted[n])
+        detail = (f"it has {missing[:3]} that the source lacks" if missing else
+                  f"the source has {extra[:3]} that it lacks" if extra else
+                  f"{wrong[0]} is {list(have[wrong[0]])} in the source, {list(wanted[wrong[0]])} in it")
+        raise CheckpointError(f"{like.path}: not the model of {label} (--like): {detail}")
+    if like.multimodal is not None:
+        for entries in pieces.values():
+            for i, entry in enumerate(entries):
+                assert isinstance(entry, FileTensor)
+                entries[i] = FileTensor(like.multimodal.stored_name(entry.name), entry.param, entry.shape, entry.dtype,
+                                        entry.expert, entry.piece, entry.pieces)
+    extra_tensors = []
+    for name in like.set_aside:
+        shape, code = like._headers[name]
+        tensor_dtype = output_dtype(dtype, torch_dtype(code))
+        extra_tensors.append(LogicalTensor(name=name, shape=shape, layout=TPLayout.replicated(shape, 1),
+                                           states=(MASTER_WEIGHTS, ), loader=_set_aside_loader(like, name),
+                                           dtype=tensor_dtype))
+        pieces[name] = [FileTensor(name, name, shape, tensor_dtype)]
+    return extra_tensors
+
+
+def _set_aside_loader(like: HFCheckpoint, name: str) -> Callable[[str], torch.Tensor]:
+    return lambda state: like._read(name)
+
+
+def _write_like_config(like: HFCheckpoint, path: Path, quantized: Mapping[str, Any] | None) -> None:
+    """The release's own config, quantized as written."""
+    config = {key: value for key, value in like.raw_config.items() if key != "quantization_config"}
+    if quantized is not None:
+        config["quantization_config"] = dict(quantized)
+    durable.replace_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _add_to_config(path: Path, values: Mapping[str, Any]) -> None:
+    config = json.loads(path.read_text())
+    config.update(values)
+    durable.replace_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def companion_files(info: SourceInfo) -> list[Path]:
@@ -309,7 +464,8 @@ def _write_generation_config(config: Any, directory: Path) -> None:
 
 
 def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],
-                  params: list[LogicalTensor], pieces: Mapping[str, list[FileTensor]], progress: bool) -> None:
+                  params: list[LogicalTensor], pieces: Mapping[str, list[FileTensor | QuantizedPiece]],
+                  progress: bool) -> None:
     """Create every shard with its header, then write each parameter's pieces at their offsets, in stream order.
 
     Positional writes run on writer threads while the next parameter is read and cast. The fingerprints of the
@@ -320,7 +476,8 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                disable=not progress)
     files: dict[str, int] = {}
     where: dict[str, tuple[str, int]] = {}  # file tensor -> (shard, absolute offset)
-    home = {pieces[t.name][0].name: t.name for t in params}  # a parameter's fingerprint goes with its first piece
+    # A parameter's fingerprint goes with its first piece (a quantized one's: with its packed data).
+    home = {_stored_entries(pieces[t.name][0])[0].name: t.name for t in params}
     recorded: dict[str, list[str]] = {filename: [home[name] for name in names if name in home]
                                       for filename, names in shards.items()}
     headers: dict[str, int] = {}
@@ -335,9 +492,9 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
             files[filename] = fd = os.open(directory / filename, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             _write_at(fd, header, 0, directory / filename)
             offset = len(header)
-            for entry in entries:
-                where[entry.name] = (filename, offset)
-                offset += entry.nbytes
+            for stored in entries:
+                where[stored.name] = (filename, offset)
+                offset += stored.nbytes
             try:
                 os.ftruncate(fd, offset)  # the file's final size, so the tensors can be written in any order
             except OSError as exc:
@@ -348,6 +505,15 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                 # writer thread); the others load the whole tensor once.
                 full = None if tensor.range_loader is not None else tensor.load_tensor(MASTER_WEIGHTS).reshape(-1)
                 for entry in pieces[tensor.name]:
+                    if isinstance(entry, QuantizedPiece):
+                        start, stop = entry.piece.span(tuple(tensor.shape))
+                        values = full[start:stop] if full is not None else torch.cat(
+                            list(tensor.blocks(MASTER_WEIGHTS, start, stop)))
+                        at = {stored.name: (files[where[stored.name][0]], where[stored.name][1],
+                                            directory / where[stored.name][0]) for stored in _stored_entries(entry)}
+                        writer.submit(_write_quantized, entry, values, at, tensor.name, sums)
+                        bar.update(entry.data.nbytes + entry.scales.nbytes)
+                        continue
                     start, stop = entry.span(tuple(tensor.shape))
                     filename, offset = where[entry.name]
                     blocks = [full[start:stop]] if full is not None else tensor.blocks(MASTER_WEIGHTS, start, stop)
@@ -389,6 +555,40 @@ def _write_piece(fd: int, data: torch.Tensor, offset: int, path: Path, name: str
     _write_at(fd, data.reshape(-1).view(torch.uint8).numpy().data, offset, path)
 
 
+def _write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str, tuple[int, int, Path]], name: str,
+                     sums: list[tuple[str, str, int, tuple[int, float, float]]]) -> None:
+    """A weight quantized and written (on a writer thread), a block of rows at a time; its fingerprint is of the
+    values a reader dequantizes, which is what the file holds."""
+    from deepspeed_ext.checkpoint import quantization as q
+    from deepspeed_ext.checkpoint.fingerprint import partial_sums
+    data_fd, data_offset, data_path = at[entry.data.name]
+    scale_fd, scale_offset, scale_path = at[entry.scales.name]
+    if entry.method == q.FP8:
+        bm, bn = entry.block
+        rows, cols = math.prod(entry.piece.shape[:-1]), entry.piece.shape[-1]
+        values = values.reshape(rows, cols)
+        step = bm * max(1, (1 << 20) // (bm * cols))
+        for first in range(0, rows, step):
+            chunk = values[first:first + step]
+            packed, scales = q.quantize_fp8(chunk, (bm, bn))
+            dequantized = packed.to(torch.float32) * scales.repeat_interleave(bm, 0).repeat_interleave(bn, 1)
+            sums.append((name, data_path.name, data_offset + first * cols, partial_sums(dequantized)))
+            _write_at(data_fd, packed.view(torch.uint8).reshape(-1).numpy().data, data_offset + first * cols,
+                      data_path)
+            _write_at(scale_fd, scales.reshape(-1).view(torch.uint8).numpy().data,
+                      scale_offset + (first // bm) * (cols // bn) * 4, scale_path)
+        return
+    *lead, k, n = entry.piece.shape
+    values = values.reshape(-1, k, n)
+    for expert in range(values.shape[0]):
+        blocks, scales = q.quantize_mxfp4(values[expert])
+        dequantized = torch.ldexp(q.unpack_e2m1(blocks), (scales.to(torch.int32) - q.E8M0_BIAS).unsqueeze(-1))
+        offset = data_offset + expert * blocks.numel()
+        sums.append((name, data_path.name, offset, partial_sums(dequantized.reshape(n, k).t().contiguous())))
+        _write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
+        _write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * scales.numel(), scale_path)
+
+
 def _write_at(fd: int, data: Any, offset: int, path: Path) -> None:
     """All of ``data`` at ``offset`` of ``path`` (pwrite may write less than asked)."""
     try:
@@ -422,7 +622,16 @@ def parameter_problem(source: CheckpointSource) -> str | None:
 
 def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
-    return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config)
+    return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config, mtp=options.mtp)
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (``model.layers.<i>.*``), or None."""
+    match = _LAYER_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class HFCheckpoint:
@@ -431,26 +640,72 @@ class HFCheckpoint:
     Files are opened with ``safe_open`` (memory-mapped); a tensor is read when a sink asks for it, in
     the file's dtype unless ``dtype`` says otherwise. No transformers model is built. There is no
     optimizer state: a universal checkpoint written from here starts a fresh optimizer at step 0.
+
+    Releases are read as transformers reads them: block-FP8 and MXFP4 weights are dequantized
+    (:mod:`~deepspeed_ext.checkpoint.quantization`; ``source`` dtype: what transformers dequantizes them to) and
+    the config loses its ``quantization_config``; a multimodal checkpoint is its text model
+    (:mod:`~deepspeed_ext.checkpoint.multimodal`). Tensors that are not the model's (a vision tower, DeepSeek-V3's
+    multi-token-prediction layer with ``mtp="drop"`` or ``"keep"``) are set aside (:attr:`set_aside`).
     """
 
-    def __init__(self, path: str | Path, dtype: str = "source", model_config: Mapping[str, Any] | None = None):
-        """``model_config``: the HF config to use instead of the directory's ``config.json`` (``--config``)."""
+    def __init__(self, path: str | Path, dtype: str = "source", model_config: Mapping[str, Any] | None = None,
+                 mtp: str | None = None):
+        """``model_config``: the HF config to use instead of the directory's ``config.json`` (``--config``).
+        ``mtp``: what to do with decoder layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token
+        prediction): None refuses them, ``drop`` sets them aside, ``keep`` sets them aside for an HF output
+        to write back (:attr:`kept`)."""
+        from deepspeed_ext.checkpoint import multimodal, quantization
         self.path = Path(path)
         self.tag_dir = self.path
         self.dtype_choice = dtype
         output_dtype(dtype, torch.float32)  # validates the choice
+        if mtp not in MTP_CHOICES:
+            raise CheckpointError(f"mtp must be one of {', '.join(map(str, MTP_CHOICES))}, not {mtp!r}")
         config_path = self.path / CONFIG_FILE
         if model_config is not None:
-            self.model_config: dict[str, Any] = dict(model_config)
+            raw_config: dict[str, Any] = dict(model_config)
         elif not config_path.is_file():
             raise MissingConfigError(f"{config_path}: missing; a Hugging Face checkpoint needs its model config: add "
                                   "config.json to the directory or pass --config CONFIG.json")
         else:
             try:
-                self.model_config = json.loads(config_path.read_text())
+                raw_config = json.loads(config_path.read_text())
             except (OSError, ValueError) as exc:
                 raise CheckpointError(f"{config_path}: cannot read JSON: {exc}") from exc
-        self._file_of = self._weight_files()
+        #: The config as the directory has it (multimodal, quantized); ``model_config`` is the model read.
+        self.raw_config = raw_config
+        self.quantization = quantization.scheme_of(raw_config, str(config_path))
+        self.model_config: dict[str, Any] = {k: v for k, v in raw_config.items() if k != quantization.CONFIG_KEY}
+        self._stored_file = self._weight_files()
+        found = ({} if self.quantization is None else quantization.pair_tensors(
+            self.quantization, self._raw_headers, lambda name: str(self._stored_file[name])))
+        #: Quantized tensors by the stored name of their packed data.
+        self._quantized: dict[str, quantization.QuantizedTensor] = {t.data: t for t in found.values()}
+        scales = {t.scales for t in found.values()}
+        # Logical name (dequantized, text-model naming) -> stored name of the tensor or of its packed data.
+        stored = {name: name for name in self._stored_file
+                  if name not in scales and name not in self._quantized
+                  and not (found and name.endswith(quantization.ACTIVATION_SCALE_SUFFIXES))}
+        stored.update((tensor.name, tensor.data) for tensor in found.values())
+        #: Tensors that are not the model's: logical name -> stored name.
+        self.set_aside: dict[str, str] = {}
+        self.multimodal: Any = None
+        if multimodal.is_multimodal(raw_config):
+            self.multimodal = multimodal.naming_of(stored, str(self.path))
+            self.model_config = multimodal.text_model_config(self.model_config, str(config_path))
+            text = {}
+            for name, at in stored.items():
+                model_name = self.multimodal.model_name(name)
+                if model_name is None:
+                    self.set_aside[name] = at
+                else:
+                    text[model_name] = at
+            stored = text
+        self.mtp, self.mtp_layers = mtp, self._layers_past_decoder(stored, mtp, str(self.path))
+        for name in [n for n in stored if _layer_index(n) in self.mtp_layers]:
+            self.set_aside[name] = stored.pop(name)
+        self._stored = stored
+        self._file_of = {name: self._stored_file[at] for name, at in stored.items()}
         self.splits = hf_expert_splits(self.model_config.get("model_type"))
         self._pieces = group_file_names(self._file_of, self.splits, str(self.path))
         if self.model_config.get("tie_word_embeddings") and all(name in self._pieces for name in TIED_PAIR):
@@ -458,6 +713,28 @@ class HFCheckpoint:
             del self._pieces[TIED_PAIR[0]]
         else:
             self._tied_head = False
+
+    @property
+    def kept(self) -> bool:
+        """Whether the tensors set aside go back into an HF output (``mtp="keep"``)."""
+        return self.mtp == "keep" and bool(self.set_aside)
+
+    def _layers_past_decoder(self, names: Mapping[str, str], mtp: str | None, source: str) -> set[int]:
+        """The decoder layer indices past ``num_hidden_layers`` (DeepSeek-V3 releases keep their multi-token-
+        prediction layer there); refused unless ``mtp`` says what to do with them."""
+        count = self.model_config.get("num_hidden_layers")
+        if not isinstance(count, int):
+            return set()
+        past = {index for name in names if (index := _layer_index(name)) is not None and index >= count}
+        if past and mtp is None:
+            listed = ", ".join(f"model.layers.{i}.*" for i in sorted(past))
+            predicted = self.model_config.get("num_nextn_predict_layers")
+            what = (f"the multi-token-prediction layer{'s' if len(past) > 1 else ''} (num_nextn_predict_layers="
+                    f"{predicted})" if predicted else f"{len(past)} layer(s)")
+            raise CheckpointError(f"{source}: holds {what} {listed} past num_hidden_layers={count}, which the "
+                                  "model does not have; choose: --mtp drop (convert without it) or, for an HF "
+                                  "output, --mtp keep (write it back untouched)")
+        return past
 
     @property
     def read_paths(self) -> list[Path]:
@@ -502,30 +779,60 @@ class HFCheckpoint:
             raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
 
     @cached_property
-    def _headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """(shape, dtype) of every tensor in the files, from their headers."""
+    def _raw_headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, safetensors dtype code) of every stored tensor, from the files' headers."""
         headers = {}
-        for file in sorted(set(self._file_of.values())):
+        for file in sorted(set(self._stored_file.values())):
             with self._open(file) as handle:
                 for name in handle.keys():
-                    if self._file_of.get(name) == file:
+                    if self._stored_file.get(name) == file:
                         info = handle.get_slice(name)
                         headers[name] = (tuple(info.get_shape()), info.get_dtype())
-        missing = sorted(set(self._file_of) - set(headers))
+        missing = sorted(set(self._stored_file) - set(headers))
         if missing:
-            raise CheckpointError(f"{self._file_of[missing[0]]}: no tensor {missing[0]!r} (listed in {INDEX_FILE})")
+            raise CheckpointError(f"{self._stored_file[missing[0]]}: no tensor {missing[0]!r} (listed in "
+                                  f"{INDEX_FILE})")
         return headers
 
-    def _read(self, name: str) -> torch.Tensor:
-        file = self._file_of[name]
+    @cached_property
+    def _headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, dtype code) of every tensor of the model as read: a quantized one dequantized."""
+        headers = {}
+        for name, stored in {**self._stored, **self.set_aside}.items():
+            tensor = self._quantized.get(stored)
+            if tensor is not None:
+                headers[name] = (tensor.shape, safetensors_dtype_code(tensor.dtype))
+            else:
+                headers[name] = self._raw_headers[stored]
+                if headers[name][1] in STORAGE_CODES.values():
+                    raise CheckpointError(f"{self._stored_file[stored]}: tensor {stored!r} is {headers[name][1]}, "
+                                          "a quantized weight, but config.json has no quantization_config saying how "
+                                          "to dequantize it (casting it without its scales gives wrong weights)")
+        return headers
+
+    def _read_stored(self, stored: str, index: tuple[Any, ...] = ()) -> torch.Tensor:
+        """A stored tensor, or the part ``index`` selects, in its file dtype."""
+        file = self._stored_file[stored]
         try:
-            with self._open(file) as handle:
-                tensor: torch.Tensor = handle.get_tensor(name)
+            with self._open(file) as handle:  # a fresh handle: the pages it touched leave RSS with it
+                tensor: torch.Tensor = handle.get_slice(stored)[index] if index else handle.get_tensor(stored)
                 return tensor
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+            raise CheckpointError(f"{file}: cannot read tensor {stored!r}: {exc}") from exc
+
+    def _stored_name(self, name: str) -> str:
+        """The stored tensor (or packed data) a logical name reads."""
+        return self._stored[name] if name in self._stored else self.set_aside[name]
+
+    def _read(self, name: str) -> torch.Tensor:
+        """A whole tensor by its logical name (dequantized where the files hold it quantized)."""
+        from deepspeed_ext.checkpoint.quantization import dequantize_rows
+        tensor = self._quantized.get(self._stored_name(name))
+        if tensor is None:
+            return self._read_stored(self._stored_name(name))
+        return dequantize_rows(tensor, self._read_stored, 0, tensor.rows, tensor.dtype).reshape(tensor.shape)
 
     @cached_property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -612,25 +919,26 @@ class HFCheckpoint:
 
     def _range_loader(self, param: str) -> Callable[[str, int, int], torch.Tensor] | None:
         """Elements ``[low, high)`` of a parameter stored whole, read as the rows that hold them (None for one
-        assembled from expert pieces, which is read whole)."""
+        assembled from expert pieces, which is read whole). A quantized one reads the packed rows and scales
+        that hold them."""
+        from deepspeed_ext.checkpoint.quantization import dequantize_rows
         pieces = self._pieces[param]
         if pieces is not None and RENAMED not in pieces:
             return None
         name, shape = (param if pieces is None else pieces[RENAMED]), self.shapes[param]
-        file, row = self._file_of[name], math.prod(shape[1:])
+        stored = self._stored_name(name)
+        quantized = self._quantized.get(stored)
         dtype = output_dtype(self.dtype_choice, self.file_dtype(param))
+        row = shape[-1] if quantized is not None else math.prod(shape[1:])
 
         def read(state: str, low: int, high: int) -> torch.Tensor:
             if not shape or not row:
                 return self.load(param).reshape(-1)[low:high]
             first, last = low // row, -(-high // row)
-            try:
-                with self._open(file) as handle:  # a fresh handle: the pages it touched leave RSS with it
-                    rows: torch.Tensor = handle.get_slice(name)[first:last]
-            except CheckpointError:
-                raise
-            except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+            if quantized is not None:
+                rows = dequantize_rows(quantized, self._read_stored, first, last, dtype)
+            else:
+                rows = self._read_stored(stored, (slice(first, last), ))
             return rows.reshape(-1)[low - first * row:high - first * row].to(dtype)
 
         return read
@@ -643,4 +951,24 @@ class HFCheckpoint:
         return {"kind": "huggingface", "path": str(self.path), "model_type": self.model_config.get("model_type"),
                 "files": len(set(self._file_of.values())),
                 "tensor_dtypes": sorted({str(self.file_dtype(n)).replace("torch.", "") for n in self.shapes}),
-                "num_parameters": sum(int(torch.Size(s).numel()) for s in self.shapes.values())}
+                "num_parameters": sum(int(torch.Size(s).numel()) for s in self.shapes.values()),
+                **({"quantization": f"{self.quantization.describe()}: {len(self._quantized)} tensors, "
+                    "dequantized on read"} if self.quantization is not None else {}),
+                **({"set_aside": self.notes} if self.set_aside else {})}
+
+    @property
+    def notes(self) -> list[str]:
+        """What was read differently from the files as they are, one line each (the CLI prints them)."""
+        notes = []
+        if self.multimodal is not None:
+            kinds = sorted({name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
+                            for name in self.set_aside if _layer_index(name) not in self.mtp_layers})
+            count = sum(1 for name in self.set_aside if _layer_index(name) not in self.mtp_layers)
+            notes.append(f"read the text model ({self.multimodal.prefix}*); ignored {count} tensors of "
+                         f"{', '.join(kinds)} (to-hf --like {self.path} puts them back)")
+        if self.mtp_layers:
+            count = sum(1 for name in self.set_aside if _layer_index(name) in self.mtp_layers)
+            what = "kept for the HF output" if self.mtp == "keep" else "dropped"
+            notes.append(f"{what}: {count} tensors of the multi-token-prediction layer(s) "
+                         f"{', '.join(f'model.layers.{i}' for i in sorted(self.mtp_layers))}")
+        return notes

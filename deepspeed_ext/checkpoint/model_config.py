@@ -84,6 +84,15 @@ def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
     return expected
 
 
+def linear_weights(config: Any) -> set[str]:
+    """The ``<module>.weight`` names of the ``nn.Linear`` modules of transformers' model for ``config`` (what its
+    FP8 quantizer replaces), built on the meta device."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+
+
 def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str | None:
     """How parameter names/shapes ``have`` fail to fit transformers' model for ``config``; None if they fit."""
     expected = _expected_parameters(config)

@@ -177,3 +177,6 @@ class OpenOptions:
     family: str | None = None
     #: Hugging Face: the dtype weights are read in (``source``: the files' own).
     dtype: str = "source"
+    #: Hugging Face: decoder layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token prediction): None
+    #: refuses them, ``drop`` leaves them out, ``keep`` writes them back into an HF output.
+    mtp: str | None = None

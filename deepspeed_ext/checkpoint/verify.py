@@ -67,7 +67,7 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
     fmt = FORMATS[detect(path)]  # not a checkpoint at all: an error, not a failed verification
     path = checkpoint_path(path)  # a Trainer output_dir: its newest checkpoint-N
     try:
-        source = open_checkpoint(path, config=config, family=family)
+        source = open_checkpoint(path, config=config, family=family, mtp="drop")  # an MTP layer is not checked
     except MissingConfigError:
         raise
     except CheckpointError as exc:

@@ -1,0 +1,351 @@
+"""Quantized weights in Hugging Face checkpoints: block-FP8 (DeepSeek-V3's release) and MXFP4 (gpt-oss's experts).
+
+The formats, as the files and ``config.json``'s ``quantization_config`` hold them:
+
+* **Block FP8** (``quant_method: fp8``): a linear weight ``W [.., R, C]`` is stored as ``float8_e4m3fn`` with a
+  ``<name>_scale_inv`` beside it (``x.weight`` -> ``x.weight_scale_inv``) of one value per tile of
+  ``weight_block_size = [bm, bn]`` rows x columns: ``W[r, c] = q[r, c] * scale_inv[r // bm, c // bn]``. The grid
+  is ``ceil(R / bm) x ceil(C / bn)``: the last tile of a row or column may be partial (DeepSeek-V3's 576-row
+  ``kv_a_proj_with_mqa`` with 128-row tiles). Scales are usually fp32; bf16, E8M0 (``float8_e8m0fnu``) and E8M0
+  bytes in ``uint8`` (``2 ** (byte - 127)``) are read too. Without ``weight_block_size``, one scale covers the
+  tensor.
+* **MXFP4** (``quant_method: mxfp4``): a weight ``W [.., K, N]`` (gpt-oss's ``gate_up_proj`` / ``down_proj``, of
+  shape ``[E, in, out]``) is stored transposed, in blocks of 32 values along ``K``: ``<name>_blocks [.., N, K/32,
+  16]`` (uint8, two E2M1 values a byte, the low nibble first) and ``<name>_scales [.., N, K/32]`` (E8M0 bytes,
+  bias 127). ``W[.., k, n] = e2m1(nibble) * 2 ** (scale - 127)``.
+
+Dequantization is computed as transformers computes it (``q.float() * scale.float()`` elementwise for FP8; the
+E2M1 value times a power of two for MXFP4), so the fp32 values are bit-equal to transformers' and a narrower
+dtype is the same cast of them. It reads a range of rows at a time: memory follows the rows asked for, not the
+tensor. Quantization (``to-hf --quantize``) recomputes scales so that quantizing the dequantized weights of a
+checkpoint gives its bytes back: FP8 takes transformers' rule (``scale = 448 / amax`` per tile, ``scale_inv =
+1 / scale``) and, where the weights are exactly some ``q * s`` (unchanged since they were dequantized), the
+``s`` that reproduces every value; MXFP4 takes the OCP MX rule (shared exponent ``floor(log2 amax) - 2``, E2M1
+rounded to nearest even), under which a block that is already exactly representable keeps its values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepspeed_ext.errors import CheckpointError
+
+FP8 = "fp8"
+MXFP4 = "mxfp4"
+METHODS = (FP8, MXFP4)
+#: ``quantization_config`` key and the config entries transformers' quantizers read.
+CONFIG_KEY = "quantization_config"
+FP8_SCALE_SUFFIX = "_scale_inv"
+MX_BLOCKS_SUFFIX = "_blocks"
+MX_SCALES_SUFFIX = "_scales"
+MX_BLOCK = 32  # values per MXFP4 block (one scale each)
+E8M0_BIAS = 127
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+#: E2M1 values by nibble: bit 3 the sign, then two exponent bits and one mantissa bit.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+#: Tensors a static-activation FP8 checkpoint keeps beside the weights; not model parameters.
+ACTIVATION_SCALE_SUFFIXES = (".activation_scale", ".input_scale")
+#: Default FP8 tile (DeepSeek-V3's release).
+DEFAULT_FP8_BLOCK = (128, 128)
+#: gpt-oss's release: what its ``quantization_config`` leaves unquantized (all but the experts).
+GPT_OSS_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
+
+#: safetensors' codes of the dtypes quantized weights are stored in.
+STORAGE_CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
+
+#: (shape, safetensors dtype code) of a tensor in the files.
+Header = tuple[tuple[int, ...], str]
+#: Reads a slice of a tensor in the files: ``read(name, index)`` with ``index`` a tuple of ints and slices.
+SliceReader = Callable[[str, tuple[Any, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One model tensor the files hold quantized: its packed data and its scales."""
+
+    name: str  # the dequantized tensor's name (what a model parameter is called in the files)
+    method: str  # FP8 or MXFP4
+    data: str  # the file tensor of packed values
+    scales: str  # the file tensor of scales
+    shape: tuple[int, ...]  # dequantized
+    block: tuple[int, int]  # FP8: the tile (rows, columns); MXFP4: (1, 32) along the stored rows
+    dtype: torch.dtype  # what transformers dequantizes it to (the ``source`` dtype)
+    per_tensor: bool = False  # FP8 without weight_block_size: one scale for the whole tensor
+
+    @property
+    def rows(self) -> int:
+        """Rows of the dequantized tensor viewed as ``[rows, shape[-1]]``."""
+        return math.prod(self.shape[:-1])
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """A checkpoint's ``quantization_config``, checked."""
+
+    method: str
+    block: tuple[int, int] | None  # FP8 ``weight_block_size`` (None: one scale per tensor)
+    config: Mapping[str, Any]
+
+    def describe(self) -> str:
+        if self.method == FP8:
+            return f"block FP8 (e4m3, tiles {'per tensor' if self.block is None else 'x'.join(map(str, self.block))})"
+        return "MXFP4 (E2M1 in blocks of 32, E8M0 scales)"
+
+
+def scheme_of(model_config: Mapping[str, Any], source: str) -> QuantizationScheme | None:
+    """The checkpoint's quantization (None: not quantized); one line naming what is wrong with it."""
+    config = model_config.get(CONFIG_KEY)
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise CheckpointError(f"{source}: {CONFIG_KEY} is not a mapping")
+    method = config.get("quant_method")
+    if method not in METHODS:
+        raise CheckpointError(f"{source}: {CONFIG_KEY} has quant_method {method!r}, which deepspeed-ext does not "
+                              f"read (it reads {', '.join(METHODS)}); dequantize it with transformers first")
+    block = None
+    if method == FP8:
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise CheckpointError(f"{source}: {CONFIG_KEY} has fmt {fmt!r}; FP8 weights are read as e4m3 only")
+        raw = config.get("weight_block_size")
+        if raw is not None:
+            if (not isinstance(raw, (list, tuple)) or len(raw) != 2
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in raw)):
+                raise CheckpointError(f"{source}: {CONFIG_KEY}.weight_block_size is {raw!r}; expected two positive "
+                                      "integers [rows, columns]")
+            block = (int(raw[0]), int(raw[1]))
+    return QuantizationScheme(method, block, dict(config))
+
+
+def _scale_dtype_ok(code: str) -> bool:
+    return code in ("F32", "BF16", "F16", "U8", "F8_E8M0")
+
+
+def fp8_output_dtype(scale_code: str) -> torch.dtype:
+    """What transformers dequantizes an FP8 weight to: the scales' dtype where it is a float of 2+ bytes, else
+    bf16."""
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(scale_code, torch.bfloat16)
+
+
+def pair_tensors(scheme: QuantizationScheme, headers: Mapping[str, Header], where: Callable[[str], str]
+                 ) -> dict[str, QuantizedTensor]:
+    """The quantized tensors among ``headers`` (file tensor -> shape and dtype code), each checked against its
+    scales; ``where(name)`` names the file holding a tensor, for the one-line errors."""
+    found: dict[str, QuantizedTensor] = {}
+    if scheme.method == FP8:
+        for name, (shape, code) in headers.items():
+            if name.endswith(FP8_SCALE_SUFFIX):
+                weight = name[:-len(FP8_SCALE_SUFFIX)]
+                if weight not in headers:
+                    raise CheckpointError(f"{where(name)}: scale {name!r} has no weight {weight!r} beside it")
+                continue
+            if code != "F8_E4M3":
+                continue
+            scales = name + FP8_SCALE_SUFFIX
+            if scales not in headers:
+                raise CheckpointError(f"{where(name)}: FP8 weight {name!r} has no scale tensor {scales!r}")
+            found[name] = _fp8_tensor(scheme, name, shape, scales, headers[scales], where)
+    else:
+        for name, (shape, code) in headers.items():
+            if name.endswith(MX_SCALES_SUFFIX):
+                stem = name[:-len(MX_SCALES_SUFFIX)]
+                if stem + MX_BLOCKS_SUFFIX not in headers and code == "U8":
+                    raise CheckpointError(f"{where(name)}: MXFP4 scales {name!r} have no blocks "
+                                          f"{stem + MX_BLOCKS_SUFFIX!r} beside them")
+                continue
+            if not name.endswith(MX_BLOCKS_SUFFIX):
+                continue
+            stem = name[:-len(MX_BLOCKS_SUFFIX)]
+            scales = stem + MX_SCALES_SUFFIX
+            if scales not in headers:
+                raise CheckpointError(f"{where(name)}: MXFP4 blocks {name!r} have no scales {scales!r}")
+            found[stem] = _mxfp4_tensor(stem, name, shape, code, scales, headers[scales], where)
+    return found
+
+
+def _fp8_tensor(scheme: QuantizationScheme, name: str, shape: tuple[int, ...], scales: str, scale_header: Header,
+                where: Callable[[str], str]) -> QuantizedTensor:
+    scale_shape, scale_code = scale_header
+    if not _scale_dtype_ok(scale_code):
+        raise CheckpointError(f"{where(scales)}: FP8 scale {scales!r} has dtype {scale_code}; expected F32, BF16, "
+                              "F16, F8_E8M0 or U8 (E8M0 bytes)")
+    if len(shape) < 2:
+        raise CheckpointError(f"{where(name)}: FP8 weight {name!r} has shape {list(shape)}; block scales need 2+ "
+                              "dimensions")
+    rows, cols = shape[-2:]
+    if scheme.block is None:
+        if math.prod(scale_shape) != 1:
+            raise CheckpointError(f"{where(scales)}: {scales!r} has shape {list(scale_shape)}, but the config sets no "
+                                  "weight_block_size, which means one scale per tensor")
+        return QuantizedTensor(name, FP8, name, scales, tuple(shape), (rows, cols), fp8_output_dtype(scale_code),
+                               per_tensor=True)
+    bm, bn = scheme.block
+    grid = (*shape[:-2], -(-rows // bm), -(-cols // bn))
+    if tuple(scale_shape) != grid:
+        raise CheckpointError(f"{where(scales)}: {scales!r} has shape {list(scale_shape)}, but weight {name!r} of "
+                              f"shape {list(shape)} in tiles of {bm}x{bn} needs a grid of {list(grid)}")
+    return QuantizedTensor(name, FP8, name, scales, tuple(shape), (bm, bn), fp8_output_dtype(scale_code))
+
+
+def _mxfp4_tensor(stem: str, blocks: str, shape: tuple[int, ...], code: str, scales: str, scale_header: Header,
+                  where: Callable[[str], str]) -> QuantizedTensor:
+    scale_shape, scale_code = scale_header
+    if code != "U8" or len(shape) < 3 or shape[-1] != MX_BLOCK // 2:
+        raise CheckpointError(f"{where(blocks)}: MXFP4 blocks {blocks!r} are {code} of shape {list(shape)}; expected "
+                              f"U8 of shape [..., rows, blocks, {MX_BLOCK // 2}]")
+    if scale_code != "U8" or tuple(scale_shape) != tuple(shape[:-1]):
+        raise CheckpointError(f"{where(scales)}: MXFP4 scales {scales!r} are {scale_code} of shape "
+                              f"{list(scale_shape)}; blocks {blocks!r} of shape {list(shape)} need U8 of shape "
+                              f"{list(shape[:-1])}")
+    *lead, out_rows, groups, _ = shape
+    # Stored transposed: the model tensor is [..., groups * 32, out_rows].
+    return QuantizedTensor(stem, MXFP4, blocks, scales, (*lead, groups * MX_BLOCK, out_rows), (1, MX_BLOCK),
+                           torch.bfloat16)
+
+
+# --------------------------------------------------------------------------- dequantization
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8 bytes or ``float8_e8m0fnu``) as fp32 powers of two."""
+    if scales.dtype == torch.uint8:
+        return (scales.to(torch.float32) - E8M0_BIAS).exp2()
+    return scales.to(torch.float32)
+
+
+def dequantize_rows(tensor: QuantizedTensor, read: SliceReader, first: int, last: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[first, last)`` of the dequantized tensor viewed as ``[rows, shape[-1]]``, in ``dtype``, reading only
+    the packed values and scales that hold them."""
+    parts = []
+    per_lead = tensor.shape[-2]
+    row = first
+    while row < last:
+        lead, local = divmod(row, per_lead)
+        stop = min(last, (lead + 1) * per_lead) - lead * per_lead
+        index = _lead_index(tensor.shape[:-2], lead)
+        if tensor.method == FP8:
+            parts.append(_fp8_rows(tensor, read, index, local, stop))
+        else:
+            parts.append(_mxfp4_rows(tensor, read, index, local, stop))
+        row = lead * per_lead + stop
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.to(dtype)
+
+
+def _lead_index(lead_shape: tuple[int, ...], lead: int) -> tuple[int, ...]:
+    index = []
+    for size in reversed(lead_shape):
+        lead, at = divmod(lead, size)
+        index.append(at)
+    return tuple(reversed(index))
+
+
+def _fp8_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
+              stop: int) -> torch.Tensor:
+    bm, bn = tensor.block
+    cols = tensor.shape[-1]
+    q = read(tensor.data, (*index, slice(first, stop)))
+    grid_first, grid_stop = first // bm, -(-stop // bm)
+    if tensor.per_tensor:  # one scale (a scalar or [1, 1] in the files)
+        scales = read(tensor.scales, ()).reshape(1, 1)
+    else:
+        scales = read(tensor.scales, (*index, slice(grid_first, grid_stop)))
+    scale = e8m0_to_float(scales)
+    # Each row's scales, then each column's: the product is q * s elementwise, as transformers computes it.
+    scale = scale.repeat_interleave(bm, dim=0)[first - grid_first * bm:stop - grid_first * bm]
+    scale = scale.repeat_interleave(bn, dim=1)[:, :cols]
+    return q.to(torch.float32) * scale
+
+
+def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
+                stop: int) -> torch.Tensor:
+    """Rows ``[first, stop)`` of the model tensor are columns of the stored one: read the blocks that hold them."""
+    group_first, group_stop = first // MX_BLOCK, -(-stop // MX_BLOCK)
+    blocks = read(tensor.data, (*index, slice(None), slice(group_first, group_stop)))  # [out, groups, 16]
+    scales = read(tensor.scales, (*index, slice(None), slice(group_first, group_stop)))  # [out, groups]
+    values = unpack_e2m1(blocks)  # [out, groups, 32]
+    values = torch.ldexp(values, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
+    values = values.reshape(values.shape[0], -1).t()  # [groups * 32, out]
+    return values[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Two E2M1 values a byte, the low nibble first, as fp32 ``[..., 2 * bytes]``."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    packed = packed.to(torch.uint8)
+    values = torch.stack((table[(packed & 0xF).long()], table[(packed >> 4).long()]), dim=-1)
+    return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+# --------------------------------------------------------------------------- quantization
+def fp8_quantizable(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
+    """Whether a weight is whole tiles (transformers quantizes only those; the others stay unquantized)."""
+    return len(shape) >= 2 and shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
+
+
+def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [rows, cols]`` (whole tiles) -> (``float8_e4m3fn`` values, fp32 ``scale_inv`` per tile).
+
+    transformers' rule: ``scale = 448 / amax`` per tile (1 for an all-zero tile), ``q = clamp(w * scale)`` cast
+    to e4m3, ``scale_inv = 1 / scale``. ``scale_inv`` comes out of two roundings, so quantizing ``q * scale_inv``
+    again may land an ulp or two off the original; where a tile's values are exactly ``q * s`` for an ``s`` within
+    a few ulps, that ``s`` is kept, which makes dequantize -> quantize give the original bytes."""
+    bm, bn = block
+    rows, cols = weight.shape
+    x = weight.to(torch.float32).reshape(rows // bm, bm, cols // bn, bn)
+    amax = x.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                        torch.ones_like(amax))
+    scale_inv = (1.0 / scale).to(torch.float32)
+    q = torch.clamp(x * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    qf = q.to(torch.float32)
+
+    def exact(candidate: torch.Tensor) -> torch.Tensor:
+        return (qf * candidate[:, None, :, None] == x).all(dim=3).all(dim=1)
+
+    settled = exact(scale_inv)
+    if not bool(settled.all()):
+        best = scale_inv.clone()
+        for step in (1, -1, 2, -2, 3, -3, 4, -4):
+            candidate = scale_inv
+            toward = torch.full_like(scale_inv, math.inf if step > 0 else 0.0)
+            for _ in range(abs(step)):
+                candidate = torch.nextafter(candidate, toward)
+            hit = exact(candidate) & ~settled
+            best = torch.where(hit, candidate, best)
+            settled |= hit
+            if bool(settled.all()):
+                break
+        scale_inv = best
+    return q.reshape(rows, cols), scale_inv
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [K, N]`` (K a multiple of 32) -> MXFP4 as stored: blocks ``[N, K/32, 16]`` and scales ``[N, K/32]``.
+
+    The OCP MX rule: per 32 values along K, the shared exponent is ``floor(log2 amax) - 2`` (E2M1's largest
+    exponent), the values divided by it are rounded to the nearest E2M1 value (ties to even) and saturate at 6.
+    A block that is exactly representable keeps its values (and its bytes, where its largest value is 4 or 6)."""
+    k, n = weight.shape
+    x = weight.to(torch.float32).t().reshape(n, k // MX_BLOCK, MX_BLOCK)
+    amax = x.abs().amax(dim=-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2,
+                           torch.full_like(amax, -E8M0_BIAS))
+    exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = torch.ldexp(x, -exponent.to(torch.int32).unsqueeze(-1)).abs()
+    magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+    code = torch.searchsorted(midpoints, scaled.contiguous(), right=False)  # a tie goes to the lower value ...
+    tie = (code < 7) & (scaled == midpoints[code.clamp(max=6)])
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)  # ... unless that one's mantissa bit is odd
+    code = code | (torch.signbit(x).to(torch.int64) << 3)
+    code = code.to(torch.uint8).reshape(n, k // MX_BLOCK, MX_BLOCK // 2, 2)
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    scales = (exponent + E8M0_BIAS).to(torch.uint8)
+    return blocks, scales
