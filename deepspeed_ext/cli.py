@@ -160,7 +160,7 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     source = _open(args.source, args.tag, args.config, args.family, mtp=args.mtp)
     out = _write(source, args.output, "hf", args, dtype=args.dtype, max_shard_size=args.max_shard_size,
                  tokenizer=args.tokenizer, quantize=args.quantize, fp8_block=_fp8_block(args.fp8_block),
-                 like=args.like)
+                 fp8_edge_tiles=args.fp8_edge_tiles, like=args.like)
     if not args.quiet:
         print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
@@ -422,6 +422,10 @@ def _add_to_hf(sub: Any, family_help: str) -> None:
                    "weight_scale_inv per tile, DeepSeek-V3's format) of every linear weight that is whole tiles; "
                    "mxfp4 = gpt-oss's experts (*_blocks, *_scales)")
     p.add_argument("--fp8-block", default="128x128", help="--quantize fp8: the tile, ROWSxCOLS (default 128x128)")
+    p.add_argument("--fp8-edge-tiles", action="store_true",
+                   help="--quantize fp8: also quantize weights that are not whole tiles, with partial tiles at the "
+                   "edges, as DeepSeek-V3's release does (transformers 5.22 misreads those; by default they stay "
+                   "unquantized and are listed in modules_to_not_convert)")
     p.add_argument("--like", help="the original release's HF directory: write its layout (a multimodal model's "
                    "naming and config), with the tensors the trained model lacks (vision tower, projector, "
                    "multi-token-prediction layer) copied from it")

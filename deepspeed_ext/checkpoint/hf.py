@@ -217,6 +217,9 @@ class HFOptions(WriteOptions):
     #: ``fp8`` (block FP8, tiles of ``fp8_block``) or ``mxfp4`` (gpt-oss's experts): write quantized weights.
     quantize: str | None = None
     fp8_block: tuple[int, int] = (128, 128)
+    #: ``fp8``: also quantize weights that are not whole tiles, with partial tiles at the edges (DeepSeek-V3's
+    #: release does; transformers 5.22 does not read those right, so by default they stay unquantized).
+    fp8_edge_tiles: bool = False
     #: An HF directory (a multimodal or DeepSeek-V3 release) whose layout to write into: its naming, its config,
     #: and the tensors the source model lacks (a vision tower, a multi-token-prediction layer), copied.
     like: str | Path | None = None
@@ -338,10 +341,10 @@ def _quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
                 is_linear = param in linear or (entry.expert is not None and entry.name.endswith(".weight"))
                 if not is_linear or param == TIED_PAIR[0]:
                     continue
-                if not q.fp8_quantizable(entry.shape, (bm, bn)):
+                if len(entry.shape) != 2 or not (options.fp8_edge_tiles or q.fp8_quantizable(entry.shape, (bm, bn))):
                     skipped.add(entry.name.rsplit(".", 1)[0])
                     continue
-                grid = (*entry.shape[:-2], entry.shape[-2] // bm, entry.shape[-1] // bn)
+                grid = (-(-entry.shape[0] // bm), -(-entry.shape[1] // bn))
                 entries[i] = QuantizedPiece(entry, FileTensor(entry.name, param, entry.shape, q.FP8_DTYPE),
                                             FileTensor(entry.name + q.FP8_SCALE_SUFFIX, param, grid, torch.float32),
                                             q.FP8, (bm, bn))
@@ -571,12 +574,12 @@ def _write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[st
         for first in range(0, rows, step):
             chunk = values[first:first + step]
             packed, scales = q.quantize_fp8(chunk, (bm, bn))
-            dequantized = packed.to(torch.float32) * scales.repeat_interleave(bm, 0).repeat_interleave(bn, 1)
-            sums.append((name, data_path.name, data_offset + first * cols, partial_sums(dequantized)))
+            sums.append((name, data_path.name, data_offset + first * cols,
+                         partial_sums(q.fp8_dequantize(packed, scales, (bm, bn)))))
             _write_at(data_fd, packed.view(torch.uint8).reshape(-1).numpy().data, data_offset + first * cols,
                       data_path)
             _write_at(scale_fd, scales.reshape(-1).view(torch.uint8).numpy().data,
-                      scale_offset + (first // bm) * (cols // bn) * 4, scale_path)
+                      scale_offset + (first // bm) * scales.shape[1] * 4, scale_path)
         return
     *lead, k, n = entry.piece.shape
     values = values.reshape(-1, k, n)

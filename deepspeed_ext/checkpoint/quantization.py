@@ -248,19 +248,14 @@ def _lead_index(lead_shape: tuple[int, ...], lead: int) -> tuple[int, ...]:
 
 def _fp8_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
               stop: int) -> torch.Tensor:
-    bm, bn = tensor.block
-    cols = tensor.shape[-1]
+    bm = tensor.block[0]
     q = read(tensor.data, (*index, slice(first, stop)))
     grid_first, grid_stop = first // bm, -(-stop // bm)
     if tensor.per_tensor:  # one scale (a scalar or [1, 1] in the files)
         scales = read(tensor.scales, ()).reshape(1, 1)
     else:
         scales = read(tensor.scales, (*index, slice(grid_first, grid_stop)))
-    scale = e8m0_to_float(scales)
-    # Each row's scales, then each column's: the product is q * s elementwise, as transformers computes it.
-    scale = scale.repeat_interleave(bm, dim=0)[first - grid_first * bm:stop - grid_first * bm]
-    scale = scale.repeat_interleave(bn, dim=1)[:, :cols]
-    return q.to(torch.float32) * scale
+    return fp8_dequantize(q, scales, tensor.block, first - grid_first * bm)
 
 
 def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
@@ -290,7 +285,9 @@ def fp8_quantizable(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
 
 
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight [rows, cols]`` (whole tiles) -> (``float8_e4m3fn`` values, fp32 ``scale_inv`` per tile).
+    """``weight [rows, cols]`` -> (``float8_e4m3fn`` values, fp32 ``scale_inv`` per tile, a grid of
+    ``ceil(rows / bm) x ceil(cols / bn)``: partial tiles at the edges, DeepSeek's way, where the weight is not
+    whole tiles).
 
     transformers' rule: ``scale = 448 / amax`` per tile (1 for an all-zero tile), ``q = clamp(w * scale)`` cast
     to e4m3, ``scale_inv = 1 / scale``. ``scale_inv`` comes out of two roundings, so quantizing ``q * scale_inv``
@@ -298,7 +295,11 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     a few ulps, that ``s`` is kept, which makes dequantize -> quantize give the original bytes."""
     bm, bn = block
     rows, cols = weight.shape
-    x = weight.to(torch.float32).reshape(rows // bm, bm, cols // bn, bn)
+    grid_rows, grid_cols = -(-rows // bm), -(-cols // bn)
+    x = weight.to(torch.float32)
+    if (grid_rows * bm, grid_cols * bn) != (rows, cols):  # zeros change no tile's largest value
+        x = torch.nn.functional.pad(x, (0, grid_cols * bn - cols, 0, grid_rows * bm - rows))
+    x = x.reshape(grid_rows, bm, grid_cols, bn)
     amax = x.abs().amax(dim=(1, 3))
     scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
                         torch.ones_like(amax))
@@ -323,7 +324,16 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
             if bool(settled.all()):
                 break
         scale_inv = best
-    return q.reshape(rows, cols), scale_inv
+    return q.reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols].contiguous(), scale_inv
+
+
+def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], row_offset: int = 0
+                   ) -> torch.Tensor:
+    """``q [rows, cols]`` times its tile's scale (``scale_inv``'s rows start ``row_offset`` rows above ``q``'s
+    first), elementwise in fp32 as transformers computes it."""
+    rows, cols = q.shape
+    scale = e8m0_to_float(scale_inv).repeat_interleave(block[0], 0)[row_offset:row_offset + rows]
+    return q.to(torch.float32) * scale.repeat_interleave(block[1], 1)[:, :cols]
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

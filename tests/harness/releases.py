@@ -18,10 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepspeed_ext.checkpoint import quantization
-
-
-def save(model: torch.nn.Module, directory: Path) -> None:
-    model.save_pretrained(directory, safe_serialization=True)
+from harness.hf import save_pretrained as save
 
 
 def _edit(directory: Path, edit) -> None:
@@ -131,16 +128,21 @@ def gemma3_multimodal(seed: int = 7) -> torch.nn.Module:
     return Gemma3ForConditionalGeneration(config).eval()
 
 
-def write_legacy_multimodal(model: torch.nn.Module, directory: Path) -> Path:
-    """The older naming: ``language_model.model.*``, ``vision_tower.*``, ``multi_modal_projector.*``."""
+#: The two namings of a multimodal Gemma 3's files, per tensor group.
+NAMINGS = {"new": ("model.language_model.", "model.vision_tower.", "model.multi_modal_projector.", "lm_head."),
+           "legacy": ("language_model.model.", "vision_tower.", "multi_modal_projector.", "language_model.lm_head.")}
+
+
+def write_multimodal(model: torch.nn.Module, directory: Path, naming: str) -> Path:
+    """``model`` saved with the files in ``naming``: ``new`` (``model.language_model.*``, transformers 5's
+    modules) or ``legacy`` (``language_model.model.*``, ``vision_tower.*``, as older releases and transformers
+    5.22's own ``save_pretrained`` write)."""
     save(model, directory)
 
     def rename(name: str) -> str:
-        for new, old in (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
-                         ("model.multi_modal_projector.", "multi_modal_projector."),
-                         ("lm_head.", "language_model.lm_head.")):
-            if name.startswith(new):
-                return old + name[len(new):]
+        for old, new in zip(NAMINGS["legacy"] if naming == "new" else NAMINGS["new"], NAMINGS[naming]):
+            if name.startswith(old):
+                return new + name[len(old):]
         return name
 
     _edit(directory, lambda tensors: {rename(name): value for name, value in tensors.items()})
@@ -177,11 +179,3 @@ def _edit_one(directory: Path, file: Path, extra: dict[str, torch.Tensor]) -> No
         data = json.loads(index.read_text())
         data["weight_map"].update({name: file.name for name in extra})
         index.write_text(json.dumps(data, indent=2))
-
-
-def read_raw(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the files, as stored."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
