@@ -268,8 +268,11 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
             params += _like_layout(like, params, pieces, dtype, label)
         quantized = None
         if options.quantize is not None:
+            # The release's own tensors the model lacks (its MTP layer) are written quantized where it had them so.
+            stored_quantized = set() if like is None else {
+                name for name, stored in like.set_aside.items() if stored in like._quantized}
             quantized = _quantize_plan(options, model_config, pieces, {t.name: tuple(t.shape) for t in params},
-                                       label, fit)
+                                       label, fit, stored_quantized)
         plan = {entry.name: entry for entries in pieces.values() for piece in entries
                 for entry in _stored_entries(piece)}
         split = split_state_dict_into_shards_factory(plan, get_storage_size=lambda entry: entry.nbytes,
@@ -323,8 +326,9 @@ def _stored_entries(piece: FileTensor | QuantizedPiece) -> tuple[FileTensor, ...
 
 def _quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
                    pieces: dict[str, list[FileTensor | QuantizedPiece]], shapes: Mapping[str, tuple[int, ...]],
-                   label: str, fit: ConfigFit) -> dict[str, Any]:
-    """Replace the pieces written quantized by :class:`QuantizedPiece`; the ``quantization_config`` to write."""
+                   label: str, fit: ConfigFit, stored_quantized: set[str]) -> dict[str, Any]:
+    """Replace the pieces written quantized by :class:`QuantizedPiece`; the ``quantization_config`` to write.
+    ``stored_quantized``: tensors outside the model (copied from a release) to quantize as it had them."""
     from deepspeed_ext.checkpoint import quantization as q
     if options.quantize == q.FP8:
         block = tuple(options.fp8_block)
@@ -338,7 +342,8 @@ def _quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
             for i, entry in enumerate(entries):
                 if not isinstance(entry, FileTensor):
                     continue
-                is_linear = param in linear or (entry.expert is not None and entry.name.endswith(".weight"))
+                is_linear = (param in linear or param in stored_quantized
+                             or (entry.expert is not None and entry.name.endswith(".weight")))
                 if not is_linear or param == TIED_PAIR[0]:
                     continue
                 if len(entry.shape) != 2 or not (options.fp8_edge_tiles or q.fp8_quantizable(entry.shape, (bm, bn))):

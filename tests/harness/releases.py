@@ -149,9 +149,10 @@ def write_multimodal(model: torch.nn.Module, directory: Path, naming: str) -> Pa
     return directory
 
 
-def add_mtp_layer(directory: Path, config: Any, seed: int = 11) -> list[str]:
+def add_mtp_layer(directory: Path, config: Any, seed: int = 11, block: tuple[int, int] | None = None) -> list[str]:
     """DeepSeek-V3's release layout: a multi-token-prediction layer ``model.layers.<num_hidden_layers>`` (a decoder
-    layer plus ``enorm``, ``hnorm``, ``eh_proj`` and a shared head) in the last file; its tensor names."""
+    layer plus ``enorm``, ``hnorm``, ``eh_proj`` and a shared head) in the last file, its projections in FP8
+    tiles of ``block`` where given; its tensor names."""
     torch.manual_seed(seed)
     layer = config.num_hidden_layers
     hidden, vocab = config.hidden_size, config.vocab_size
@@ -165,6 +166,9 @@ def add_mtp_layer(directory: Path, config: Any, seed: int = 11) -> list[str]:
     files = sorted(directory.glob("*.safetensors"))
     dtype = next(iter(load_file(files[-1]).values())).dtype
     extra = {name: value.to(dtype) for name, value in extra.items()}
+    if block is not None:
+        for name in [n for n in extra if n.endswith(("eh_proj.weight", "gate_proj.weight"))]:
+            extra.update(fp8_tensors(name, extra.pop(name), block, edge_tiles=True))
     _edit_one(directory, files[-1], extra)
     _config(directory, num_nextn_predict_layers=1)
     return sorted(extra)

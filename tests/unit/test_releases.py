@@ -52,7 +52,7 @@ def fp8_deepseek(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     model = build_model("deepseek-v3", seed=7).to(torch.bfloat16)
     directory = releases.write_fp8(model, root / "deepseek", edge_tiles=True)
-    releases.add_mtp_layer(directory, model.config)
+    releases.add_mtp_layer(directory, model.config, block=BLOCK)
     return directory
 
 
