@@ -44,7 +44,7 @@ from deepspeed_ext.checkpoint.source import (CheckpointSource, OpenOptions, Sour
 from deepspeed_ext.checkpoint.model_config import (ConfigFit, output_dtype, safetensors_dtype_code,
                                                    torch_dtype)
 from deepspeed_ext.checkpoint.quantization import STORAGE_CODES
-from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
+from deepspeed_ext.checkpoint.tensor import BLOCK_ELEMENTS, MASTER_WEIGHTS, LogicalTensor
 from deepspeed_ext.errors import CheckpointError, MissingConfigError
 from deepspeed_ext.module_inject.layout import TPLayout
 
@@ -289,11 +289,11 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
             source.raise_if_damaged()
             config = fit.result()
             if like is not None:
-                _write_like_config(like, partial / CONFIG_FILE, quantized)
+                _write_config(partial / CONFIG_FILE, like.raw_config, quantized)
             else:
                 config.save_pretrained(partial)
                 if quantized is not None:
-                    _add_to_config(partial / CONFIG_FILE, {"quantization_config": quantized})
+                    _write_config(partial / CONFIG_FILE, json.loads((partial / CONFIG_FILE).read_text()), quantized)
             for name, companion in companions.items():
                 shutil.copyfile(companion, partial / name)
             if GENERATION_CONFIG not in companions:
@@ -395,15 +395,11 @@ def _like_layout(like: HFCheckpoint, params: list[LogicalTensor],
                  pieces: dict[str, list[FileTensor | QuantizedPiece]], dtype: str, label: str) -> list[LogicalTensor]:
     """Name the pieces as ``like`` stores its text model, check they are the tensors it has, and add its tensors
     the model lacks (read from it, in their own dtype unless ``dtype`` says otherwise)."""
-    have = {t.name: tuple(t.shape) for t in params}
-    wanted = {name: shape for name, shape in like.shapes.items()}
-    if set(have) != set(wanted) or any(have[n] != wanted[n] for n in have):
-        missing, extra = sorted(set(wanted) - set(have)), sorted(set(have) - set(wanted))
-        wrong = sorted(n for n in set(have) & set(wanted) if have[n] != wanted[n])
-        detail = (f"it has {missing[:3]} that the source lacks" if missing else
-                  f"the source has {extra[:3]} that it lacks" if extra else
-                  f"{wrong[0]} is {list(have[wrong[0]])} in the source, {list(wanted[wrong[0]])} in it")
-        raise CheckpointError(f"{like.path}: not the model of {label} (--like): {detail}")
+    from deepspeed_ext.checkpoint.model_config import shapes_mismatch
+    detail = shapes_mismatch(like.shapes, {t.name: tuple(t.shape) for t in params}, "the release has")
+    if detail is not None:
+        raise CheckpointError(f"{like.path}: not the model of {label} (--like): the source's parameters against "
+                              f"the release's: {detail}")
     if like.multimodal is not None:
         for entries in pieces.values():
             for i, entry in enumerate(entries):
@@ -425,18 +421,13 @@ def _set_aside_loader(like: HFCheckpoint, name: str) -> Callable[[str], torch.Te
     return lambda state: like._read(name)
 
 
-def _write_like_config(like: HFCheckpoint, path: Path, quantized: Mapping[str, Any] | None) -> None:
-    """The release's own config, quantized as written."""
-    config = {key: value for key, value in like.raw_config.items() if key != "quantization_config"}
+def _write_config(path: Path, config: Mapping[str, Any], quantized: Mapping[str, Any] | None) -> None:
+    """``config`` (the release's own, or what ``save_pretrained`` wrote) with the ``quantization_config`` of the
+    weights as written, or none."""
+    values = {key: value for key, value in config.items() if key != "quantization_config"}
     if quantized is not None:
-        config["quantization_config"] = dict(quantized)
-    durable.replace_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _add_to_config(path: Path, values: Mapping[str, Any]) -> None:
-    config = json.loads(path.read_text())
-    config.update(values)
-    durable.replace_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+        values["quantization_config"] = dict(quantized)
+    durable.replace_file(path, json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def companion_files(info: SourceInfo) -> list[Path]:
@@ -575,7 +566,7 @@ def _write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[st
         bm, bn = entry.block
         rows, cols = math.prod(entry.piece.shape[:-1]), entry.piece.shape[-1]
         values = values.reshape(rows, cols)
-        step = bm * max(1, (1 << 20) // (bm * cols))
+        step = bm * max(1, BLOCK_ELEMENTS // (bm * cols))  # whole tile rows, as many as a streamed block
         for first in range(0, rows, step):
             chunk = values[first:first + step]
             packed, scales = q.quantize_fp8(chunk, (bm, bn))
@@ -590,9 +581,8 @@ def _write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[st
     values = values.reshape(-1, k, n)
     for expert in range(values.shape[0]):
         blocks, scales = q.quantize_mxfp4(values[expert])
-        dequantized = torch.ldexp(q.unpack_e2m1(blocks), (scales.to(torch.int32) - q.E8M0_BIAS).unsqueeze(-1))
         offset = data_offset + expert * blocks.numel()
-        sums.append((name, data_path.name, offset, partial_sums(dequantized.reshape(n, k).t().contiguous())))
+        sums.append((name, data_path.name, offset, partial_sums(q.mxfp4_dequantize(blocks, scales).contiguous())))
         _write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
         _write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * scales.numel(), scale_path)
 

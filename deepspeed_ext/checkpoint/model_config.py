@@ -96,13 +96,20 @@ def linear_weights(config: Any) -> set[str]:
 def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str | None:
     """How parameter names/shapes ``have`` fail to fit transformers' model for ``config``; None if they fit."""
     expected = _expected_parameters(config)
-    if expected is None or dict(have) == expected:
+    detail = None if expected is None else shapes_mismatch(expected, have, "the config says")
+    return None if detail is None else f"parameters do not fit {type(config).__name__}'s model ({detail})"
+
+
+def shapes_mismatch(expected: Mapping[str, tuple[int, ...]], have: Mapping[str, tuple[int, ...]],
+                    expected_says: str) -> str | None:
+    """The first way names/shapes ``have`` differ from ``expected`` (missing, unexpected, a wrong shape, where
+    ``expected_says`` introduces the expected shape), or None."""
+    if dict(have) == dict(expected):
         return None
     missing, extra = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
     wrong = sorted(n for n in set(have) & set(expected) if have[n] != expected[n])
-    detail = (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
-              f"{wrong[0]} is {list(have[wrong[0]])}, the config says {list(expected[wrong[0]])}")
-    return f"parameters do not fit {type(config).__name__}'s model ({detail})"
+    return (f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else
+            f"{wrong[0]} is {list(have[wrong[0]])}, {expected_says} {list(expected[wrong[0]])}")
 
 
 def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: str) -> None:

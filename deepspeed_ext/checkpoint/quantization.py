@@ -264,10 +264,14 @@ def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ..
     group_first, group_stop = first // MX_BLOCK, -(-stop // MX_BLOCK)
     blocks = read(tensor.data, (*index, slice(None), slice(group_first, group_stop)))  # [out, groups, 16]
     scales = read(tensor.scales, (*index, slice(None), slice(group_first, group_stop)))  # [out, groups]
-    values = unpack_e2m1(blocks)  # [out, groups, 32]
-    values = torch.ldexp(values, (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
-    values = values.reshape(values.shape[0], -1).t()  # [groups * 32, out]
-    return values[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
+    return mxfp4_dequantize(blocks, scales)[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Stored ``blocks [out, groups, 16]`` and ``scales [out, groups]`` -> the model's ``[groups * 32, out]``
+    (a transposed view), in fp32: each E2M1 value times ``2 ** (scale - 127)``."""
+    values = torch.ldexp(unpack_e2m1(blocks), (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
+    return values.reshape(values.shape[0], -1).t()
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
