@@ -24,12 +24,13 @@ MESH_SHAPE = {"fsdp": 2, "tensor": 2}
 TOKENS = [3, 17, 250, 42, 42, 7, 99, 128, 5, 61, 200, 13]
 
 
-def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
+def hf_model(family: str, head_dim: int = 16, num_layers: int | None = None) -> torch.nn.Module:
     """The family's tiny model at the MaxText sizes (deepspeed_ext.demo.models.tiny_config), its weights made to
-    show mistakes: peaky attention, norms away from 1, nonzero biases and router bias."""
+    show mistakes: peaky attention, norms away from 1, nonzero biases and router bias. ``num_layers``: another
+    decoder depth than the family's tiny one (the per-layer attention types follow from it)."""
     import transformers
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, maxtext_head_dim=head_dim),
+    model = transformers.AutoModelForCausalLM.from_config(sized_config(family, head_dim, num_layers),
                                                           attn_implementation="eager").float().eval()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -44,6 +45,18 @@ def hf_model(family: str, head_dim: int = 16) -> torch.nn.Module:
             if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: steers the expert choice
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
     return model
+
+
+def sized_config(family: str, head_dim: int, num_layers: int | None = None):
+    """tiny_config at the MaxText sizes, ``num_layers`` deep when given."""
+    config = tiny_config(family, maxtext_head_dim=head_dim)
+    if num_layers is None:
+        return config
+    settings = {key: value for key, value in config.to_dict().items() if key != "model_type"}
+    settings["num_hidden_layers"] = num_layers
+    if "layer_types" in settings:  # rebuilt by the config for the new depth
+        settings["layer_types"] = None
+    return type(config)(**settings)
 
 
 def reference_config(model: torch.nn.Module, family: str, scan_layers: bool) -> ReferenceConfig:

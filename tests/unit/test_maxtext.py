@@ -21,7 +21,7 @@ from deepspeed_ext.checkpoint.maxtext import ModelDims, plan_leaves, write_maxte
 jax = pytest.importorskip("jax")
 ocp = pytest.importorskip("orbax.checkpoint")
 from harness.maxtext import (MESH_SHAPE, TOKENS, convert, hf_model, reference_config,  # noqa: E402
-                             restore_on_mesh, torch_adam_state)
+                             restore_on_mesh, sized_config, torch_adam_state)
 from harness.maxtext_reference import forward  # noqa: E402
 
 LLAMA_SCANNED = {
@@ -89,16 +89,27 @@ def assert_round_trip(family: str, name: str, got: np.ndarray, want: np.ndarray,
     return True
 
 
-#: Every family of the registry, scanned and unscanned.
-ROUND_TRIPS = [(family, scan_layers) for family in family_names() for scan_layers in (True, False)]
+#: Every family of the registry, scanned and unscanned, at its tiny depth and one layer deeper: counts that are
+#: not whole cycles (gpt-oss's pairs, gemma3's sixes) and an odd MoE stack for deepseek-v3.
+ROUND_TRIPS = [(family, scan_layers, deeper) for family in family_names() for scan_layers in (True, False)
+               for deeper in (False, True)]
 
 
-@pytest.mark.parametrize("family, scan_layers", ROUND_TRIPS)
-def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers):
+@pytest.mark.parametrize("family, scan_layers, deeper", ROUND_TRIPS)
+def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers, deeper):
     """HF/universal tensors -> MaxText (fp32) -> back: bit-exact, except the query kernel of families that
-    bake in 1/sqrt(D), within 1 ulp (head_dim 8 here: sqrt(8) is not a power of two), and gemma3's norms."""
+    bake in 1/sqrt(D), within 1 ulp (head_dim 8 here: sqrt(8) is not a power of two), and gemma3's norms.
+    A depth scanned MaxText cannot hold (gpt-oss: whole pairs) is refused by the writer with the way out, and
+    written unscanned it reads back like any other."""
     from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
-    model = hf_model(family, head_dim=8)
+    from deepspeed_ext.errors import CheckpointError
+    depth = sized_config(family, 8).num_hidden_layers + 1 if deeper else None
+    model = hf_model(family, head_dim=8, num_layers=depth)
+    if scan_layers and family == "gpt-oss" and deeper:
+        with pytest.raises(CheckpointError, match="not whole cycles of 2.*--no-scan-layers"):
+            convert(model, family, tmp_path / "out", scan_layers=True)
+        assert not (tmp_path / "out").exists()
+        return
     items, _ = convert(model, family, tmp_path / "out", scan_layers=scan_layers)
     stored = stored_model_info(items)
     assert stored["family"] == family and stored["model_config"]["num_attention_heads"] == 64 // 8

@@ -101,8 +101,7 @@ class MaxTextCheckpoint:
                               if name.startswith(params_prefix)}
         if not any(name.startswith(f"{PARAMS_COLLECTION}/") for name in self.stored):
             raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
-        stacks = {block.path for block in layer_blocks(family, self.dims, True) if block.stacked}
-        self.scan_layers = any(f"/{stack}/" in f"/{name}" for name in self.stored for stack in stacks)
+        self.scan_layers = self._is_scanned()
         self._sources = self._plan()
         moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
                    for state, prefix in MOMENT_PREFIX.items()}
@@ -113,6 +112,16 @@ class MaxTextCheckpoint:
         self.step = self._read_scalar((STEP_KEY, ))
         self.optimizer_step = self._read_scalar(OPTIMIZER_COUNT) if self.has_optimizer else 0
         self._cache: dict[tuple[str, ...], np.ndarray] = {}
+
+    def _is_scanned(self) -> bool:
+        """Whether the layers are stored stacked: a stack of the scanned layout is there. A depth the scanned
+        layout cannot hold (gpt-oss's odd layer counts) can only have been written unscanned."""
+        try:
+            blocks = layer_blocks(self.family, self.dims, True)
+        except CheckpointError:
+            return False
+        stacks = {block.path for block in blocks if block.stacked}
+        return any(f"/{stack}/" in f"/{name}" for name in self.stored for stack in stacks)
 
     @property
     def read_paths(self) -> list[Path]:
