@@ -211,3 +211,29 @@ def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharde
         assert answer["split"] >= answer["arrays"] // 2, \
             f"MaxText split only {answer['split']} of {answer['arrays']} arrays over the mesh"
     return np.load(logits)[0]
+
+
+def maxtext_train(settings: list[str], tokens: np.ndarray, workdir: Path) -> dict:
+    """MaxText's own train_step (workers/maxtext_train.py, in .venv-maxtext) on ``tokens`` (int [steps, batch,
+    length]: the token rows DeepSpeed trains on at each step, ``labels=tokens`` in transformers' sense), from the
+    checkpoint ``settings`` name, saving the full state after every step with MaxText's checkpoint manager.
+
+    transformers shifts the labels inside the model: position i predicts token i+1 and the last position predicts
+    nothing. MaxText takes inputs and targets already shifted, so its batch is ``inputs = tokens[:, :-1]``,
+    ``targets = tokens[:, 1:]`` (length - 1 positions from 0, one segment per row): the same loss over the same
+    predictions. Returns ``{"start_step", "losses", "checkpoints"}`` (checkpoint ``i`` holds the state after
+    ``losses[i]``'s step)."""
+    from harness.environments import MAXTEXT_PYTHON
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    np.savez(workdir / "batches.npz", inputs=tokens[:, :, :-1], targets=tokens[:, :, 1:])
+    request = {"settings": settings, "batches": str(workdir / "batches.npz"), "output_dir": str(workdir / "run"),
+               "result": str(workdir / "result.json")}
+    (workdir / "request.json").write_text(json.dumps(request))
+    worker = Path(__file__).parent / "workers" / "maxtext_train.py"
+    proc = subprocess.run([str(MAXTEXT_PYTHON), str(worker), str(workdir / "request.json")], capture_output=True,
+                          text=True, timeout=600, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    (workdir / "maxtext_train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"MaxText's training failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads((workdir / "result.json").read_text())

@@ -50,6 +50,7 @@ class Scenario:
     model_config: dict | None = None  # an HF config.json's values instead of the family's tiny config
     steps: int = 5
     save_at: int = 3
+    save_also: tuple[int, ...] = ()  # more steps to save after (``tag_dir`` stays ``save_at``'s; convert=False)
     baseline: dict[int, float] = field(default_factory=dict)
     resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
     #: fp16 loss scale per step: "baseline" for the uninterrupted run, else the resume's key.
@@ -90,6 +91,8 @@ class Scenario:
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
                                        str(self.root / "baseline.json"), "--dump", str(self.dump_dir)]
+        for step in self.save_also:
+            args += ["--save-at", str(step)]
         torchrun_train(self.tp * self.dp,
                        args + (["--plain"] if self.plain else []),
                        self.root / "train.log",

@@ -115,6 +115,7 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers,
     assert stored["family"] == family and stored["model_config"]["num_attention_heads"] == 64 // 8
     source = MaxTextCheckpoint(items, get_family(family), stored["model_config"])
     assert source.scan_layers == scan_layers
+    assert source.summary()["state"].startswith("parameters only")
     original = {name: p.detach().numpy() for name, p in model.named_parameters()}
     original.update((name, b.numpy()) for name, b in model.named_buffers() if name in model.state_dict())
     assert list(source.layouts) and sorted(source.layouts) == sorted(original)
@@ -151,6 +152,13 @@ def test_adam_moments_round_trip_for_every_family(tmp_path, family, scan_layers,
                           scan_layers=scan_layers)
     source = MaxTextCheckpoint(items, get_family(family), config)
     assert source.has_optimizer and source.optimizer_step == 2
+    state = source.summary()["state"]
+    assert state.startswith("full train state") and "load_full_state_path" in state
+    flat = ocp.tree.to_flat_dict(ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree, sep="/")
+    aux = sorted(name for name in flat if name.startswith("nnx_aux/model/"))
+    # Variables outside params also where MaxText's full-state restore reads them: DeepSeek's router bias.
+    assert aux == ([] if family != "deepseek-v3" else sorted(
+        "nnx_aux/model/" + name.split("/", 2)[2] for name in flat if name.startswith("params/MoEBiasVar/")))
     if dtype == "float32":
         for name in shapes:
             for state in ("fp32", "exp_avg", "exp_avg_sq"):

@@ -59,5 +59,9 @@ MOMENT_PREFIX = {"exp_avg": (*ADAM_STATE, MU_KEY), "exp_avg_sq": (*ADAM_STATE, N
 OPTIMIZER_COUNT = (*ADAM_STATE, COUNT_KEY)
 #: The trees that mirror the parameter tree (the weights, each moment), as flat ``/`` paths.
 PARAM_ROOTS = tuple("/".join((*prefix, PARAMS_COLLECTION, "")) for prefix in (PARAMS_PREFIX, *MOMENT_PREFIX.values()))
+#: Where MaxText's full train state keeps the model's persistent variables that are not parameters (NNX's
+#: checkpoint layout: ``nnx_aux/model/<path>``; DeepSeek's router bias, RNG streams).
+MODEL_AUX_KEY = "nnx_aux"
+MODEL_AUX_MODEL = "model"
 #: The decoder subtrees that hold scanned stacks (``decoder/<stack>/...``) in MaxText's families.
 SCANNED_STACKS = ("layers", "dense_layers", "moe_layers")

@@ -15,9 +15,9 @@ from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprints
 from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
 from deepspeed_ext.checkpoint.maxtext.names import (CUSTOM_METADATA, FAMILY_KEY, FINGERPRINTS_KEY, ITEM, METADATA,
-                                                    METADATA_KEY, MODEL_CONFIG_KEY, MOMENT_PREFIX, OPTIMIZER_COUNT,
-                                                    PARAMS_COLLECTION, PARAMS_PREFIX, STEP_DIR, STEP_KEY,
-                                                    STEP_METADATA)
+                                                    METADATA_KEY, MODEL_AUX_KEY, MODEL_AUX_MODEL, MODEL_CONFIG_KEY,
+                                                    MOMENT_PREFIX, OPTIMIZER_COUNT, PARAMS_COLLECTION, PARAMS_PREFIX,
+                                                    STEP_DIR, STEP_KEY, STEP_METADATA)
 from deepspeed_ext.checkpoint.maxtext.orbax_io import restore_leaf
 from deepspeed_ext.checkpoint.maxtext.plan import layer_blocks, rule_blocks
 from deepspeed_ext.checkpoint.maxtext.settings import maxtext_settings, settings_text
@@ -99,6 +99,10 @@ class MaxTextCheckpoint:
                        if name.startswith(params_prefix)}
         self.stored_dtypes = {name[len(params_prefix):]: str(m.dtype) for name, m in flat.items()
                               if name.startswith(params_prefix)}
+        # MaxText's full train state keeps the variables outside params (DeepSeek's router bias) under
+        # nnx_aux/model/<path>; a checkpoint MaxText wrote has them only there.
+        aux_prefix = f"{MODEL_AUX_KEY}/{MODEL_AUX_MODEL}/"
+        self._aux = {name[len(aux_prefix):]: m for name, m in flat.items() if name.startswith(aux_prefix)}
         if not any(name.startswith(f"{PARAMS_COLLECTION}/") for name in self.stored):
             raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
         self.scan_layers = self._is_scanned()
@@ -143,6 +147,8 @@ class MaxTextCheckpoint:
     def _plan(self) -> dict[str, list[tuple[Rule, str, int | None]]]:
         """HF name -> the (rule, leaf, layer index inside a stack) its parts come from, in rule order."""
         sources: dict[str, list[tuple[Rule, str, int | None]]] = {}
+        #: Where a leaf's weights sit in the tree when not at params/<leaf> (nnx_aux, above).
+        self._tree_paths: dict[str, tuple[str, ...]] = {}
         blocks = layer_blocks(self.family, self.dims, self.scan_layers)
         for rule in self.family.rules_for(self.dims.tied):
             places: list[tuple[str, str, int | None]] = []
@@ -153,6 +159,11 @@ class MaxTextCheckpoint:
                 for position, layer in enumerate(block.layers):
                     places.append((rule.hf.replace(LAYER, str(layer)), leaf, position if block.stacked else None))
             for hf, leaf, index in places:
+                path = leaf.split("/", 1)[1]
+                if leaf not in self.stored and rule.collection != PARAMS_COLLECTION and path in self._aux:
+                    self.stored[leaf] = tuple(self._aux[path].shape)
+                    self.stored_dtypes[leaf] = str(self._aux[path].dtype)
+                    self._tree_paths[leaf] = (MODEL_AUX_KEY, MODEL_AUX_MODEL, *path.split("/"))
                 if leaf not in self.stored:
                     raise CheckpointError(f"{self.items}: MaxText leaf {leaf!r} (for {hf}) is missing; wrong "
                                           f"--family ({self.family.name}) or config?")
@@ -193,7 +204,8 @@ class MaxTextCheckpoint:
                 # Outside the optimizer (DeepSeek's router bias): no moments, as a never-stepped Adam has.
                 pieces.append(np.zeros(self._hf_shape([(rule, leaf, index)]), np.float32))
                 continue
-            array = self._leaf((*prefix, *leaf.split("/")))
+            where = self._tree_paths.get(leaf) if state == MASTER_WEIGHTS else None
+            array = self._leaf(where or (*prefix, *leaf.split("/")))
             if index is not None:
                 array = np.take(array, index, axis=rule.scan_axis)
             pieces.append(from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state))
@@ -243,6 +255,8 @@ class MaxTextCheckpoint:
             "arrays": len(self.stored),
             "tensor_dtypes": sorted(set(self.stored_dtypes.values())),
             "global_steps": self.step,
+            "state": ("full train state (parameters, optax adamw's mu/nu, step): MaxText's load_full_state_path"
+                      if self.has_optimizer else "parameters only: MaxText's load_parameters_path"),
             "optimizer": "optax adamw (mu, nu)" if self.has_optimizer else "none",
             "optimizer_step": self.optimizer_step if self.has_optimizer else None,
             "num_parameters": sum(math.prod(layout.shape) for layout in self.layouts.values()),

@@ -52,3 +52,23 @@ def settings_text(settings: Mapping[str, Any]) -> str:
             return "[" + ",".join(text(v) for v in value) + "]"
         return str(value)
     return " ".join(f"{key}={text(value)}" for key, value in settings.items())
+
+
+def adamw_settings(lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                   weight_decay: float = 0.01, steps: int | None = None,
+                   gradient_clipping: float | None = None) -> dict[str, Any]:
+    """The MaxText settings under which its ``opt_type=adamw`` continues a DeepSpeed run of torch's AdamW
+    (DeepSpeed's ``"type": "Adam"``/``"AdamW"``; torch's default ``weight_decay`` is 0.01) at a constant
+    learning rate ``lr``: the same betas and epsilon (outside the square root), decoupled weight decay on every
+    parameter (MaxText's default ``adamw_mask`` is empty, as DeepSpeed decays every group it was given), no warmup
+    and a final fraction of 1 (MaxText's schedule is then constant: the step count it restores selects the same
+    rate), and DeepSpeed's ``gradient_clipping`` (0: none). ``steps``: where the MaxText run stops. MaxText's own
+    defaults differ: b2 0.95, weight decay 0.1, a warmup and a cosine decay."""
+    settings: dict[str, Any] = {
+        "opt_type": "adamw", "learning_rate": lr, "adam_b1": betas[0], "adam_b2": betas[1], "adam_eps": eps,
+        "adam_eps_root": 0.0, "adam_weight_decay": weight_decay, "warmup_steps_fraction": 0.0,
+        "learning_rate_final_fraction": 1.0, "gradient_clipping_threshold": gradient_clipping or 0.0,
+    }
+    if steps is not None:
+        settings["steps"] = steps
+    return settings

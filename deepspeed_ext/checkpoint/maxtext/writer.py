@@ -23,9 +23,9 @@ from deepspeed_ext.checkpoint import orbax_private, output
 from deepspeed_ext.checkpoint.families import LAYER, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints
 from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, FAMILY_KEY, FINGERPRINTS_KEY, ITEM, METADATA_KEY,
-                                                    MODEL_CONFIG_KEY, MU_KEY, NU_KEY, OPT_STATE_KEY,
-                                                    PARAMS_COLLECTION, PARAMS_KEY, SCAN_LAYERS_KEY, STEP_DIR,
-                                                    STEP_KEY)
+                                                    MODEL_AUX_KEY, MODEL_AUX_MODEL, MODEL_CONFIG_KEY, MU_KEY, NU_KEY,
+                                                    OPT_STATE_KEY, PARAMS_COLLECTION, PARAMS_KEY, SCAN_LAYERS_KEY,
+                                                    STEP_DIR, STEP_KEY)
 from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, import_orbax, save_items
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf, plan_leaves
 from deepspeed_ext.checkpoint.maxtext.sharding import parse_mesh, shard_shape, storage_chunk
@@ -268,13 +268,21 @@ def _checked_rows(load_rows: LoadRows, checks: Sequence[StreamCheck],
 
 
 def _train_state(arrays: _LeafArrays, leaves: list[Leaf], options: WriterOptions) -> dict[str, Any]:
-    """MaxText's train state of lazy leaves: the step, the parameters, and optax adamw's state or nothing."""
+    """MaxText's train state of lazy leaves: the step, the parameters, and optax adamw's state or nothing.
+
+    A full state (``with_optimizer``) also has the variables outside ``params`` where MaxText's full-state restore
+    reads them (``nnx_aux/model``), beside their place in the parameter tree, which a parameter load reads: a full
+    restore ignores the second and keeps its freshly initialized value (a zero router bias: other experts)."""
     opt_state: Any = {}
+    state = {STEP_KEY: int(options.step), PARAMS_KEY: arrays.tree(leaves, MASTER_WEIGHTS)}
     if options.with_optimizer:
         count = np.int32(options.step if options.optimizer_step is None else options.optimizer_step)
         adam = {COUNT_KEY: count, MU_KEY: arrays.tree(leaves, "exp_avg"), NU_KEY: arrays.tree(leaves, "exp_avg_sq")}
         opt_state = [adam, None, {COUNT_KEY: count}]
-    return {STEP_KEY: int(options.step), PARAMS_KEY: arrays.tree(leaves, MASTER_WEIGHTS), OPT_STATE_KEY: opt_state}
+        variables = arrays.model_variables(leaves)
+        if variables:
+            state[MODEL_AUX_KEY] = {MODEL_AUX_MODEL: variables}
+    return {**state, OPT_STATE_KEY: opt_state}
 
 
 def _finish(partial: Path, options: WriterOptions, read_back: _ReadBackFingerprints) -> None:
@@ -321,6 +329,19 @@ class _LeafArrays:
             for key in leaf.path[:-1]:
                 node = node.setdefault(key, {})
             node[leaf.path[-1]] = self.lazy_leaf(leaf, state, leaf_dtype)
+        return tree
+
+    def model_variables(self, leaves: list[Leaf]) -> dict[str, Any]:
+        """The variables outside ``params`` (DeepSeek's router bias) by their path alone: where MaxText's full train
+        state keeps them (``nnx_aux/model/<path>``, with every persistent variable that is not a parameter)."""
+        tree: dict[str, Any] = {}
+        for leaf in leaves:
+            if leaf.collection == PARAMS_COLLECTION:
+                continue
+            node = tree
+            for key in leaf.path[:-1]:
+                node = node.setdefault(key, {})
+            node[leaf.path[-1]] = self.lazy_leaf(leaf, MASTER_WEIGHTS, self.np_dtype)
         return tree
 
     def lazy_leaf(self, leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
