@@ -131,7 +131,8 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
         family = get_family(args.family) if args.family else infer_family(source.info.model_config)
         loading = (f"resume MaxText training from the full state (parameters, Adam moments, step) with "
                    f"load_full_state_path={items}, or load the parameters alone with load_parameters_path={items}"
-                   if args.with_optimizer else f"load it with load_parameters_path={items}")
+                   if args.with_optimizer else f"load it with load_parameters_path={items} (parameters only: "
+                   "--with-optimizer writes the full state, for load_full_state_path)")
         print(f"wrote MaxText checkpoint {items} (family {family.name}, scan_layers={args.scan_layers}, "
               f"{args.dtype}); {loading}")
         from deepspeed_ext.checkpoint.maxtext import maxtext_settings, settings_text
@@ -141,16 +142,31 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
             print(f"the model, in MaxText's settings: {settings}")
         except CheckpointError as exc:
             print(f"no MaxText settings for this model: {exc}")
+        if args.with_optimizer:
+            from deepspeed_ext.checkpoint.maxtext import continuation_settings
+            info = source.info
+            optimizer, notes = continuation_settings(info.optimizer_settings, info.global_step, info.dp_degree,
+                                                     family, info.model_config)
+            if optimizer:
+                print(f"the optimizer, in MaxText's settings (continues the run at step {info.global_step}): "
+                      f"{settings_text(optimizer)}; and steps=<the step the MaxText run stops at>")
+            for note in notes:
+                print(f"  note: {note}")
     return 0
 
 
 def cmd_from_maxtext(args: argparse.Namespace) -> int:
     source = _open(args.source, None, args.config, args.family, accept=_FROM_MAXTEXT_READS)
+    if args.with_optimizer:
+        source.require_optimizer()
+    elif source.optimizer_kind == "other":
+        print(f"note: {source.given}: {source.state_description}; the resumed run starts its optimizer fresh",
+              file=sys.stderr)
     info = source.info
     out = _write(source, args.output, "universal", args, progress_label="from-maxtext", check_config_fit=True)
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if info.has_optimizer else
-                     "fresh optimizer state")
+                     "fresh optimizer state: the checkpoint holds parameters only")
         print(f"wrote universal checkpoint {out} ({len(info.layouts)} parameters, family {source.family.name}, "
               f"{optimizer}); resume with \"checkpoint\": {{\"load_universal\": true}} at any TP degree")
     return 0
@@ -393,6 +409,9 @@ def _add_from_maxtext(sub: Any, family_help: str) -> None:
                    "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
     p.add_argument("--config", help="an HF config.json describing the model (default: the one to-maxtext recorded)")
     p.add_argument("--family", help=family_help)
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="the run must continue its optimizer: refuse a checkpoint without optax adamw's state "
+                   "(parameters only, or another MaxText optimizer's) instead of writing a fresh one")
     _writer_options(p)
     p.set_defaults(func=cmd_from_maxtext)
 

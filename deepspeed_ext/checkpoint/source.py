@@ -61,6 +61,9 @@ class SourceInfo:
     metadata: str = "none"
     #: The resume fingerprints recorded with the checkpoint, of the tensors as this reader yields them.
     fingerprints: Fingerprints | None = None
+    #: The optimizer's settings as saved (:func:`~deepspeed_ext.checkpoint.states.optimizer_settings`): what another
+    #: framework needs to continue the run. None where the checkpoint records none.
+    optimizer_settings: Mapping[str, Any] | None = None
 
     @property
     def has_optimizer(self) -> bool:

@@ -64,3 +64,22 @@ def optimizer_states_summary(param_states: Mapping[str, tuple[str, ...]]) -> dic
         key = "/".join(states)
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+#: The DeepSpeed config sections that shape an optimizer step beside the torch optimizer's own settings.
+STEP_CONFIG_KEYS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps",
+                    "train_micro_batch_size_per_gpu")
+
+
+def optimizer_settings(param_groups: Any, ds_config: Any) -> dict[str, Any] | None:
+    """An optimizer's settings as a checkpoint saved them, for another framework to continue the run with: each
+    param group's settings (``lr`` as at save time, ``betas``, ``eps``, ``weight_decay``, ...; not its parameters)
+    and the DeepSpeed config's sections that shape a step (:data:`STEP_CONFIG_KEYS`). None: no param groups."""
+    plain = (int, float, str, bool, tuple, list, type(None))
+    groups = [{key: value for key, value in group.items() if key != "params" and isinstance(value, plain)}
+              for group in (param_groups if isinstance(param_groups, (list, tuple)) else [])
+              if isinstance(group, Mapping)]
+    if not groups:
+        return None
+    config = ds_config if isinstance(ds_config, Mapping) else {}
+    return {"param_groups": groups, **{key: config[key] for key in STEP_CONFIG_KEYS if key in config}}

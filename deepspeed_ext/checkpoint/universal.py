@@ -46,7 +46,8 @@ from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointS
                                              WriteOptions, check_against_record, finite_check, protected_paths,
                                              required_model_config)
 from deepspeed_ext.checkpoint.states import (ADAM_STATES, KNOWN_SCALARS, MASTER_WEIGHTS, MUON_MOMENTUM, STEP,
-                                             has_optimizer, optimizer_states_summary, ordered_states)
+                                             has_optimizer, optimizer_settings, optimizer_states_summary,
+                                             ordered_states)
 from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -612,7 +613,9 @@ class UniversalCheckpoint:
                           model_class=recorded.model_class if recorded else None,
                           versions=dict(recorded.versions) if recorded else {},
                           metadata="deepspeed_ext" if recorded else "none",
-                          fingerprints=recorded.fingerprints if recorded else None)
+                          fingerprints=recorded.fingerprints if recorded else None,
+                          optimizer_settings=optimizer_settings(self.optimizer_state.get(keys.PARAM_GROUPS),
+                                                                states.get(keys.DS_CONFIG)))
 
     @cached_property
     def _scalars(self) -> tuple[str, ...]:

@@ -120,11 +120,15 @@ def test_maxtext_continues_deepspeeds_run_and_deepspeed_continues_maxtexts(scena
     run = _continued_run(scenarios, family)
     config = json.loads((run.tag_dir / "deepspeed_ext.json").read_text())["model_config"]
     out = tmp_path / "maxtext"
-    cli(["to-maxtext", str(run.tag_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer", "--quiet"]
-        + ([] if scan_layers else ["--no-scan-layers"]), tmp_path / "to_maxtext.log")
-    settings = (settings_text(maxtext_settings(get_family(family), config, scan_layers)).split(" ")
-                + settings_text(adamw_settings(LR, steps=STEPS, gradient_clipping=1.0)).split(" ")
-                + [f"load_full_state_path={out / '0' / 'items'}"])
+    printed = cli(["to-maxtext", str(run.tag_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer"]
+                  + ([] if scan_layers else ["--no-scan-layers"]), tmp_path / "to_maxtext.log").stdout
+    # MaxText runs with the settings to-maxtext printed: the model's, and the optimizer's read from the checkpoint.
+    model = printed.split("the model, in MaxText's settings: ", 1)[1].splitlines()[0].split(" ")
+    optimizer = printed.split("the optimizer, in MaxText's settings", 1)[1].splitlines()[0].split(": ", 1)[1]
+    optimizer = optimizer.split("; ", 1)[0].split(" ")
+    assert model == settings_text(maxtext_settings(get_family(family), config, scan_layers)).split(" ")
+    assert optimizer == settings_text(adamw_settings(LR, gradient_clipping=1.0)).split(" ")
+    settings = model + optimizer + [f"steps={STEPS}", f"load_full_state_path={out / '0' / 'items'}"]
     # The batches DeepSpeed trained steps 4, 5 and 6 on (one DP rank: the whole global batch).
     tokens = np.stack([batch(step, 0, 1).numpy() for step in (4, 5, 6)])
     result = maxtext_train(settings, tokens, tmp_path / "maxtext_run")

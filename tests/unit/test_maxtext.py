@@ -378,3 +378,61 @@ def test_row_blocks_cover_whole_chunks():
     prime = row_blocks("copy", "fp32", (2 * 8009, 4096), dims, (8009, 4096), 32 << 20)  # no divisor near the block
     assert prime.chunk == 8009
     assert row_blocks("query_bias", "fp32", (4096, ), dims, None).axis == 0
+
+
+def test_parameters_only_and_full_state_are_told_apart_in_one_line(tmp_path, capsys):
+    """A parameters-only checkpoint where a full train state is needed (to-maxtext --with-optimizer from HF weights,
+    from-maxtext --with-optimizer of a parameters-only MaxText checkpoint) is refused in one line saying which it is
+    and which MaxText setting reads it; nothing is written. inspect says which a MaxText checkpoint is."""
+    from deepspeed_ext.cli import main
+    model = hf_model("llama", head_dim=8)
+    model.save_pretrained(tmp_path / "hf")
+    capsys.readouterr()
+    assert main(["to-maxtext", str(tmp_path / "hf"), "-o", str(tmp_path / "full"), "--with-optimizer",
+                 "--quiet"]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "parameters only" in error and "load_full_state_path" in error and "load_parameters_path" in error
+    assert len(error.splitlines()) == 1 and not (tmp_path / "full").exists()
+
+    assert main(["to-maxtext", str(tmp_path / "hf"), "-o", str(tmp_path / "params"), "--quiet"]) == 0
+    assert main(["inspect", str(tmp_path / "params")]) == 0
+    assert "parameters only: MaxText's load_parameters_path" in capsys.readouterr().out
+    assert main(["from-maxtext", str(tmp_path / "params"), "-o", str(tmp_path / "back"), "--with-optimizer",
+                 "--quiet"]) != 0
+    error = capsys.readouterr().err.strip()
+    assert "parameters only: MaxText's load_parameters_path" in error and "--with-optimizer" in error
+    assert len(error.splitlines()) == 1 and not (tmp_path / "back").exists()
+    assert main(["from-maxtext", str(tmp_path / "params"), "-o", str(tmp_path / "back")]) == 0
+    assert "fresh optimizer state: the checkpoint holds parameters only" in capsys.readouterr().out
+
+
+def test_continuation_settings_say_what_maxtexts_adamw_cannot_express():
+    """The optimizer settings to-maxtext --with-optimizer prints, from what a DeepSpeed checkpoint saved: torch's
+    AdamW maps to MaxText's adamw exactly; what does not map (Adam's L2 weight decay, AMSGrad, groups with their
+    own rates, a scheduler, the model's own differences) is said in notes, not hidden."""
+    from deepspeed_ext.checkpoint.maxtext import adamw_settings, continuation_settings
+    from deepspeed_ext.checkpoint.states import optimizer_settings
+    group = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1, "amsgrad": False,
+             "decoupled_weight_decay": True, "params": [0, 1]}
+    saved = optimizer_settings([group], {"optimizer": {"type": "AdamW"}, "gradient_clipping": 1.0,
+                                         "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 4,
+                                         "zero_optimization": {"stage": 1}})
+    assert saved is not None and "params" not in saved["param_groups"][0] and "zero_optimization" not in saved
+    settings, notes = continuation_settings(saved, 100, dp_degree=2)
+    assert settings == {**adamw_settings(3e-4, (0.9, 0.95), 1e-6, 0.1, gradient_clipping=1.0),
+                        "gradient_accumulation_steps": 2}
+    assert len(notes) == 1 and "global batch 16 sequences" in notes[0]
+    coupled = {**group, "decoupled_weight_decay": False, "amsgrad": True}
+    _, notes = continuation_settings(optimizer_settings([coupled, {**group, "lr": 1e-3}],
+                                                        {"scheduler": {"type": "WarmupLR"}}), 7)
+    said = " ".join(notes)
+    for words in ("L2 term", "AMSGrad", "differ in lr", "WarmupLR", "rate at step 7"):
+        assert words in said, words
+    fused = {key: value for key, value in group.items() if key != "decoupled_weight_decay"}  # FusedAdam's groups
+    _, notes = continuation_settings(optimizer_settings([fused], {"optimizer": {"type": "Adam", "params": {
+        "adam_w_mode": False}}}), 1)
+    assert any("L2 term" in note for note in notes)
+    settings, notes = continuation_settings(None, 3, family=get_family("llama"),
+                                            model_config={"tie_word_embeddings": True})
+    assert settings == {} and any("no optimizer settings" in n for n in notes)
+    assert any("sqrt(head_dim)" in n for n in notes) and any("bf16" in n for n in notes)

@@ -27,8 +27,8 @@ from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.manifest import FilesChecked
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
-from deepspeed_ext.checkpoint.states import (is_scalar_state, optimizer_state_keys, optimizer_states_summary,
-                                             ordered_states)
+from deepspeed_ext.checkpoint.states import (is_scalar_state, optimizer_settings, optimizer_state_keys,
+                                             optimizer_states_summary, ordered_states)
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError
 from deepspeed_ext.module_inject.upstream import name_patterns, unsharded_weights
@@ -180,7 +180,16 @@ class DeepSpeedCheckpoint:
                           model_class=recorded.model_class if recorded else None,
                           versions=dict(recorded.versions) if recorded else {},
                           metadata=self.metadata_source,
-                          fingerprints=recorded.fingerprints if recorded else None)
+                          fingerprints=recorded.fingerprints if recorded else None,
+                          optimizer_settings=self._optimizer_settings())
+
+    def _optimizer_settings(self) -> dict[str, Any] | None:
+        """The torch optimizer's param-group settings and DeepSpeed's step settings, as saved."""
+        try:
+            groups = self.optimizer.base_state(0, 0).get(keys.PARAM_GROUPS)
+        except (CheckpointError, KeyError, TypeError, AttributeError, NotImplementedError):
+            return None  # no optimizer saved (a weights-only tag)
+        return optimizer_settings(groups, self.model_states.get(keys.DS_CONFIG))
 
     def _trainer_model_config(self) -> dict[str, Any] | None:
         """The model's ``config.json`` in the Hugging Face Trainer ``checkpoint-N`` folder that holds this tag

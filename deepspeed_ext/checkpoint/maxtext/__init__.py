@@ -26,7 +26,8 @@ from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, restore_leaf
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf, layer_blocks, plan_leaves, rule_blocks
 from deepspeed_ext.checkpoint.maxtext.reader import MaxTextCheckpoint, open_source, stored_model_info
 from deepspeed_ext.checkpoint.maxtext.reshard import reshard_orbax
-from deepspeed_ext.checkpoint.maxtext.settings import adamw_settings, maxtext_settings, settings_text
+from deepspeed_ext.checkpoint.maxtext.settings import (adamw_settings, continuation_settings, maxtext_settings,
+                                                       settings_text)
 from deepspeed_ext.checkpoint.maxtext.sharding import (LOGICAL_AXES, MESH_AXES, MESH_RULES, logical_axes, parse_mesh,
                                                        partition_spec, shard_shape, storage_chunk)
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
@@ -43,7 +44,7 @@ __all__ = [
     "Leaf", "layer_blocks", "plan_leaves", "rule_blocks",
     "LOGICAL_AXES", "MESH_AXES", "MESH_RULES", "logical_axes", "parse_mesh", "partition_spec", "shard_shape",
     "storage_chunk",
-    "adamw_settings", "maxtext_settings", "settings_text",
+    "adamw_settings", "continuation_settings", "maxtext_settings", "settings_text",
     # Orbax I/O, the writer, the reader, reshard
     "LazyLeaf", "restore_leaf",
     "DTYPES", "MaxTextOptions", "WriterOptions", "write", "write_maxtext",

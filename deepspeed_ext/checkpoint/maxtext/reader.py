@@ -14,10 +14,11 @@ import numpy as np
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprints
 from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
-from deepspeed_ext.checkpoint.maxtext.names import (CUSTOM_METADATA, FAMILY_KEY, FINGERPRINTS_KEY, ITEM, METADATA,
-                                                    METADATA_KEY, MODEL_AUX_KEY, MODEL_AUX_MODEL, MODEL_CONFIG_KEY,
-                                                    MOMENT_PREFIX, OPTIMIZER_COUNT, PARAMS_COLLECTION, PARAMS_PREFIX,
-                                                    STEP_DIR, STEP_KEY, STEP_METADATA)
+from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, CUSTOM_METADATA, FAMILY_KEY, FINGERPRINTS_KEY, ITEM,
+                                                    METADATA, METADATA_KEY, MODEL_AUX_KEY, MODEL_AUX_MODEL,
+                                                    MODEL_CONFIG_KEY, MOMENT_PREFIX, OPT_STATE_KEY, OPTIMIZER_COUNT,
+                                                    PARAMS_COLLECTION, PARAMS_PREFIX, STEP_DIR, STEP_KEY,
+                                                    STEP_METADATA)
 from deepspeed_ext.checkpoint.maxtext.orbax_io import restore_leaf
 from deepspeed_ext.checkpoint.maxtext.plan import layer_blocks, rule_blocks
 from deepspeed_ext.checkpoint.maxtext.settings import maxtext_settings, settings_text
@@ -110,6 +111,11 @@ class MaxTextCheckpoint:
         moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
                    for state, prefix in MOMENT_PREFIX.items()}
         self.has_optimizer = all(moments.values())
+        #: "adamw" (optax adamw's state, carried), "none" (parameters only) or "other" (a train state whose
+        #: optimizer is not adamw: MaxText's sgd, muon or adam_pax; not carried).
+        self.optimizer_kind = "adamw" if self.has_optimizer else (
+            "other" if any(name.startswith(f"{OPT_STATE_KEY}/") and not name.endswith(f"/{COUNT_KEY}")
+                           for name in flat) else "none")
         optimized = {name for name in self.stored if name.startswith(f"{PARAMS_COLLECTION}/")}
         if self.has_optimizer and any(names != optimized for names in moments.values()):
             raise CheckpointError(f"{self.items}: opt_state mu/nu do not mirror params (not optax adamw's state?)")
@@ -255,13 +261,26 @@ class MaxTextCheckpoint:
             "arrays": len(self.stored),
             "tensor_dtypes": sorted(set(self.stored_dtypes.values())),
             "global_steps": self.step,
-            "state": ("full train state (parameters, optax adamw's mu/nu, step): MaxText's load_full_state_path"
-                      if self.has_optimizer else "parameters only: MaxText's load_parameters_path"),
+            "state": self.state_description,
             "optimizer": "optax adamw (mu, nu)" if self.has_optimizer else "none",
             "optimizer_step": self.optimizer_step if self.has_optimizer else None,
             "num_parameters": sum(math.prod(layout.shape) for layout in self.layouts.values()),
             "maxtext_settings": self._settings_text(),
         }
+
+    @property
+    def state_description(self) -> str:
+        """What the checkpoint holds, and which MaxText setting reads it."""
+        return {"adamw": "full train state (parameters, optax adamw's mu/nu, step): MaxText's load_full_state_path",
+                "none": "parameters only: MaxText's load_parameters_path",
+                "other": "full train state whose optimizer is not optax adamw (MaxText's opt_type sgd, muon or "
+                         "adam_pax?): parameters and step are read, its optimizer state is not"}[self.optimizer_kind]
+
+    def require_optimizer(self) -> None:
+        """Refuse, in one line, a checkpoint without optax adamw's state where its optimizer must be carried."""
+        if not self.has_optimizer:
+            raise CheckpointError(f"{self.given}: {self.state_description}; there is no Adam state to carry "
+                                  "(--with-optimizer): drop it, and the resumed run starts its optimizer fresh")
 
     def _settings_text(self) -> str:
         try:

@@ -72,3 +72,64 @@ def adamw_settings(lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: fl
     if steps is not None:
         settings["steps"] = steps
     return settings
+
+
+def continuation_settings(saved: Mapping[str, Any] | None, global_step: int, dp_degree: int = 1,
+                          family: Family | None = None,
+                          model_config: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """MaxText's optimizer settings that continue the DeepSpeed run a checkpoint saved (``saved``: its
+    :attr:`~deepspeed_ext.checkpoint.source.SourceInfo.optimizer_settings`), and notes on what they cannot express
+    or what the user must still set. ``global_step``: where the run stands; ``dp_degree``: its data-parallel size
+    (with the micro batch and the accumulation steps, the global batch MaxText must take); ``family`` and
+    ``model_config``: the model, for the differences MaxText's own model code makes (docs/maxtext.md)."""
+    notes: list[str] = []
+    if family is not None and family.query_scaled:
+        notes.append("MaxText trains this family's query kernel pre-scaled by 1/sqrt(head_dim): the loss continues, "
+                     "but Adam's step on that kernel is sqrt(head_dim) times DeepSpeed's")
+    if model_config is not None and model_config.get("tie_word_embeddings"):
+        notes.append("MaxText computes tied logits from the embedding table cast to bf16 (also in fp32 runs): "
+                     "its gradients carry that rounding")
+    if not saved or not saved.get("param_groups"):
+        return {}, notes + ["the checkpoint records no optimizer settings: give MaxText the run's learning_rate, "
+                            "adam_b1, adam_b2, adam_eps and adam_weight_decay (its defaults differ: b2 0.95, weight "
+                            "decay 0.1)"]
+    groups: list[Mapping[str, Any]] = list(saved["param_groups"])
+    first = groups[0]
+    differing = [key for key in ("lr", "betas", "eps", "weight_decay") if any(g.get(key) != first.get(key)
+                                                                              for g in groups)]
+    if differing:
+        notes.append(f"the {len(groups)} param groups differ in {', '.join(differing)}: MaxText's adamw takes one "
+                     "value for every parameter (the first group's are given)")
+    if first.get("amsgrad"):
+        notes.append("the run used AMSGrad, which MaxText's adamw does not have: the steps will differ")
+    weight_decay = float(first.get("weight_decay") or 0.0)
+    decoupled = first.get("decoupled_weight_decay")
+    if decoupled is None:  # DeepSpeed's fused/CPU Adam: its config says (type AdamW, or Adam's adam_w_mode)
+        optimizer = saved.get("optimizer") or {}
+        kind = str(optimizer.get("type", "")).lower()
+        decoupled = (kind == "adamw" or bool((optimizer.get("params") or {}).get("adam_w_mode", True))
+                     if kind in ("adam", "adamw") else None)
+    if weight_decay and decoupled is False:
+        notes.append(f"the run's weight decay {weight_decay} is Adam's L2 term (added to the gradient); MaxText's "
+                     "adamw decouples it, so the steps will differ")
+    elif weight_decay and decoupled is None:
+        notes.append(f"weight decay {weight_decay}: the checkpoint does not say whether it was decoupled (AdamW, "
+                     "as MaxText's adamw) or Adam's L2 term")
+    scheduler = saved.get("scheduler")
+    if isinstance(scheduler, Mapping):
+        notes.append(f"DeepSpeed's {scheduler.get('type', 'learning-rate')} scheduler: learning_rate is the rate at "
+                     f"step {global_step}; give MaxText the same schedule (warmup_steps_fraction, "
+                     "learning_rate_schedule_steps, lr_schedule_type) so that its step count, carried, reads it")
+    betas = tuple(first.get("betas") or (0.9, 0.999))
+    settings = adamw_settings(float(first.get("lr", 0.0)), (float(betas[0]), float(betas[1])),
+                              float(first.get("eps", 1e-8)), weight_decay,
+                              gradient_clipping=float(saved.get("gradient_clipping") or 0.0))
+    accumulation = int(saved.get("gradient_accumulation_steps") or 1)
+    if accumulation > 1:
+        settings["gradient_accumulation_steps"] = accumulation
+    micro = saved.get("train_micro_batch_size_per_gpu")
+    if micro:
+        notes.append(f"global batch {int(micro) * accumulation * dp_degree} sequences a step (per_device_batch_size "
+                     "x MaxText's devices), in DeepSpeed's order; inputs = tokens[:, :-1], targets = tokens[:, 1:] "
+                     "for transformers' labels=tokens (docs/maxtext.md, \"Continue a run in MaxText\")")
+    return settings, notes

@@ -145,6 +145,11 @@ def _refuse_other_optimizers(tensors: Mapping[str, LogicalTensor], label: str) -
     been stepped by Adam/AdamW throughout. Other optimizers are refused in one line: MaxText's ``sgd`` is optax's
     SGD without momentum (nothing to put SGD's momentum in), and its ``muon`` keeps optax's own Muon state (a
     momentum for the matrices its own rule picks, Adam's moments for the rest), which this writer does not lay out."""
+    if not any(s not in t.scalars and s != MASTER_WEIGHTS for t in tensors.values() for s in t.states):
+        raise CheckpointError(f"{label}: parameters only (no optimizer state: a Hugging Face checkpoint, or one saved "
+                              "without its optimizer); --with-optimizer writes MaxText's full train state "
+                              "(load_full_state_path) and needs the run's Adam moments: drop it to write the "
+                              "parameters alone (load_parameters_path)")
     other: dict[str, list[str]] = {}
     for tensor in tensors.values():
         kept = tuple(s for s in tensor.states if s not in tensor.scalars and s != MASTER_WEIGHTS)
