@@ -436,3 +436,19 @@ def test_continuation_settings_say_what_maxtexts_adamw_cannot_express():
                                             model_config={"tie_word_embeddings": True})
     assert settings == {} and any("no optimizer settings" in n for n in notes)
     assert any("sqrt(head_dim)" in n for n in notes) and any("bf16" in n for n in notes)
+
+
+def test_odd_depth_written_unscanned_reads_back_through_every_command(tmp_path, capsys):
+    """A 3-layer gpt-oss (not whole pairs, which scanned MaxText needs for it) written with --no-scan-layers: inspect,
+    verify and from-maxtext read it like any other (they once applied the scanned-only constraint to it)."""
+    from deepspeed_ext.cli import main
+    hf_model("gpt-oss", head_dim=8, num_layers=3).save_pretrained(tmp_path / "hf")
+    assert main(["to-maxtext", str(tmp_path / "hf"), "-o", str(tmp_path / "scanned"), "--quiet"]) != 0
+    assert "--no-scan-layers" in capsys.readouterr().err and not (tmp_path / "scanned").exists()
+    out = tmp_path / "maxtext"
+    assert main(["to-maxtext", str(tmp_path / "hf"), "-o", str(out), "--no-scan-layers", "--dtype", "float32",
+                 "--quiet"]) == 0
+    assert main(["inspect", str(out)]) == 0
+    assert main(["verify", str(out)]) == 0
+    assert main(["from-maxtext", str(out), "-o", str(tmp_path / "back"), "--quiet"]) == 0
+    assert main(["compare", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
