@@ -629,13 +629,31 @@ def _restore_loss_scale(optimizer: Any, saved: Mapping[str, Any]) -> None:
 def set_engine_counters(engine: Any, states: Mapping[str, Any], load_lr_scheduler: bool) -> None:
     """The engine's step and sample counters, the saved degrees it reports, and the LR scheduler, from the
     model states of a checkpoint."""
-    if load_lr_scheduler and getattr(engine, "lr_scheduler", None) is not None and states.get(keys.LR_SCHEDULER):
-        engine.lr_scheduler.load_state_dict(states[keys.LR_SCHEDULER])
+    scheduler = getattr(engine, "lr_scheduler", None) if load_lr_scheduler else None
+    if scheduler is not None and states.get(keys.LR_SCHEDULER):
+        scheduler.load_state_dict(states[keys.LR_SCHEDULER])
+    elif scheduler is not None and int(states.get(keys.GLOBAL_STEPS, 0)) > 0:
+        _position_scheduler(scheduler, int(states[keys.GLOBAL_STEPS]))
     engine.global_steps = int(states.get(keys.GLOBAL_STEPS, 0))
     engine.global_samples = int(states.get(keys.GLOBAL_SAMPLES, engine.global_steps * engine.train_batch_size()))
     engine.skipped_steps = int(states.get(keys.SKIPPED_STEPS, 0))
     engine.loaded_checkpoint_mp_world_size = states.get(keys.MP_WORLD_SIZE)
     engine.loaded_checkpoint_dp_world_size = states.get(keys.DP_WORLD_SIZE)
+
+
+def _position_scheduler(scheduler: Any, global_steps: int) -> None:
+    """A checkpoint with a step count but no scheduler state (converted from MaxText or Hugging Face weights): put
+    the run's scheduler where ``global_steps`` optimizer steps leave it. DeepSpeed's own schedulers (WarmupLR,
+    WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest) step once per optimizer step from -1 and take the
+    iteration to jump to; ``step(n)`` also sets the optimizer's rates. Other schedulers start at their beginning,
+    said in a warning."""
+    if isinstance(getattr(scheduler, "last_batch_iteration", None), int):
+        scheduler.step(global_steps - 1)
+        return
+    import logging
+    logging.getLogger("deepspeed_ext").warning(
+        "the checkpoint records no learning-rate scheduler state (converted from another framework); %s starts at "
+        "its beginning, not at step %d", type(scheduler).__name__, global_steps)
 
 
 # --------------------------------------------------------------------------- the checkpoint engine

@@ -191,10 +191,12 @@ def ds_config(*,
               restore: str = "deepspeed_ext",
               fingerprints: str = "error",
               ep: int = 0,
-              optimizer: str = "adam") -> dict[str, Any]:
+              optimizer: str = "adam",
+              warmup_steps: int = 0) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
     ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`). ``ep``: train an MoE family with DeepSpeed
-    AutoEP at that expert-parallel degree (0: AutoEP off). ``optimizer``: one of :data:`OPTIMIZERS`."""
+    AutoEP at that expert-parallel degree (0: AutoEP off). ``optimizer``: one of :data:`OPTIMIZERS`.
+    ``warmup_steps``: DeepSpeed's WarmupLR, linear from 0 to ``lr`` over that many steps (0: a constant rate)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
@@ -220,6 +222,10 @@ def ds_config(*,
                                                             "fingerprints": fingerprints}}
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
+    if warmup_steps:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                              "warmup_num_steps": warmup_steps,
+                                                              "warmup_type": "linear"}}
     if grad_accum_dtype is not None:
         # bf16 + ZeRO-1 + fp32 gradient accumulation selects DeepSpeed's BF16_Optimizer.
         config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}

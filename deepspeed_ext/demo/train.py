@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DeepSpeed's FusedAdam instead of torch's Adam (without ZeRO, bf16 then uses the flat "
                    "FP16_Optimizer instead of FP16_UnfusedOptimizer)")
     p.add_argument("--steps", type=int, default=5, help="train until this global step")
+    p.add_argument("--warmup-steps", type=int, default=0, help="DeepSpeed's WarmupLR, linear from 0 over this many "
+                   "steps (0: a constant learning rate)")
     p.add_argument("--save-dir")
     p.add_argument("--save-at", type=int, action="append", default=[],
                    help="save_checkpoint after this global step (repeat it to save several times; 0 saves before "
@@ -125,7 +127,8 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        restore=args.restore,
                        fingerprints=args.fingerprints,
                        ep=args.ep,
-                       optimizer=args.optimizer)
+                       optimizer=args.optimizer,
+                       warmup_steps=args.warmup_steps)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config,
                            optimizer=client_optimizer(args.optimizer, model.parameters()))

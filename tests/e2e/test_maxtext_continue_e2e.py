@@ -173,3 +173,21 @@ def _continue_both_ways(scenarios, tmp_path, family: str, scan_layers: bool, res
         resumed = run.resume(tp, load_dir=back[5])
         assert sorted(resumed) == [6], f"TP={tp} did not continue at MaxText's step"
         assert resumed[6] == pytest.approx(losses[6], rel=LOSS_BAR[dtype]), f"TP={tp}"
+
+
+def test_a_warmup_schedule_keeps_its_place_through_maxtext(scenarios, tmp_path):
+    """DeepSpeed's WarmupLR (linear over 4 steps) run saved mid-warmup -> to-maxtext --with-optimizer -> from-maxtext
+    -> DeepSpeed: MaxText's checkpoints carry no scheduler state, so the resumed scheduler is put at the step the
+    checkpoint records, and steps 4-6 repeat the uninterrupted run (the round trip is exact in fp32). to-maxtext says
+    the rate it prints is the one at the saved step."""
+    from harness.runner import cli
+    run = scenarios("continue_warmup", tp=2, dtype="fp32", steps=STEPS, save_at=3, warmup_steps=4)
+    printed = cli(["to-maxtext", str(run.tag_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32",
+                   "--with-optimizer"], tmp_path / "to_maxtext.log").stdout
+    assert "WarmupLR scheduler: learning_rate is the rate at step 3" in printed
+    cli(["from-maxtext", str(tmp_path / "maxtext"), "-o", str(tmp_path / "back"), "--with-optimizer", "--quiet"],
+        tmp_path / "from_maxtext.log")
+    resumed = run.resume(2, load_dir=tmp_path / "back")
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(run.baseline[step], rel=1e-5), step

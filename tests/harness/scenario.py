@@ -50,6 +50,7 @@ class Scenario:
     model_config: dict | None = None  # an HF config.json's values instead of the family's tiny config
     steps: int = 5
     save_at: int = 3
+    warmup_steps: int = 0  # DeepSpeed's WarmupLR over that many steps (0: a constant rate)
     save_also: tuple[int, ...] = ()  # more steps to save after (``tag_dir`` stays ``save_at``'s; convert=False)
     baseline: dict[int, float] = field(default_factory=dict)
     resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
@@ -86,7 +87,8 @@ class Scenario:
                         ["--fused-adam"] if self.fused_adam else []) + (
                             ["--allow-cpu-fp16"] if self.dtype == "fp16" else []) + (
                                 ["--ep", str(self.ep)] if self.ep else []) + (
-                                    ["--optimizer", self.optimizer] if self.optimizer != "adam" else [])
+                                    ["--optimizer", self.optimizer] if self.optimizer != "adam" else []) + (
+                                        ["--warmup-steps", str(self.warmup_steps)] if self.warmup_steps else [])
 
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
