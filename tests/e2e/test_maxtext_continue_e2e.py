@@ -191,3 +191,43 @@ def test_a_warmup_schedule_keeps_its_place_through_maxtext(scenarios, tmp_path):
     assert sorted(resumed) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed[step] == pytest.approx(run.baseline[step], rel=1e-5), step
+
+
+def test_maxtexts_own_train_main_continues_and_comes_back(scenarios, tmp_path):
+    """The docs' commands: MaxText's train.py itself (its whole loop, MaxText's synthetic data) resumes our full state
+    at DeepSpeed's step, trains steps 4 and 5, saves with its checkpoint manager; from-maxtext of its last checkpoint
+    carries the Adam state and step 5, and DeepSpeed resumes it at TP=1."""
+    import subprocess
+
+    from harness.environments import MAXTEXT_PYTHON
+    from harness.runner import cli
+    run = _continued_run(scenarios, "llama")
+    out = tmp_path / "maxtext"
+    printed = cli(["to-maxtext", str(run.tag_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer"],
+                  tmp_path / "to_maxtext.log").stdout
+    model = printed.split("the model, in MaxText's settings: ", 1)[1].splitlines()[0].split(" ")
+    optimizer = printed.split("the optimizer, in MaxText's settings", 1)[1].splitlines()[0].split(": ", 1)[1]
+    base = subprocess.run([str(MAXTEXT_PYTHON), "-c", "import maxtext, os; print(os.path.join(os.path.dirname("
+                           "maxtext.__file__), 'configs', 'base.yml'))"], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}, check=True).stdout.split()[-1]
+    command = [str(MAXTEXT_PYTHON), "-m", "maxtext.trainers.pre_train.train", base, *model,
+               *optimizer.split("; ", 1)[0].split(" "), "steps=5", f"load_full_state_path={out / '0' / 'items'}",
+               "run_name=continued", f"base_output_directory={tmp_path / 'maxtext_run'}", "dataset_type=synthetic",
+               "per_device_batch_size=4", "max_target_length=15", "attention=dot_product",
+               "skip_jax_distributed_system=true", "async_checkpointing=false", "checkpoint_period=1",
+               "enable_goodput_recording=false", "monitor_goodput=false"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    (tmp_path / "maxtext_train.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    checkpoints = tmp_path / "maxtext_run" / "continued" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["3", "4"]
+    config = json.loads((run.tag_dir / "deepspeed_ext.json").read_text())["model_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    back = tmp_path / "back"
+    said = cli(["from-maxtext", str(checkpoints), "-o", str(back), "--config", str(tmp_path / "config.json"),
+                "--with-optimizer"], tmp_path / "from_maxtext.log").stdout
+    assert "Adam state at step 5" in said
+    assert (back / "latest_universal").read_text().strip() == "global_step5_universal"
+    resumed = run.resume(1, load_dir=back)
+    assert sorted(resumed) == [6] and np.isfinite(resumed[6])
