@@ -1,5 +1,6 @@
-"""to-maxtext from a real DeepSpeed TP=2 checkpoint (directly and via universal, and back to a resume at TP=1),
-and reshard-orbax run as a subprocess. The rest is in tests/unit/test_maxtext.py."""
+"""to-maxtext from a real DeepSpeed TP=2 checkpoint (directly and via universal), and reshard-orbax run as a
+subprocess. The way back to a resume (at TP=1, 2 and 3, through MaxText's own training too) is in
+tests/e2e/test_maxtext_continue_e2e.py; the rest in tests/unit/test_maxtext.py."""
 
 from __future__ import annotations
 
@@ -51,27 +52,6 @@ def test_deepspeed_checkpoint_to_maxtext_directly_and_via_universal(scenarios, t
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([tokens])).logits[0]
     assert max_kl(reference, logits) <= 1e-5
-
-
-def test_deepspeed_to_maxtext_and_back_resumes_at_tp1(scenarios, tmp_path):
-    """DeepSpeed TP=2 training -> to-maxtext --with-optimizer -> from-maxtext -> DeepSpeed resume at TP=1:
-    weights, Adam moments and step counts make the trip (fp32 storage), so the loss continues."""
-    from harness.runner import cli
-    from harness.scenario import assert_losses_continue
-    tp2 = scenarios("tp2_zero1_bf16", tp=2)
-    cli(["to-maxtext", str(tp2.save_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32", "--with-optimizer",
-         "--quiet"], tmp_path / "to.log")
-    back = tmp_path / "universal"
-    cli(["from-maxtext", str(tmp_path / "maxtext" / "0" / "items"), "-o", str(back), "--quiet"], tmp_path / "from.log")
-    # universal -> MaxText -> universal, file by file: exact (head_dim 4: the query scale 1/2 is exact too).
-    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
-    original, returned = UniversalCheckpoint(tp2.universal_dir), UniversalCheckpoint(back)
-    assert sorted(original.names) == sorted(returned.names)
-    for name in original.names:
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(original.load(name, state), returned.load(name, state)), (name, state)
-        assert int(original.step(name)) == int(returned.step(name))
-    assert_losses_continue(tp2, tp2.resume(1, load_dir=back))
 
 
 def test_reshard_orbax_rechunks_array_by_array_and_keeps_everything_else(tmp_path):
