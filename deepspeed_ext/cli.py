@@ -166,7 +166,8 @@ def cmd_from_maxtext(args: argparse.Namespace) -> int:
     out = _write(source, args.output, "universal", args, progress_label="from-maxtext", check_config_fit=True)
     if not args.quiet:
         optimizer = (f"Adam state at step {source.optimizer_step}" if info.has_optimizer else
-                     "fresh optimizer state: the checkpoint holds parameters only")
+                     "fresh optimizer state: the checkpoint holds parameters only" if source.optimizer_kind == "none"
+                     else "fresh optimizer state: the checkpoint's is not optax adamw's")
         print(f"wrote universal checkpoint {out} ({len(info.layouts)} parameters, family {source.family.name}, "
               f"{optimizer}); resume with \"checkpoint\": {{\"load_universal\": true}} at any TP degree")
     return 0

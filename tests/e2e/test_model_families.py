@@ -172,12 +172,18 @@ def test_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, family
     assert_to_hf_matches_live(trained(scenarios, family), tmp_path, caplog)
 
 
-# Every family of the registry but llama, whose run is tests/e2e/test_maxtext_e2e.py's.
+#: The families whose DeepSpeed run MaxText's own training continues, and DeepSpeed MaxText's, in
+#: tests/e2e/test_maxtext_continue_e2e.py (a DeepSpeed resume from from-maxtext's output at TP=1, 2 and 3).
+CONTINUED_IN_MAXTEXT = ("qwen3", "mixtral", "deepseek-v3")
+
+
+# Every family of the registry but llama, whose round trip is tests/e2e/test_maxtext_continue_e2e.py's.
 @pytest.mark.parametrize("family", [family for family in family_names() if family != "llama"])
 def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
     """Each family's DeepSpeed TP=2 run -> to-maxtext --with-optimizer (fp32, scanned, on a mesh) -> from-maxtext
-    -> DeepSpeed resume at TP=1 continues the loss within 2e-3. The universal tensors come back exactly, but
-    gemma3's norms, which MaxText stores as 1 + w (within the rounding of 1 + w)."""
+    -> DeepSpeed resume at TP=1 continues the loss within 2e-3 (for the families of :data:`CONTINUED_IN_MAXTEXT`,
+    resumed elsewhere, the round trip alone). The universal tensors come back exactly, but gemma3's norms, which
+    MaxText stores as 1 + w (within the rounding of 1 + w)."""
     from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     tp2 = trained(scenarios, family)
     cli(["to-maxtext", str(tp2.save_dir), "-o", str(tmp_path / "maxtext"), "--dtype", "float32", "--with-optimizer",
@@ -194,4 +200,5 @@ def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
             else:
                 assert torch.equal(want, got), (name, state)
         assert int(original.step(name)) == int(returned.step(name))
-    assert_losses_continue(tp2, tp2.resume(1, load_dir=back), rel=2e-3)
+    if family not in CONTINUED_IN_MAXTEXT:  # those resume from MaxText's own training in test_maxtext_continue_e2e.py
+        assert_losses_continue(tp2, tp2.resume(1, load_dir=back), rel=2e-3)

@@ -14,7 +14,7 @@ import numpy as np
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprints
 from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
-from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, CUSTOM_METADATA, FAMILY_KEY, FINGERPRINTS_KEY, ITEM,
+from deepspeed_ext.checkpoint.maxtext.names import (CUSTOM_METADATA, FAMILY_KEY, FINGERPRINTS_KEY, ITEM,
                                                     METADATA, METADATA_KEY, MODEL_AUX_KEY, MODEL_AUX_MODEL,
                                                     MODEL_CONFIG_KEY, MOMENT_PREFIX, OPT_STATE_KEY, OPTIMIZER_COUNT,
                                                     PARAMS_COLLECTION, PARAMS_PREFIX, STEP_DIR, STEP_KEY,
@@ -112,10 +112,9 @@ class MaxTextCheckpoint:
                    for state, prefix in MOMENT_PREFIX.items()}
         self.has_optimizer = all(moments.values())
         #: "adamw" (optax adamw's state, carried), "none" (parameters only) or "other" (a train state whose
-        #: optimizer is not adamw: MaxText's sgd, muon or adam_pax; not carried).
+        #: optimizer is not adamw: MaxText's sgd, whose state is its counts alone, muon or adam_pax; not carried).
         self.optimizer_kind = "adamw" if self.has_optimizer else (
-            "other" if any(name.startswith(f"{OPT_STATE_KEY}/") and not name.endswith(f"/{COUNT_KEY}")
-                           for name in flat) else "none")
+            "other" if any(name.startswith(f"{OPT_STATE_KEY}/") for name in flat) else "none")
         optimized = {name for name in self.stored if name.startswith(f"{PARAMS_COLLECTION}/")}
         if self.has_optimizer and any(names != optimized for names in moments.values()):
             raise CheckpointError(f"{self.items}: opt_state mu/nu do not mirror params (not optax adamw's state?)")
