@@ -126,6 +126,13 @@ def test_bf16_run_continues_both_ways(scenarios, tmp_path):
     _continue_both_ways(scenarios, tmp_path, "llama", True, (2, ), "bf16")
 
 
+def _printed_settings(printed: str) -> tuple[list[str], list[str]]:
+    """The model's and the optimizer's MaxText settings (``KEY=VALUE`` each) that to-maxtext printed."""
+    model = printed.split("the model, in MaxText's settings: ", 1)[1].splitlines()[0].split(" ")
+    optimizer = printed.split("the optimizer, in MaxText's settings", 1)[1].splitlines()[0].split(": ", 1)[1]
+    return model, optimizer.split("; ", 1)[0].split(" ")
+
+
 def _continue_both_ways(scenarios, tmp_path, family: str, scan_layers: bool, resume_tps: tuple[int, ...],
                         dtype: str) -> None:
     from deepspeed_ext.checkpoint.families import get_family
@@ -139,9 +146,7 @@ def _continue_both_ways(scenarios, tmp_path, family: str, scan_layers: bool, res
     printed = cli(["to-maxtext", str(run.tag_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer"]
                   + ([] if scan_layers else ["--no-scan-layers"]), tmp_path / "to_maxtext.log").stdout
     # MaxText runs with the settings to-maxtext printed: the model's, and the optimizer's read from the checkpoint.
-    model = printed.split("the model, in MaxText's settings: ", 1)[1].splitlines()[0].split(" ")
-    optimizer = printed.split("the optimizer, in MaxText's settings", 1)[1].splitlines()[0].split(": ", 1)[1]
-    optimizer = optimizer.split("; ", 1)[0].split(" ")
+    model, optimizer = _printed_settings(printed)
     assert model == settings_text(maxtext_settings(get_family(family), config, scan_layers)).split(" ")
     assert optimizer == settings_text(adamw_settings(LR, gradient_clipping=1.0)).split(" ")
     settings = model + optimizer + [f"steps={STEPS}", f"load_full_state_path={out / '0' / 'items'}"]
@@ -161,14 +166,13 @@ def _continue_both_ways(scenarios, tmp_path, family: str, scan_layers: bool, res
         cli(["from-maxtext", result["checkpoints"][index], "-o", str(back[step]), "--config",
              str(tmp_path / "config.json"), "--quiet"], tmp_path / f"from_maxtext_{step}.log")
         assert (back[step] / "latest_universal").read_text().strip() == f"global_step{step}_universal"
+    # The state after the step (fp32 only: bf16 gradients are compared through the losses, see the bf16 test).
     maxtext_state = back[4] / "global_step4_universal"
-    if dtype != "fp32":
-        pass  # bf16 gradients: compared through the losses only (the docstring of test_bf16_run_continues_both_ways)
-    elif config.get("tie_word_embeddings"):
+    if dtype == "fp32" and config.get("tie_word_embeddings"):
         # MaxText's tied logits round the table to bf16: its gradients are transformers' with that rounding (7e-7 of
         # the largest moment measured), 3e-3 off DeepSpeed's exact ones; the loss, near uniform here, moves 1e-7.
         _assert_same_state(_transformers_step(run.tag_dir, family, 4), maxtext_state, family, config)
-    else:
+    elif dtype == "fp32":
         _assert_same_state(_checkpoint_state(run.save_dir / "global_step4")[0], maxtext_state, family, config)
 
     for tp in resume_tps:
@@ -214,13 +218,12 @@ def test_maxtexts_own_train_main_continues_and_comes_back(scenarios, tmp_path):
     out = tmp_path / "maxtext"
     printed = cli(["to-maxtext", str(run.tag_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer"],
                   tmp_path / "to_maxtext.log").stdout
-    model = printed.split("the model, in MaxText's settings: ", 1)[1].splitlines()[0].split(" ")
-    optimizer = printed.split("the optimizer, in MaxText's settings", 1)[1].splitlines()[0].split(": ", 1)[1]
+    model, optimizer = _printed_settings(printed)
     base = subprocess.run([str(MAXTEXT_PYTHON), "-c", "import maxtext, os; print(os.path.join(os.path.dirname("
                            "maxtext.__file__), 'configs', 'base.yml'))"], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}, check=True).stdout.split()[-1]
     command = [str(MAXTEXT_PYTHON), "-m", "maxtext.trainers.pre_train.train", base, *model,
-               *optimizer.split("; ", 1)[0].split(" "), "steps=5", f"load_full_state_path={out / '0' / 'items'}",
+               *optimizer, "steps=5", f"load_full_state_path={out / '0' / 'items'}",
                "run_name=continued", f"base_output_directory={tmp_path / 'maxtext_run'}", "dataset_type=synthetic",
                "per_device_batch_size=4", "max_target_length=15", "attention=dot_product",
                "skip_jax_distributed_system=true", "async_checkpointing=false", "checkpoint_period=1",
