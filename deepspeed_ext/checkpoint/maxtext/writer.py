@@ -326,28 +326,14 @@ class _LeafArrays:
         """``{collection: tree}``; the moments only of the ``params`` collection (the optimizer's)."""
         # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
         leaf_dtype = self.np_dtype if state == MASTER_WEIGHTS else np.dtype(np.float32)
-        tree: dict[str, Any] = {}
-        for leaf in leaves:
-            if state != MASTER_WEIGHTS and leaf.collection != PARAMS_COLLECTION:
-                continue
-            node = tree.setdefault(leaf.collection, {})
-            for key in leaf.path[:-1]:
-                node = node.setdefault(key, {})
-            node[leaf.path[-1]] = self.lazy_leaf(leaf, state, leaf_dtype)
-        return tree
+        return _nested(((leaf.collection, *leaf.path), self.lazy_leaf(leaf, state, leaf_dtype)) for leaf in leaves
+                       if state == MASTER_WEIGHTS or leaf.collection == PARAMS_COLLECTION)
 
     def model_variables(self, leaves: list[Leaf]) -> dict[str, Any]:
         """The variables outside ``params`` (DeepSeek's router bias) by their path alone: where MaxText's full train
         state keeps them (``nnx_aux/model/<path>``, with every persistent variable that is not a parameter)."""
-        tree: dict[str, Any] = {}
-        for leaf in leaves:
-            if leaf.collection == PARAMS_COLLECTION:
-                continue
-            node = tree
-            for key in leaf.path[:-1]:
-                node = node.setdefault(key, {})
-            node[leaf.path[-1]] = self.lazy_leaf(leaf, MASTER_WEIGHTS, self.np_dtype)
-        return tree
+        return _nested((leaf.path, self.lazy_leaf(leaf, MASTER_WEIGHTS, self.np_dtype)) for leaf in leaves
+                       if leaf.collection != PARAMS_COLLECTION)
 
     def lazy_leaf(self, leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:
         rule = leaf.rule
@@ -423,6 +409,17 @@ class _LeafArrays:
         self.read_back.add(name, state, rule, low,
                            from_maxtext(rule.kind, stored.astype(np.float32), block_dims, self.family, state))
         return stored
+
+
+def _nested(items: Iterable[tuple[Sequence[str], Any]]) -> dict[str, Any]:
+    """``{a: {b: value}}`` from ``((a, b), value)`` pairs."""
+    tree: dict[str, Any] = {}
+    for path, value in items:
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
 
 
 class _ReadBackFingerprints:
