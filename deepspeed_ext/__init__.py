@@ -37,6 +37,14 @@ def disable() -> None:
     _disable()
 
 
+def wait_for_saves(engine: Any) -> None:
+    """Wait until the engine's save in the background (``"async_save": true``) is committed; raises its failure
+    in one line. Collective: every rank calls it. Training steps, loads and the process's exit wait on their own
+    (docs/reliability.md)."""
+    from deepspeed_ext.runtime import wait_for_saves as _wait
+    _wait(engine)
+
+
 def tensor_parallel_preset(family: str) -> dict[str, Any]:
     """The keys a DeepSpeed config's ``"tensor_parallel"`` section needs for ``family`` under AutoTP ({} when
     AutoTP's defaults work), e.g. ``{"autotp_size": 2, **tensor_parallel_preset("mixtral")}``."""

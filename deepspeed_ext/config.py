@@ -11,7 +11,9 @@ deepspeed-ext::
                                     # or "deepspeed" (upstream's loader)
         "fingerprints": "error"   # record resume fingerprints at save and check them after every load:
                                   # "error" (a mismatch raises), "warn" (it is logged), "off"
-      }
+      },
+      "async_save": false         # save_checkpoint returns once the state is snapshotted; the files, the commit
+                                  # and 'latest' are written in the background (docs/reliability.md)
     }
 """
 
@@ -38,13 +40,23 @@ class UniversalCheckpointConfig:
 @dataclass(frozen=True)
 class ExtConfig:
     universal_checkpoint: UniversalCheckpointConfig = field(default_factory=UniversalCheckpointConfig)
+    async_save: bool = False
+
+    @property
+    def hooks_engine(self) -> bool:
+        """Whether the engine gets deepspeed-ext's tagging and checkpoint hooks (an asynchronous save is one of
+        deepspeed-ext's saves: tagged, fingerprinted, committed)."""
+        return self.universal_checkpoint.enabled or self.async_save
 
     @classmethod
     def from_ds_config(cls, ds_config: Mapping[str, Any] | None) -> ExtConfig:
         section = (ds_config or {}).get(SECTION) or {}
         if not isinstance(section, Mapping):
             raise ValueError(f"DeepSpeed config: '{SECTION}' must be an object")
-        _reject_unknown(section, {"universal_checkpoint"}, SECTION)
+        _reject_unknown(section, {"universal_checkpoint", "async_save"}, SECTION)
+        async_save = section.get("async_save", False)
+        if not isinstance(async_save, bool):
+            raise ValueError(f"DeepSpeed config: '{SECTION}.async_save' must be true or false")
         uc = section.get("universal_checkpoint") or {}
         if not isinstance(uc, Mapping):
             raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint' must be an object")
@@ -61,7 +73,8 @@ class ExtConfig:
             raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint.fingerprints' must be one of "
                              f"{FINGERPRINT_CHOICES}, got {fingerprints!r}")
         return cls(universal_checkpoint=UniversalCheckpointConfig(enabled=enabled, restore=restore,
-                                                                  fingerprints=fingerprints))
+                                                                  fingerprints=fingerprints),
+                   async_save=async_save)
 
 
 def _reject_unknown(section: Mapping[str, Any], allowed: set[str], where: str) -> None:

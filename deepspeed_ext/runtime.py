@@ -15,7 +15,9 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 
 from deepspeed_ext.checkpoint.metadata import UCInfo, write_uc_info
 from deepspeed_ext.config import ExtConfig, load_ds_config
-from deepspeed_ext.errors import DeepSpeedExtError
+from deepspeed_ext.errors import CheckpointError, DeepSpeedExtError, first_line
 from deepspeed_ext.version import __version__
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
@@ -66,10 +68,10 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """
     ds_config = _ds_config_of_call(args, kwargs)
     ext = ExtConfig.from_ds_config(ds_config)
-    if ext.universal_checkpoint.enabled:
+    if ext.hooks_engine:
         refuse_autoep_with_incompatible_transformers(ds_config)
     result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
-    if ext.universal_checkpoint.enabled:
+    if ext.hooks_engine:
         attach(result[0], ext, ds_config)
     return result
 
@@ -119,6 +121,7 @@ def enable() -> None:
     setattr(deepspeed_initialize_with_ext, _WRAPPED_ATTR, original)
     deepspeed.initialize = deepspeed_initialize_with_ext
     _trainer_resume_choice(install=True)
+    _saves_wait_for_background_commits(install=True)
 
 
 def disable() -> None:
@@ -127,6 +130,7 @@ def disable() -> None:
     import deepspeed
     deepspeed.initialize = _deepspeed_initialize()
     _trainer_resume_choice(install=False)
+    _saves_wait_for_background_commits(install=False)
 
 
 def _trainer_resume_choice(install: bool) -> None:
@@ -162,6 +166,92 @@ def _trainer_resume_choice(install: bool) -> None:
     trainer = sys.modules.get("transformers.trainer")  # imported the function by name already
     if trainer is not None and getattr(trainer, "get_last_checkpoint", None) in (current, own):
         trainer.get_last_checkpoint = replacement
+
+
+def _saves_wait_for_background_commits(install: bool) -> None:
+    """With ``install``, where a save is written in the background (``async_save``):
+
+    * the Hugging Face Trainer's rotation of its ``checkpoint-N`` folders (``save_total_limit``), which runs right
+      after a save returns, waits for that save's commit: it runs then, on the next step that finds it committed
+      (or at the exit), and not at all if the save failed. Run at once, it would delete the newest committed
+      checkpoint while the one replacing it is still being written;
+    * Accelerate's ``save_state``, which deletes its oldest folders (``total_limit``) before it saves, first waits
+      for the save in the background to commit.
+
+    Without: transformers' and Accelerate's own again. Nothing happens where they are not installed."""
+    import importlib.util
+    import sys
+    if importlib.util.find_spec("transformers") is not None:
+        trainer_utils = importlib.import_module("transformers.trainer_utils")
+        current = getattr(trainer_utils, "rotate_checkpoints", None)
+        if current is not None:
+            own = getattr(current, _WRAPPED_ATTR, current)
+            replacement = own
+            if install:
+                @functools.wraps(own)
+                def rotate_checkpoints(output_dir: Any, *args: Any, **kwargs: Any) -> Any:
+                    inside = [pending for pending in _PENDING if _is_within(pending.save_dir, output_dir)]
+                    if not inside:
+                        return own(output_dir, *args, **kwargs)
+                    inside[-1].after_commit.append(
+                        functools.partial(_rotate_keeping_the_newest_complete, own, output_dir, *args, **kwargs))
+                    logger.info("rotating the checkpoints of %s once %s is committed", output_dir, inside[-1].tag)
+                    return None
+
+                setattr(rotate_checkpoints, _WRAPPED_ATTR, own)
+                replacement = rotate_checkpoints
+            trainer_utils.rotate_checkpoints = replacement
+            trainer = sys.modules.get("transformers.trainer")  # imported the function by name already
+            if trainer is not None and getattr(trainer, "rotate_checkpoints", None) in (current, own):
+                trainer.rotate_checkpoints = replacement
+    if importlib.util.find_spec("accelerate") is not None:
+        accelerator = importlib.import_module("accelerate").Accelerator
+        current_save = accelerator.save_state
+        own_save = getattr(current_save, _WRAPPED_ATTR, current_save)
+        if install and own_save is current_save:
+            @functools.wraps(own_save)
+            def save_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+                for engine in list(_BACKGROUND_ENGINES):
+                    settle_background_save(engine, block=True)
+                return own_save(self, *args, **kwargs)
+
+            setattr(save_state, _WRAPPED_ATTR, own_save)
+            accelerator.save_state = save_state
+        elif not install:
+            accelerator.save_state = own_save
+
+
+def _rotate_keeping_the_newest_complete(own: Any, output_dir: Any, *args: Any, **kwargs: Any) -> None:
+    """transformers' ``rotate_checkpoints(output_dir, ...)`` (``own``), run once a save in the background has
+    committed, that also keeps the newest complete ``checkpoint-N``: by then the Trainer may have begun the next
+    checkpoint (its folder newest, its save not finished), which transformers' rotation would keep in its stead."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    from deepspeed_ext.checkpoint.locate import trainer_checkpoints
+    options = inspect.signature(own).bind(output_dir, *args, **kwargs)
+    options.apply_defaults()
+    limit, best = options.arguments.get("save_total_limit"), options.arguments.get("best_model_checkpoint")
+    prefix = options.arguments.get("checkpoint_prefix", "checkpoint")
+    newest_complete = trainer_checkpoints(Path(output_dir))[0]
+    if newest_complete is None or not limit or limit <= 0:
+        return own(output_dir, *args, **kwargs)
+    checkpoints = sort_checkpoints(str(output_dir), prefix, bool(options.arguments.get("use_mtime", False)))
+    if not checkpoints:
+        return None
+    protected = {checkpoints[-1], str(newest_complete), *([str(Path(best))] if best else [])}
+    remaining = len(checkpoints)
+    for folder in checkpoints:
+        if remaining <= max(limit, len(protected)):
+            break
+        if folder not in protected:
+            shutil.rmtree(folder, ignore_errors=True)
+            remaining -= 1
+    return None
+
+
+def _is_within(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:
+    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    return path == folder or folder in path.parents
 
 
 def enabled() -> bool:
@@ -212,7 +302,8 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
         logger.warning("AutoTP left %d weight matrices whole on every TP rank (the tensor-parallel config does not "
                        "split them, or the layer cannot be split); checkpoints hold them as replicated: %s",
                        len(matrices), ", ".join(name_patterns(matrices)))
-    _hook_save(engine, info, ext.universal_checkpoint.fingerprints)
+    _hook_save(engine, info, ext.universal_checkpoint.fingerprints,
+               in_background=ext.async_save and _can_save_in_background(engine))
     _hook_load(engine, reshard=ext.universal_checkpoint.restore == "deepspeed_ext",
                fingerprints=ext.universal_checkpoint.fingerprints)
     return info
@@ -253,7 +344,7 @@ def refuse_empty_shards_under_zero3(layouts: dict[str, Any]) -> None:
                 "a shard")
 
 
-def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
+def _hook_save(engine: Any, info: UCInfo, fingerprints: str, in_background: bool = False) -> None:
     """``save_checkpoint`` that writes our UC info (layouts, model config, fingerprints) into the tag and commits
     the tag with a marker (:mod:`deepspeed_ext.checkpoint.commit`).
 
@@ -270,7 +361,10 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
     Otherwise the sums run on a thread while DeepSpeed writes. Then one all-reduce adds the ranks' sums up. A
     checkpoint engine that commits later (decoupled, asynchronous) writes ``latest`` at its own commit: there the
     sums run first, the UC info is written before DeepSpeed's files, and the tag gets no marker (it is read as a
-    checkpoint not saved by deepspeed-ext: docs/reliability.md)."""
+    checkpoint not saved by deepspeed-ext: docs/reliability.md).
+
+    With ``in_background`` (``"async_save": true``) the files, the fingerprints, the marker and ``latest`` are
+    written by a forked writer per rank (:func:`_save_in_background`)."""
     original = engine.save_checkpoint
     signature = inspect.signature(original)
 
@@ -290,6 +384,9 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
         save_latest = bool(call.arguments.get("save_latest", True))
         call.arguments["save_latest"] = False
         coordinator = _is_commit_coordinator(engine)
+        in_background = getattr(engine, ASYNC_SAVE_ATTR, False)
+        if hasattr(engine, PENDING_ATTR):
+            settle_background_save(engine, block=True)  # one save at a time: the previous one is committed first
         faults.current_tag = tag
         problem = None
         if coordinator:
@@ -299,6 +396,9 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
                 problem = f"{commit.staging_root(save_dir, tag)}: cannot create the staging directory: {exc}"
         _raise_if_any_rank_failed(problem, tag, save_dir)
         call.arguments["save_dir"] = str(commit.staging_root(save_dir, tag))
+        if in_background:
+            return _save_in_background(engine, info, fingerprints, original, call, str(save_dir), tag, save_latest,
+                                       coordinator)
         fuse = _can_fuse(engine)
         plan = sums = None
         if fingerprints != "off":
@@ -322,15 +422,253 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str) -> None:
         problem = None
         if coordinator:
             try:
-                info.commit_marker = True
-                _write_info(engine, info, os.path.join(commit.staging_root(save_dir, tag), tag), always=True)
-                commit.commit(save_dir, tag, _commit_details(engine), save_latest=save_latest)
+                _commit_save(engine, info, save_dir, tag, _commit_details(engine), save_latest)
             except (OSError, DeepSpeedExtError) as exc:
                 problem = f"committing {tag}: {exc}"
         _raise_if_any_rank_failed(problem, tag, save_dir, discard=coordinator)
         return result
 
     engine.save_checkpoint = save_checkpoint
+    setattr(engine, ASYNC_SAVE_ATTR, in_background)
+    if in_background:
+        _hook_steps_to_report_background_saves(engine)
+
+
+def _commit_save(engine: Any, info: UCInfo, save_dir: str, tag: str, details: dict[str, Any],
+                 save_latest: bool) -> None:
+    """The coordinator's part of a save whose files every rank wrote: the UC info, then the commit."""
+    from deepspeed_ext.checkpoint import commit
+    info.commit_marker = True
+    _write_info(engine, info, os.path.join(commit.staging_root(save_dir, tag), tag), always=True)
+    commit.commit(save_dir, tag, details, save_latest=save_latest)
+
+
+# --------------------------------------------------------------------------- asynchronous saves
+
+#: Whether the engine's next ``save_checkpoint`` is written in the background: ``async_save`` from the config,
+#: switchable per save (False: this save is written before it returns, as without ``async_save``).
+ASYNC_SAVE_ATTR = "deepspeed_ext_async_save"
+#: The engine's save being written in the background (a :class:`~.background.BackgroundSave`), until reported.
+PENDING_ATTR = "deepspeed_ext_background_save"
+#: Every save of this process still being written, for the exit (:func:`_wait_at_exit`).
+_PENDING: list[Any] = []
+#: The engines that save in the background (for Accelerate's ``save_state``, which waits for them).
+_BACKGROUND_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _can_save_in_background(engine: Any) -> bool:
+    """Where ``async_save`` is honoured: a CPU engine (the fork is the snapshot; an accelerator's memory is not
+    the host's, and a forked child cannot use the accelerator) whose checkpoint engine writes when asked (not
+    DeepSpeed's decoupled one, which commits on its own). Elsewhere the save stays synchronous, with a warning."""
+    reason = None
+    if not hasattr(os, "fork"):
+        reason = "this platform cannot fork"
+    elif _device_type(getattr(engine, "device", None)) != "cpu":
+        reason = "the engine runs on an accelerator (only CPU engines save in the background so far)"
+    elif engine_private.saves_in_background(engine):
+        reason = "DeepSpeed's decoupled checkpoint engine writes in the background already"
+    if reason is not None and engine.global_rank == 0:
+        logger.warning("async_save: saving synchronously: %s", reason)
+    return reason is None
+
+
+def _save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: Any, call: Any, save_dir: str,
+                        tag: str, save_latest: bool, coordinator: bool) -> Any:
+    """DeepSpeed's ``save_checkpoint`` with each file it writes (and its copy of the recovery scripts) handed
+    over instead of written; then a fork per rank (:mod:`~deepspeed_ext.checkpoint.background`) writes them from
+    the state as it was, and the coordinator's writer commits once every rank's files are durable. Returns as
+    soon as every rank has forked."""
+    from deepspeed_ext.checkpoint import background, commit, faults
+    from deepspeed_ext.checkpoint.engine_fingerprints import LocalSums
+    files: list[tuple[Any, Any, str]] = []
+    copies: list[tuple[Any, str]] = []
+
+    def hand_over(own: Any) -> Any:
+        def save(state_dict: Any, path: str) -> None:
+            files.append((own, state_dict, path))
+        return save
+
+    def hand_over_copy(own: Any) -> Any:
+        def copy(save_path: str) -> None:
+            copies.append((own, save_path))
+        return copy
+
+    with engine_private.checkpoint_files_written_by(engine, hand_over), \
+            engine_private.recovery_scripts_copied_by(engine, hand_over_copy):
+        result = original(*call.args, **call.kwargs)
+    staging = commit.staging_root(save_dir, tag)
+    rank, fuse, details = engine.global_rank, _can_fuse(engine), _commit_details(engine)
+    together = _ranks_committed_together(engine)
+
+    def write_and_commit() -> None:  # in the forked writer: the state as it was at the fork
+        torch.set_num_threads(1)  # the parent's OpenMP threads do not exist here
+        background.note_writer(staging, rank)
+        failures: list[str] = []
+        local = None
+        try:
+            plan = None
+            if fingerprints != "off" and fuse:
+                from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
+                plan = SumsPlan(engine)
+            for own, state, path in files:
+                _guarded_save(own, plan, failures, fuse, state, path)
+            for own, path in copies:
+                _guarded_copy(own, failures, path)
+            faults.reached("files-written")
+            if not failures and fingerprints != "off":
+                local = plan.finish() if plan is not None else _local_sums(engine)
+        except Exception as exc:
+            failures.append(first_line(exc))
+        background.report_rank(staging, rank, failures[0] if failures else None,
+                               {"sums": None if local is None else local.to_json()})
+        if failures:
+            raise background.BackgroundFailure(failures[0])
+        if not coordinator:
+            return
+        words = background.wait_for_ranks(staging, together)
+        if fingerprints != "off":
+            from deepspeed_ext.checkpoint.engine_fingerprints import combine_local_sums
+            info.fingerprints = _recorded_fingerprints(engine, *combine_local_sums(
+                [LocalSums.from_json(words[each]["sums"]) for each in sorted(words)]))
+        try:
+            _commit_save(engine, info, save_dir, tag, details, save_latest)
+        except (OSError, DeepSpeedExtError) as exc:
+            raise background.BackgroundFailure(f"committing {tag}: {first_line(exc)}") from exc
+
+    problem, pending = None, None
+    try:
+        pending = background.start(write_and_commit, tag=tag, save_dir=save_dir, staging=staging, rank=rank,
+                                   coordinator=coordinator)
+    except OSError as exc:  # no memory or no process left to fork
+        problem = f"cannot start the background writer: {exc}"
+    files.clear()  # the writer holds them now; the parent lets go of DeepSpeed's temporaries
+    try:
+        _raise_if_any_rank_failed(problem, tag, save_dir, discard=coordinator)
+    except CheckpointError:
+        if pending is not None:
+            pending.kill()
+        raise
+    setattr(engine, PENDING_ATTR, pending)
+    _PENDING.append(pending)
+    return result
+
+
+def _ranks_committed_together(engine: Any) -> int:
+    """How many ranks' writers the coordinator waits for: every rank, or the node's where each node commits its
+    own files (node-local storage)."""
+    if bool(getattr(engine, "use_node_local_storage", lambda: False)()):
+        return int(os.environ.get("LOCAL_WORLD_SIZE", _world_size()))
+    return _world_size()
+
+
+def settle_background_save(engine: Any, block: bool) -> None:
+    """Collective: where the engine has a save in the background, find out how it went (waiting for it with
+    ``block``) and agree on it. Committed: forgotten, and what waited for the commit (a trainer's rotation of its
+    old checkpoints) runs. Failed on any rank: every rank stops its writer, the coordinator removes the
+    unfinished save, and every rank raises the failure in one line (naming the rank whose write failed first;
+    ``latest`` never moved). Still running (not ``block``): kept, asked again at the next step."""
+    from deepspeed_ext.checkpoint import collective, commit
+    pending = getattr(engine, PENDING_ATTR, None)
+    if pending is None:
+        return
+    outcome = pending.wait() if block else pending.poll()
+    published = False
+    if outcome is not None and not outcome.ok and pending.coordinator:
+        published = _published_before_it_died(pending)
+        if published and _read_text(os.path.join(pending.save_dir, "latest")) == pending.tag:
+            logger.warning("the writer of %s died after committing it (%s); its leftovers are removed", pending.tag,
+                           outcome.message)
+            commit.discard_staging(pending.save_dir, pending.tag)
+            outcome, published = type(outcome)(True), False
+    problem = None if outcome is None or outcome.ok else outcome.message or "failed"
+    gathered = collective.gather(problem, (outcome is not None, bool(outcome and outcome.relayed), published))
+    failed = [(rank, text, relayed) for rank, (text, (_, relayed, _)) in enumerate(gathered) if text is not None]
+    if not failed and not all(done for _, (done, _, _) in gathered):
+        return
+    delattr(engine, PENDING_ATTR)
+    _PENDING.remove(pending)
+    if failed:
+        pending.kill()  # a writer still at work on a save that cannot be committed
+        if pending.coordinator:
+            commit.discard_staging(pending.save_dir, pending.tag)
+        # A coordinator that gave up because another rank failed names that rank, whose own line says why.
+        first_hand = [(rank, text) for rank, text, relayed in failed if not relayed]
+        raise CheckpointError(_save_failure(first_hand or [(rank, text) for rank, text, _ in failed], pending.tag,
+                                            pending.save_dir, "in the background ",
+                                            published=any(flag for _, (_, _, flag) in gathered)))
+    if pending.coordinator:
+        logger.info("committed %s in the background, %.1f s after save_checkpoint returned", pending.tag,
+                    time.monotonic() - pending.started)
+    for action in pending.after_commit:
+        action()
+
+
+def _published_before_it_died(pending: Any) -> bool:
+    """Whether the coordinator's writer had moved the tag into place (committed) before it failed or died: its
+    staging directory no longer holds the tag, and the tag in the save directory is complete."""
+    from deepspeed_ext.checkpoint import commit
+    staging = commit.staging_root(pending.save_dir, pending.tag)
+    final = Path(pending.save_dir) / pending.tag
+    return (staging.is_dir() and not (staging / pending.tag).exists() and final.is_dir()
+            and commit.tag_status(final).state is commit.TagState.COMMITTED and commit.tag_status(final).complete)
+
+
+def wait_for_saves(engine: Any) -> None:
+    """Collective: wait until the engine's save in the background is committed; raises its failure (one line)."""
+    settle_background_save(engine, block=True)
+
+
+def _hook_steps_to_report_background_saves(engine: Any) -> None:
+    """Each training step (``train_batch`` of a pipeline engine) first asks how a save in the background went
+    (:func:`settle_background_save`, without waiting), so that a failure stops training at the next step; a load
+    waits for it; the process's exit waits for every one (:func:`_wait_at_exit`)."""
+    _BACKGROUND_ENGINES.add(engine)
+    name = "train_batch" if engine_private.engine_is_pipeline(engine) else "step"
+    for method in (name, "load_checkpoint", "destroy"):
+        own = getattr(engine, method, None)
+        if own is None:
+            continue
+        block = method != name
+
+        def reporting(*args: Any, _own: Any = own, _block: bool = block, **kwargs: Any) -> Any:
+            settle_background_save(engine, block=_block)
+            return _own(*args, **kwargs)
+
+        setattr(engine, method, functools.wraps(own)(reporting))
+    _wait_at_exit.install()
+
+
+class _ExitWait:
+    """Installs :func:`finish_background_saves` to run at the process's exit, once."""
+
+    installed = False
+
+    def install(self) -> None:
+        if not self.installed:
+            import atexit
+            atexit.register(finish_background_saves)
+            self.installed = True
+
+
+def finish_background_saves() -> None:
+    """Wait for every save of this process still being written in the background, and say what became of each:
+    committed, or not and why (a log line; no collective: each rank waits for its own writer). Runs at exit; a
+    script that leaves by ``os._exit`` calls it first."""
+    for pending in list(_PENDING):
+        if pending.poll() is None:
+            logger.info("waiting for the save of %s in the background to finish before exiting", pending.tag)
+        outcome = pending.wait()
+        _PENDING.remove(pending)
+        if not outcome.ok:
+            logger.error("the save of %s into %s in the background was not committed: %s", pending.tag,
+                         pending.save_dir, outcome.message)
+        elif pending.coordinator:
+            logger.info("committed %s in the background", pending.tag)
+            for action in pending.after_commit:
+                action()
+
+
+_wait_at_exit = _ExitWait()
 
 
 def _is_commit_coordinator(engine: Any) -> bool:
@@ -364,12 +702,20 @@ def _raise_if_any_rank_failed(problem: str | None, tag: str, save_dir: str, disc
         return
     if discard:
         commit.discard_staging(save_dir, tag)
+    raise CheckpointError(_save_failure(failed, tag, save_dir))
+
+
+def _save_failure(failed: list[tuple[int, str]], tag: str, save_dir: str, how: str = "",
+                  published: bool = False) -> str:
+    """One line: the save of ``tag`` failed, on which rank(s) and why, and what ``latest`` still names
+    (``published``: the tag itself was committed in place before the failure, only ``latest`` not moved)."""
     rank, text = failed[0]
     others = f" (and on {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
     latest = os.path.join(save_dir, "latest")
     kept = f"; {latest} still names {_read_text(latest)!r}" if os.path.isfile(latest) else ""
-    raise CheckpointError(f"saving checkpoint {tag!r} into {save_dir} failed on rank {rank}{others}: {text}; nothing "
-                          f"of it was committed{kept}")
+    what = (f"{os.path.join(save_dir, tag)} was committed (complete; load it by its tag) but latest was not moved"
+            if published else "nothing of it was committed")
+    return f"saving checkpoint {tag!r} into {save_dir} {how}failed on rank {rank}{others}: {text}; {what}{kept}"
 
 
 def _read_text(path: str) -> str:
@@ -430,49 +776,53 @@ def _write_failure(path: str, exc: BaseException) -> str:
 
 def _guarded_writes(engine: Any, plan: Any, failures: list[str], zipsave_files: bool) -> Any:
     """The engine's checkpoint writes (and its copy of the recovery scripts) replaced, for one ``save_checkpoint``,
-    by a save that is durable (fsynced) when it returns and never raises: a failed write (a full disk) is recorded
-    in ``failures``, its file removed, and the rest of this rank's files skipped, so that every rank reaches
-    DeepSpeed's own barrier and the ranks can then agree that the save failed (:func:`_raise_if_any_rank_failed`).
-    With ``zipsave_files`` the files are written by zipsave, which shows ``plan`` (the fingerprints' sums, when not
-    None) each storage's blocks as they are written; where zipsave cannot (another torch), torch.save writes the
-    file and what ``plan`` summed from it is forgotten."""
-    from deepspeed_ext.checkpoint import durable, faults, zipsave
-
-    def make_save(own: Any) -> Any:
-        def save(state_dict: Any, path: str) -> None:
-            if failures:
-                return  # this rank's save has failed already: it will not be committed
-            try:
-                if zipsave_files:
-                    mark = plan.mark() if plan is not None else None
-                    zipsave.save(state_dict, path, plan,
-                                 on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None)
-                else:
-                    own(state_dict, path)
-                    if os.path.isfile(path):
-                        durable.fsync_file(path)
-            except Exception as exc:  # a failed write: reported by every rank after DeepSpeed's barrier
-                failures.append(f"{path}: {_write_failure(path, exc)}")
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        return save
-
-    def make_copy(own: Any) -> Any:
-        def copy(save_path: str) -> None:
-            if failures:
-                return
-            try:
-                faults.reached("recovery-scripts")
-                own(save_path)
-            except OSError as exc:  # DeepSpeed's recovery scripts, written past its checkpoint engine
-                path = str(exc.filename2 or exc.filename or save_path)
-                failures.append(f"{path}: {_write_failure(path, exc)}")
-        return copy
-
+    by :func:`_guarded_save` and :func:`_guarded_copy`: a save that is durable (fsynced) when it returns and
+    never raises, so that every rank reaches DeepSpeed's own barrier and the ranks can then agree that the save
+    failed (:func:`_raise_if_any_rank_failed`)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(engine_private.checkpoint_files_written_by(engine, make_save))
-    stack.enter_context(engine_private.recovery_scripts_copied_by(engine, make_copy))
+    stack.enter_context(engine_private.checkpoint_files_written_by(
+        engine, lambda own: functools.partial(_guarded_save, own, plan, failures, zipsave_files)))
+    stack.enter_context(engine_private.recovery_scripts_copied_by(
+        engine, lambda own: functools.partial(_guarded_copy, own, failures)))
     return stack
+
+
+def _guarded_save(own: Any, plan: Any, failures: list[str], zipsave_files: bool, state_dict: Any, path: str) -> None:
+    """Write one of DeepSpeed's files durably, never raising: a failed write (a full disk) is recorded in
+    ``failures``, its file removed, and the rest of this rank's files skipped. With ``zipsave_files`` the file is
+    written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks as they
+    are written; where zipsave cannot (another torch), ``own`` (the checkpoint engine's save) writes it and what
+    ``plan`` summed from it is forgotten."""
+    from deepspeed_ext.checkpoint import durable, zipsave
+    if failures:
+        return  # this rank's save has failed already: it will not be committed
+    try:
+        if zipsave_files:
+            mark = plan.mark() if plan is not None else None
+            zipsave.save(state_dict, path, plan,
+                         on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None)
+        else:
+            own(state_dict, path)
+            if os.path.isfile(path):
+                durable.fsync_file(path)
+    except Exception as exc:  # a failed write: reported by every rank after DeepSpeed's barrier
+        failures.append(f"{path}: {_write_failure(path, exc)}")
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _guarded_copy(own: Any, failures: list[str], save_path: str) -> None:
+    """DeepSpeed's copy of its recovery scripts (``zero_to_fp32.py``), a write past its checkpoint engine, by
+    ``own``; a failure recorded in ``failures`` as :func:`_guarded_save` does."""
+    from deepspeed_ext.checkpoint import faults
+    if failures:
+        return
+    try:
+        faults.reached("recovery-scripts")
+        own(save_path)
+    except OSError as exc:
+        path = str(exc.filename2 or exc.filename or save_path)
+        failures.append(f"{path}: {_write_failure(path, exc)}")
 
 
 class _SumsThread:
@@ -510,7 +860,11 @@ def _local_sums(engine: Any) -> Any:
 def _save_fingerprints(engine: Any, local: Any) -> Any:
     """The fingerprints from this rank's sums (collective: every rank saves)."""
     from deepspeed_ext.checkpoint.engine_fingerprints import reduce_engine_sums
-    found, problems = reduce_engine_sums(local)
+    return _recorded_fingerprints(engine, *reduce_engine_sums(local))
+
+
+def _recorded_fingerprints(engine: Any, found: Any, problems: list[str]) -> Any:
+    """``found``, with a warning where the ranks disagree (``problems``)."""
     if problems and engine.global_rank == 0:
         logger.warning("saving a training state that is not consistent across ranks: %s", "; ".join(problems))
     return found

@@ -48,6 +48,23 @@ class LocalSums:
     stage: int = 0
     stages: int = 1
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain lists and strings (floats exact): what a rank hands the others, by a gather or in a file."""
+        return {"params": self.params, "states": list(self.states), "sums": self.sums.tolist(),
+                "buffers": [[name, str(dtype).removeprefix("torch.")] for name, dtype in self.buffers],
+                "buffer_sums": self.buffer_sums.tolist(), "spread": self.spread.tolist(),
+                "with_moments": self.with_moments, "stage": self.stage, "stages": self.stages}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LocalSums:
+        states = tuple(data["states"])
+        return cls(list(data["params"]), states,
+                   torch.tensor(data["sums"], dtype=torch.float64).reshape(len(data["params"]), len(states), 3),
+                   [(name, getattr(torch, dtype)) for name, dtype in data["buffers"]],
+                   torch.tensor(data["buffer_sums"], dtype=torch.float64).reshape(len(data["buffers"]), 3),
+                   torch.tensor(data["spread"], dtype=torch.float64), bool(data["with_moments"]),
+                   int(data["stage"]), int(data["stages"]))
+
 
 def local_engine_sums(engine: Any, with_moments: bool = True) -> LocalSums:
     """This rank's share of :func:`engine_fingerprints`: no collective, so it can run on a thread while the
@@ -158,30 +175,53 @@ class SumsPlan:
 
 
 def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
-    """The engine's fingerprints from every rank's :class:`LocalSums` (collective: one all-reduce each of the
-    sums and the steps), and any disagreement between the ranks."""
-    if dist.is_available() and dist.is_initialized():
-        local = _over_every_stage(local)
-        dist.all_reduce(local.sums)
-        dist.all_reduce(local.buffer_sums)
-        dist.all_reduce(local.spread, op=dist.ReduceOp.MAX)
+    """The engine's fingerprints from every rank's :class:`LocalSums` (collective: one gather of every rank's sums,
+    added up in rank order by :func:`combine_local_sums`), and any disagreement between the ranks."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local.to_json())
+        return combine_local_sums([LocalSums.from_json(data) for data in gathered])
+    return combine_local_sums([local])
+
+
+def combine_local_sums(ranks: list[LocalSums]) -> tuple[Fingerprints, list[str]]:
+    """The engine's fingerprints from each rank's :class:`LocalSums`, in rank order, and any disagreement between
+    the ranks. No collective: a save written in the background adds up the sums its ranks left in files, and gets
+    the very same floats as a save that gathered them (the same additions in the same order)."""
+    names, buffers = _union_of_names(ranks)
+    states = ranks[0].states
+    sums = torch.zeros(len(names), len(states), 3, dtype=torch.float64)
+    buffer_sums = torch.zeros(len(buffers), 3, dtype=torch.float64)
+    spread = torch.full((6, ), -float("inf"), dtype=torch.float64)
+    first_stage = _first_stage_of_each_name(ranks)
+    index = {name: i for i, name in enumerate(names)}
+    buffer_index = {name: i for i, (name, _) in enumerate(buffers)}
+    for local in ranks:
+        # A name several pipeline stages hold (a tied embedding) is counted from the first of them only: each
+        # holds the whole tensor's copy.
+        for i, name in enumerate(local.params):
+            if first_stage[name] == local.stage:
+                sums[index[name]] += local.sums[i]
+        for i, (name, _) in enumerate(local.buffers):
+            if first_stage[name] == local.stage:
+                buffer_sums[buffer_index[name]] += local.buffer_sums[i]
+        spread = torch.maximum(spread, local.spread)
     found, problems = Fingerprints(), []
-    for i, name in enumerate(local.params):
-        for j, state in enumerate(local.states):
-            numel, total, total_sq = local.sums[i, j].tolist()
+    for i, name in enumerate(names):
+        for j, state in enumerate(states):
+            numel, total, total_sq = sums[i, j].tolist()
             if numel:
                 found.add(name, state, Fingerprint(int(numel), total, total_sq))
-    for (name, dtype), row in zip(local.buffers, local.buffer_sums.tolist(), strict=True):
+    for (name, dtype), row in zip(buffers, buffer_sums.tolist(), strict=True):
         if row[0]:
             found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
             if dtype in (torch.bfloat16, torch.float16):
                 found.roundings[name] = float(torch.finfo(dtype).eps)
-            if local.with_moments:  # no optimizer steps a buffer: checkpoints carry its states as zeros
-                for state in local.states[1:]:
+            if ranks[0].with_moments:  # no optimizer steps a buffer: checkpoints carry its states as zeros
+                for state in states[1:]:
                     found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
-    spread = local.spread
-    for index, key in ((0, "lowest step"), (2, "step"), (4, "global_steps")):
-        high, low = spread[index].item(), -spread[index + 1].item()
+    for position, key in ((0, "lowest step"), (2, "step"), (4, "global_steps")):
+        high, low = spread[position].item(), -spread[position + 1].item()
         if high != low:
             problems.append(f"the {key} differs between ranks ({int(low)}..{int(high)})")
         elif high >= 0 and key != "lowest step":
@@ -189,37 +229,21 @@ def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
     return found, problems
 
 
-def _over_every_stage(local: LocalSums) -> LocalSums:
-    """``local`` laid out over the parameters and buffers of every rank, for the all-reduce that adds them up.
-
-    Every rank holds the same parameters unless the engine is pipeline-parallel, where each stage holds its layers
-    (and a tied layer, such as an embedding shared by the first and the last stage, is on several). Then the ranks
-    agree on the union of the names (one gather of the names), each puts its sums in its rows, and a name held by
-    several stages is counted from the first of them only (each holds the whole tensor's copy)."""
-    if local.stages == 1:  # every rank holds the same parameters: nothing to agree on
-        return local
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (local.stage, local.params, [name for name, _ in local.buffers]))
-    first_stage: dict[str, int] = {}
-    params: list[str] = []
+def _union_of_names(ranks: list[LocalSums]) -> tuple[list[str], list[tuple[str, torch.dtype]]]:
+    """The parameters and the buffers of every rank, in the order the ranks first name them (every rank names
+    the same ones unless the engine is pipeline-parallel, where each stage holds its layers)."""
+    names: dict[str, None] = {}
     buffers: dict[str, torch.dtype] = {}
-    for stage, names, buffer_names in gathered:
-        for name in [*names, *buffer_names]:
-            first_stage[name] = min(first_stage.get(name, stage), stage)
-        params += [name for name in names if name not in params]
-        for name in buffer_names:
-            buffers.setdefault(name, torch.float32)
-    own_dtypes = dict(local.buffers)
-    sums = torch.zeros(len(params), len(local.states), 3, dtype=torch.float64)
-    index = {name: i for i, name in enumerate(params)}
-    for i, name in enumerate(local.params):
-        if first_stage[name] == local.stage:
-            sums[index[name]] = local.sums[i]
-    buffer_names = list(buffers)
-    buffer_sums = torch.zeros(len(buffer_names), 3, dtype=torch.float64)
-    for i, (name, _) in enumerate(local.buffers):
-        if first_stage[name] == local.stage:
-            buffer_sums[buffer_names.index(name)] = local.buffer_sums[i]
-    return LocalSums(params, local.states, sums, [(name, own_dtypes.get(name, dtype)) for name, dtype in
-                                                   buffers.items()], buffer_sums, local.spread, local.with_moments,
-                     local.stage, local.stages)
+    for local in ranks:
+        names.update(dict.fromkeys(local.params))
+        for name, dtype in local.buffers:
+            buffers.setdefault(name, dtype)
+    return list(names), list(buffers.items())
+
+
+def _first_stage_of_each_name(ranks: list[LocalSums]) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for local in ranks:
+        for name in [*local.params, *(name for name, _ in local.buffers)]:
+            first[name] = min(first.get(name, local.stage), local.stage)
+    return first

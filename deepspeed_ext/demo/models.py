@@ -192,11 +192,13 @@ def ds_config(*,
               fingerprints: str = "error",
               ep: int = 0,
               optimizer: str = "adam",
-              warmup_steps: int = 0) -> dict[str, Any]:
+              warmup_steps: int = 0,
+              async_save: bool = False) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
     ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`). ``ep``: train an MoE family with DeepSpeed
     AutoEP at that expert-parallel degree (0: AutoEP off). ``optimizer``: one of :data:`OPTIMIZERS`.
-    ``warmup_steps``: DeepSpeed's WarmupLR, linear from 0 to ``lr`` over that many steps (0: a constant rate)."""
+    ``warmup_steps``: DeepSpeed's WarmupLR, linear from 0 to ``lr`` over that many steps (0: a constant rate).
+    ``async_save``: saves written in the background (the section's ``async_save``)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
@@ -220,6 +222,8 @@ def ds_config(*,
     if ext:
         config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True, "restore": restore,
                                                             "fingerprints": fingerprints}}
+        if async_save:
+            config["deepspeed_ext"]["async_save"] = True
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     if warmup_steps:
@@ -289,6 +293,9 @@ def finish_distributed() -> None:
     import sys
 
     import torch.distributed as dist
+    runtime = sys.modules.get("deepspeed_ext.runtime")
+    if runtime is not None:
+        runtime.finish_background_saves()  # what atexit would do: os._exit below skips it
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true",
                    help="deepspeed.initialize without our config section (saves only upstream's tags; "
                    "--load-dir then restores through upstream DeepSpeed)")
+    p.add_argument("--async-save", action="store_true",
+                   help="save in the background (\"async_save\": true); the run waits for its last save at the end")
     p.add_argument("--result", help="write losses (JSON) here")
     return p.parse_args(argv)
 
@@ -81,6 +83,8 @@ class Hooks:
     after_load: Callable[[Any, int], None] | None = None
     #: ``(engine, tp_rank)`` just before ``save_checkpoint``.
     before_save: Callable[[Any, int], None] | None = None
+    #: ``(engine, step)`` right after ``save_checkpoint`` returned.
+    after_save: Callable[[Any, int], None] | None = None
     #: ``(engine, step)`` after each global step; what it returns is kept per step under ``result_key``.
     after_step: Callable[[Any, int], Any] | None = None
     result_key: str = "after_step"
@@ -128,7 +132,8 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        fingerprints=args.fingerprints,
                        ep=args.ep,
                        optimizer=args.optimizer,
-                       warmup_steps=args.warmup_steps)
+                       warmup_steps=args.warmup_steps,
+                       async_save=args.async_save)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config,
                            optimizer=client_optimizer(args.optimizer, model.parameters()))
@@ -176,6 +181,10 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
             if hooks.before_save:
                 hooks.before_save(engine, tp_rank)
             engine.save_checkpoint(args.save_dir)
+            if hooks.after_save:
+                hooks.after_save(engine, step)
+    if args.async_save:
+        deepspeed_ext.wait_for_saves(engine)
     if args.timing:
         Path(f"{args.timing}.rank{dist.get_rank()}.json").write_text(json.dumps(timing))
     if args.result and dist.get_rank() == 0:

@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 
 from harness.scenario import Scenario, scenario_cache_dir, shared_scenario
@@ -17,3 +19,18 @@ def scenarios(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.5 MB tmpfs (a real full disk): room for one save of the tiny model (1.5 MB), not two."""
+    import os
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -144,21 +144,6 @@ def test_a_resave_into_the_same_tag_at_another_degree_replaces_it_whole(tmp_path
         "global_step3", "latest", "zero_to_fp32.py", "zero_to_torch.py"]
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2.5 MB tmpfs (a real full disk): room for one save of the tiny model (1.5 MB), not two."""
-    import os
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def test_a_full_disk_mid_save_fails_every_rank_with_one_reason_and_keeps_the_last_save(small_disk, tmp_path):
     """The disk fills while global_step5 is written: every rank stops within seconds with the same line (none waits
     for a rank that died of it), nothing of global_step5 is left, latest names global_step3, and training resumes

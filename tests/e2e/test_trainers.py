@@ -158,6 +158,29 @@ def test_a_trainer_save_killed_mid_way_is_skipped_and_the_run_resumes_from_the_o
     assert_losses_continue(read(tmp_path / "resumed.json"), baseline)
 
 
+def test_trainer_rotation_never_deletes_the_last_committed_checkpoint_while_a_save_is_written(trainer_runs, tmp_path,
+                                                                                             monkeypatch):
+    """``async_save`` with the Trainer saving every step and ``save_total_limit=1``, each background write slowed
+    down: when each save returns (after the Trainer's rotation, which runs right then) the newest committed
+    checkpoint is still there; at the end only checkpoint-6 is left, complete; the losses are the synchronous run's."""
+    _, baseline = trainer_runs(1)
+    out = tmp_path / "out"
+    monkeypatch.setenv("DEEPSPEED_EXT_FAULT", "files-written=sleep0.5")
+    torchrun("hf_trainer.py", 2, ["--tp", "2", "--steps", "6", "--save-steps", "1", "--save-total-limit", "1",
+                                  "--async-save", "--output-dir", str(out), "--result", str(tmp_path / "run.json")],
+             tmp_path / "run.log")
+    run = read(tmp_path / "run.json")
+    saves = {int(step): seen for step, seen in run["after_saves"].items()}
+    assert sorted(saves) == [1, 2, 3, 4, 5, 6]
+    for step in range(2, 7):  # the Trainer saves each checkpoint-N twice (save_model, then the optimizer's)
+        assert f"checkpoint-{step - 1}" in saves[step]["complete"], (step, saves[step])
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-6"]
+    assert (out / "checkpoint-6" / "latest").read_text() == "global_step6"
+    for step in range(1, 7):
+        got, want = run["losses"][str(step)], baseline["losses"][str(step)]
+        assert abs(got - want) <= REL_TOL * abs(want), (step, got, want)
+
+
 def test_resume_at_another_tp_without_the_extension_fails_upstream_and_inspect_says_what_to_do(trainer_runs,
                                                                                                tmp_path):
     """Without the deepspeed_ext section DeepSpeed is on its own: its loader fails at another TP degree. Our
@@ -175,8 +198,10 @@ def test_resume_at_another_tp_without_the_extension_fails_upstream_and_inspect_s
 @pytest.fixture(scope="module")
 def accelerate_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("accelerate")
+    # Saved in the background ("async_save"): the loop trains on while save_state's files are written.
     torchrun("accelerate_loop.py", 2, ["--tp", "2", "--steps", "6", "--save-at", "3", "--save-dir",
-                                       str(root / "state"), "--result", str(root / "base.json")], root / "base.log")
+                                       str(root / "state"), "--async-save", "--result", str(root / "base.json")],
+             root / "base.log")
     return root / "state", read(root / "base.json")
 
 

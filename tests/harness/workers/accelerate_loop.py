@@ -24,6 +24,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--save-at", type=int)
     p.add_argument("--save-dir")
     p.add_argument("--load-dir")
+    p.add_argument("--async-save", action="store_true", help='"async_save": true in the deepspeed_ext section')
     p.add_argument("--result", required=True)
     return p.parse_args()
 
@@ -47,7 +48,7 @@ def main() -> None:
         "zero_optimization": {"stage": args.zero},
         "tensor_parallel": tensor_parallel_section(args.family, args.tp),
         "steps_per_print": 1000,
-        "deepspeed_ext": {"universal_checkpoint": {"enabled": True}},
+        "deepspeed_ext": {"universal_checkpoint": {"enabled": True}, "async_save": args.async_save},
     }
     accelerator = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config))
     model = build_model(args.family)

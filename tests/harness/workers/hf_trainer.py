@@ -29,6 +29,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", help="a checkpoint-N directory, or 'latest' (resume_from_checkpoint=True)")
     p.add_argument("--load-universal", action="store_true", help='"checkpoint": {"load_universal": true}')
     p.add_argument("--no-ext", action="store_true", help="without the deepspeed_ext section")
+    p.add_argument("--async-save", action="store_true", help='"async_save": true in the deepspeed_ext section')
+    p.add_argument("--save-total-limit", type=int, help="the Trainer's save_total_limit (it rotates checkpoint-N)")
     p.add_argument("--result", required=True)
     return p.parse_args()
 
@@ -80,7 +82,7 @@ def main() -> None:
         "steps_per_print": 1000,
     }
     if not args.no_ext:
-        ds_config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}}
+        ds_config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}, "async_save": args.async_save}
     if args.load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
     training = TrainingArguments(output_dir=args.output_dir,
@@ -88,6 +90,7 @@ def main() -> None:
                                  max_steps=args.steps,
                                  save_steps=args.save_steps,
                                  save_strategy="steps",
+                                 save_total_limit=args.save_total_limit,
                                  learning_rate=1e-2,
                                  warmup_steps=2,
                                  lr_scheduler_type="linear",
@@ -101,12 +104,23 @@ def main() -> None:
                                  disable_tqdm=True)
     losses: dict[int, float] = {}
     learning_rates: dict[int, float] = {}
+    #: At each save's return (after the Trainer's rotation): every checkpoint-N there, and those whose save is
+    #: complete (committed), as the resume would pick them.
+    after_saves: dict[int, dict[str, list[str]]] = {}
 
     class RecordLoss(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN003
             if logs and "loss" in logs:
                 losses[state.global_step] = float(logs["loss"])
                 learning_rates[state.global_step] = float(logs["learning_rate"])
+
+        def on_save(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+            from deepspeed_ext.checkpoint.locate import trainer_checkpoints
+            folders = sorted(path.name for path in Path(args.output_dir).glob("checkpoint-*"))
+            newest, skipped = trainer_checkpoints(Path(args.output_dir))
+            complete = [name for name in folders if name not in {Path(path).name for path, _ in skipped}]
+            after_saves[state.global_step] = {"folders": folders, "complete": complete,
+                                              "newest_complete": None if newest is None else Path(newest).name}
 
     trainer = Trainer(model=build_model(args.family), args=training, train_dataset=TokenSequences(),
                       processing_class=tiny_tokenizer(), callbacks=[RecordLoss()])
@@ -115,7 +129,8 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses, "learning_rates": learning_rates,
-                                                 "global_step": trainer.state.global_step}))
+                                                 "global_step": trainer.state.global_step,
+                                                 "after_saves": after_saves}))
     finish_distributed()
 
 

@@ -5,6 +5,10 @@
     --dump-loaded DIR   the same, right after load_checkpoint
     --allow-cpu-fp16    let DeepSpeed's CPU accelerator run fp16 (see allow_cpu_fp16)
     --also-save-without-latest DIR   at save time, first engine.save_checkpoint(DIR, save_latest=False)
+    --also-save-synchronously DIR    at save time, first a synchronous engine.save_checkpoint(DIR) (the run saves
+                        in the background otherwise: --async-save)
+    --save-errors FILE  after each save, wait for it (deepspeed_ext.wait_for_saves); a failure is appended to FILE
+                        (JSON lines: step, rank, message) and training goes on
 
 With ``--result``, the fp16 loss scale each step ended with is recorded under ``loss_scales``.
 """
@@ -187,6 +191,8 @@ def run_with_probes(argv: list[str]) -> None:
     probes.add_argument("--dump-loaded")
     probes.add_argument("--allow-cpu-fp16", action="store_true")
     probes.add_argument("--also-save-without-latest")
+    probes.add_argument("--also-save-synchronously")
+    probes.add_argument("--save-errors")
     args, rest = probes.parse_known_args(argv)
     if args.allow_cpu_fp16:
         allow_cpu_fp16()
@@ -196,11 +202,29 @@ def run_with_probes(argv: list[str]) -> None:
             dump_live_state(engine, Path(args.dump), tp_rank)
         if args.also_save_without_latest:
             engine.save_checkpoint(args.also_save_without_latest, save_latest=False)
+        if args.also_save_synchronously:
+            from deepspeed_ext.runtime import ASYNC_SAVE_ATTR
+            setattr(engine, ASYNC_SAVE_ATTR, False)
+            engine.save_checkpoint(args.also_save_synchronously)
+            setattr(engine, ASYNC_SAVE_ATTR, True)
+
+    def after_save(engine: Any, step: int) -> None:
+        import json
+
+        import deepspeed_ext
+        from deepspeed_ext.errors import CheckpointError
+        try:
+            deepspeed_ext.wait_for_saves(engine)
+        except CheckpointError as exc:
+            with open(args.save_errors, "a") as errors:
+                errors.write(json.dumps({"step": step, "rank": engine.global_rank, "message": str(exc)}) + "\n")
 
     hooks = train.Hooks(
         after_load=(lambda engine, tp_rank: dump_live_state(engine, Path(args.dump_loaded), tp_rank))
         if args.dump_loaded else None,
-        before_save=before_save if args.dump or args.also_save_without_latest else None,
+        before_save=before_save if args.dump or args.also_save_without_latest or args.also_save_synchronously
+        else None,
+        after_save=after_save if args.save_errors else None,
         after_step=loss_scale,
         result_key="loss_scales")
     train.run(rest, hooks)
