@@ -510,8 +510,9 @@ def _save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: 
             if fingerprints != "off" and fuse:
                 from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
                 plan = SumsPlan(engine)
-            for own, state, path in files:
-                _guarded_save(own, plan, failures, fuse, state, path)
+            for index, (own, state, path) in enumerate(files):
+                _guarded_save(own, plan, failures, fuse, state, path,
+                              written=_released_once_written(files[index + 1:], plan) if fuse else None)
             for own, path in copies:
                 _guarded_copy(own, failures, path)
             faults.reached("files-written")
@@ -551,6 +552,17 @@ def _save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: 
     setattr(engine, PENDING_ATTR, pending)
     _PENDING.append(pending)
     return result
+
+
+def _released_once_written(later_files: list[tuple[Any, Any, str]], plan: Any) -> Any:
+    """For a forked writer's zipsave: each block of a file given back to the kernel once written, but for what a
+    later file or the sums still to be done (``plan``) read."""
+    from deepspeed_ext.checkpoint import background, zipsave
+    try:
+        later = [span for _, state, _ in later_files for span in zipsave.storage_ranges(state)]
+    except Exception:  # noqa: BLE001 - a file torch cannot pickle fails in its own write; nothing is given back
+        return None
+    return background.ReleasedPages(lambda: later + (plan.unread_ranges() if plan is not None else []))
 
 
 def _ranks_committed_together(engine: Any) -> int:
@@ -787,12 +799,13 @@ def _guarded_writes(engine: Any, plan: Any, failures: list[str], zipsave_files: 
     return stack
 
 
-def _guarded_save(own: Any, plan: Any, failures: list[str], zipsave_files: bool, state_dict: Any, path: str) -> None:
+def _guarded_save(own: Any, plan: Any, failures: list[str], zipsave_files: bool, state_dict: Any, path: str,
+                  written: Any = None) -> None:
     """Write one of DeepSpeed's files durably, never raising: a failed write (a full disk) is recorded in
     ``failures``, its file removed, and the rest of this rank's files skipped. With ``zipsave_files`` the file is
     written by zipsave, which shows ``plan`` (the fingerprints' sums, when not None) each storage's blocks as they
     are written; where zipsave cannot (another torch), ``own`` (the checkpoint engine's save) writes it and what
-    ``plan`` summed from it is forgotten."""
+    ``plan`` summed from it is forgotten. ``written``: zipsave's, told each block once it is in the file."""
     from deepspeed_ext.checkpoint import durable, zipsave
     if failures:
         return  # this rank's save has failed already: it will not be committed
@@ -800,7 +813,7 @@ def _guarded_save(own: Any, plan: Any, failures: list[str], zipsave_files: bool,
         if zipsave_files:
             mark = plan.mark() if plan is not None else None
             zipsave.save(state_dict, path, plan,
-                         on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None)
+                         on_fallback=(lambda: plan.rollback(mark)) if plan is not None else None, written=written)
         else:
             own(state_dict, path)
             if os.path.isfile(path):

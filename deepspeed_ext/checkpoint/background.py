@@ -141,6 +141,34 @@ def _dead_on(host: str, pid_file: Path) -> bool:
     return False
 
 
+class ReleasedPages:
+    """In a forked writer: hands each block of memory back to the kernel once it is in its file
+    (``madvise(MADV_DONTNEED)`` on the pages wholly inside it), unless something the writer still reads lies
+    there (``keep``: ranges of a later file's storages, or of what is still to be summed).
+
+    Until the writer lets go of a page, the training process's first write to it (the next optimizer step) makes
+    the kernel copy it, fault by fault; a page given back is the training process's alone again, written in
+    place. So the memory the save costs, and the time those copies take, shrink to what training rewrites before
+    the writer has written it."""
+
+    def __init__(self, keep: Callable[[], list[tuple[int, int]]]):
+        import ctypes
+        import mmap
+        self._keep = keep
+        self._page = mmap.PAGESIZE
+        self._madvise = ctypes.CDLL(None, use_errno=True).madvise
+        self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.released = 0
+
+    def __call__(self, address: int, nbytes: int) -> None:
+        start = -(-address // self._page) * self._page
+        end = (address + nbytes) // self._page * self._page
+        if end <= start or any(low < end and start < high for low, high in self._keep()):
+            return
+        if self._madvise(start, end - start, 4) == 0:  # MADV_DONTNEED
+            self.released += end - start
+
+
 class BackgroundSave:
     """The parent's handle on one rank's writer (:func:`start`)."""
 

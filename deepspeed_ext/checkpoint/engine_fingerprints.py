@@ -149,6 +149,14 @@ class SumsPlan:
         row[1] += total
         row[2] += total_sq
 
+    def unread_ranges(self) -> list[tuple[int, int]]:
+        """``(address, end)`` of the memory :meth:`finish` still reads: the states no writer claimed, and the
+        buffers."""
+        tensors = [*self.pending.values(), *(buffer for _, buffer in self._buffers)] if self._sum_buffers \
+            else list(self.pending.values())
+        return [(tensor.data_ptr(), tensor.data_ptr() + _span_bytes(tensor)) for tensor in tensors
+                if tensor.device.type == "cpu" and tensor.numel()]
+
     def mark(self) -> int:
         """A point to :meth:`rollback` to if the write that follows fails."""
         return len(self._claimed)
@@ -172,6 +180,12 @@ class SumsPlan:
         return LocalSums(self._params, self._states, self.sums,
                          [(name, buffer.dtype) for name, buffer in self._buffers], buffer_sums, self._spread,
                          self._with_moments, self._stage, self._stages)
+
+
+def _span_bytes(tensor: torch.Tensor) -> int:
+    """The bytes from a tensor's first element to just past its last, strides and all."""
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))) \
+        * tensor.element_size()
 
 
 def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:

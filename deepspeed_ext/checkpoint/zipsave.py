@@ -101,11 +101,16 @@ def supported() -> bool:
     return _support() is None
 
 
+#: Told ``(address, nbytes)`` of each block of a large storage once it is in the file (and no longer read).
+Written = Callable[[int, int], None]
+
+
 def save(obj: Any, path: str | os.PathLike[str], observer: Observer | None = None,
-         on_fallback: Callable[[], None] | None = None) -> bool:
+         on_fallback: Callable[[], None] | None = None, written: Written | None = None) -> bool:
     """Write ``torch.save(obj, path)``'s exact bytes (pickle protocol 2, the zip format), showing ``observer``
     the bytes of each large storage as they are written. Large CPU storages are held until torch's pickling
     is done, then written (a device storage's host copy would be held too: this is meant for CPU state).
+    ``written`` is told the memory of each block of them once it is written (a forked writer gives it back).
 
     Returns True when this module wrote the file, False when torch.save did: this torch is not
     :func:`supported`, the path is not ASCII (torch then names the archive differently), or torch's private
@@ -121,7 +126,7 @@ def save(obj: Any, path: str | os.PathLike[str], observer: Observer | None = Non
     if reason is None:
         try:
             with _staged(path) as staged:
-                _write(obj, staged, observer, MIN_DEFERRED_BYTES)
+                _write(obj, staged, observer, MIN_DEFERRED_BYTES, written)
             return True
         except _Fallback as exc:
             reason = str(exc)
@@ -362,7 +367,8 @@ def _fenced(what: str, recorder: _Recorder | None = None) -> Iterator[None]:
         raise _Fallback(f"{what}: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
-def _write(obj: Any, staged: _Staged, observer: Observer | None, min_deferred: int) -> int:
+def _write(obj: Any, staged: _Staged, observer: Observer | None, min_deferred: int,
+           written: Written | None = None) -> int:
     """``torch.save(obj, staged.alias)``'s bytes into ``staged.real``, with the storages of ``min_deferred``
     bytes or more written here; how many were. Raises :class:`_Fallback` where torch's pieces or its zip are not
     as expected: before anything is shown to ``observer``, but where the patching, after, fails."""
@@ -400,7 +406,7 @@ def _write(obj: Any, staged: _Staged, observer: Observer | None, min_deferred: i
                 deferred.append((record, storage))
             old_id = _check(handle, records)
         faults.reached("mid-file")  # the zip's structure is written, its storages not yet (tests)
-        crcs = {record.name: _write_storage(handle.fileno(), storage, record.data_offset, observer)
+        crcs = {record.name: _write_storage(handle.fileno(), storage, record.data_offset, observer, written)
                 for record, storage in deferred}
         with _fenced("patching torch's zip"):
             _patch(handle, records, crcs, old_id)
@@ -486,19 +492,23 @@ def _records(handle: Any) -> _Records:
     return records
 
 
-def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer: Observer | None) -> int:
+def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer: Observer | None,
+                   written: Written | None = None) -> int:
     """``storage``'s bytes at ``offset`` of ``fd`` in cached blocks, each shown to ``observer``'s regions,
     checksummed from the cache, and its writeback to the disk started (the file is fsynced once complete: the
-    disk then works while the next blocks are copied, instead of after); the CRC-32 of the whole."""
+    disk then works while the next blocks are copied, instead of after), then told to ``written``; the CRC-32 of
+    the whole."""
     data = torch.empty(0, dtype=torch.uint8).set_(storage)
     regions = observer.regions(storage.data_ptr(), storage.nbytes()) if observer is not None else ()
-    crc, position = 0, 0
+    crc, position, address = 0, 0, storage.data_ptr()
 
     def put(block: Any, start: int) -> None:  # one cached block: checksummed, written, its writeback started
         nonlocal crc
         crc = zlib.crc32(block, crc)
         pwrite_all(fd, block, offset + start)
         durable.start_writeback(fd, offset + start, block.nbytes)
+        if written is not None:
+            written(address + start, block.nbytes)
 
     def plain(stop: int) -> None:  # bytes no region covers (padding, another rank's share, ...)
         nonlocal position
@@ -513,11 +523,34 @@ def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer
         step = max(region.piece_elements, BLOCK_BYTES // size // region.piece_elements * region.piece_elements)
         for piece in torch.split(flat, step):
             piece_bytes: Any = piece.view(torch.uint8).numpy()
-            put(piece_bytes, position)
             region.consume(piece)
+            put(piece_bytes, position)
             position += piece_bytes.nbytes
     plain(storage.nbytes())
     return crc
+
+
+def storage_ranges(obj: Any) -> list[tuple[int, int]]:
+    """``(address, end)`` of every CPU storage ``torch.save(obj)`` would write, found by pickling ``obj`` as
+    torch does (tensors reduce to their storages) into nothing: no tensor is missed however it is held."""
+    found: list[tuple[int, int]] = []
+
+    class Finder(pickle.Pickler):
+        def persistent_id(self, value: Any) -> Any:
+            if isinstance(value, torch.storage.TypedStorage):
+                value = value._untyped_storage
+            if isinstance(value, torch.UntypedStorage):
+                if value.device.type == "cpu" and value.nbytes():
+                    found.append((value.data_ptr(), value.data_ptr() + value.nbytes()))
+                return "storage"
+            return None
+
+    class Nowhere:
+        def write(self, data: Any) -> None:
+            pass
+
+    Finder(Nowhere(), protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    return found
 
 
 def _hash_combine(seed: int, value: int) -> int:

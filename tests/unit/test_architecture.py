@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("files", ["checkpoint.fingerprint", "checkpoint.zipcheck", "checkpoint.serialization", "checkpoint.manifest",
                "checkpoint.output", "checkpoint.ranges", "checkpoint.orbax_private", "checkpoint.families",
                "checkpoint.families.*", "checkpoint.commit", "checkpoint.zipsave", "checkpoint.locate",
-               "checkpoint.metadata"]),
+               "checkpoint.metadata", "checkpoint.background"]),
     ("stream", ["checkpoint.tensor", "checkpoint.source", "checkpoint.model_config", "checkpoint.expert_names",
                 "checkpoint.quantization", "checkpoint.multimodal"]),
     ("formats", ["checkpoint.deepspeed", "checkpoint.deepspeed.*", "checkpoint.universal", "checkpoint.hf",

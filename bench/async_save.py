@@ -1,0 +1,221 @@
+"""What a save stalls training with ``"async_save": true``, against the synchronous save, on the 246M benchmark model
+(hidden 1024, 16 layers, 16 query / 4 KV heads, intermediate 2816, vocab 32000), TP=2, ZeRO-1, bf16, with the real
+engine (torchrun, gloo, CPU).
+
+After two warm-up steps, ``--rounds`` paired rounds (the order of the pair alternates), each of:
+
+* a synchronous save (the same engine, ``deepspeed_ext_async_save`` switched off for it): its wall time;
+* a save in the background: the time ``save_checkpoint`` blocks (the stall), then training steps until it has
+  committed: the steps taken meanwhile, their times, and the seconds from the save's return to its commit; the
+  writer's private memory (the pages training rewrote while the writer lived, which the kernel copied: the extra
+  host memory), sampled from ``/proc/<writer>/smaps_rollup``;
+* as many steps with no save in flight: the steps' own time, for the steps/s ratio.
+
+Each save starts with the disk idle (``sync`` before it). Every number is the slowest rank's; medians, and the
+medians of each round's own ratios, all measured in this one run. Round 0 also checks that the two saves' files
+are byte-identical.
+
+    python bench/async_save.py                  # 246M, 5 rounds
+    python bench/async_save.py --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convert import llama_config  # noqa: E402
+from maxtext_rss import model_arguments  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class PrivateMemory:
+    """The peak private memory (kB) of a process, and the CPU seconds it used, sampled every 20 ms on a thread
+    until stopped."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak_kib, self.cpu_s, self._stop = pid, 0, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with open(f"/proc/{self.pid}/smaps_rollup") as rollup:
+                    fields = {line.split(":")[0]: int(line.split()[1]) for line in rollup if "kB" in line}
+                with open(f"/proc/{self.pid}/stat") as stat:
+                    ticks = stat.read().rsplit(")", 1)[1].split()[11:13]  # utime, stime
+                self.cpu_s = sum(int(tick) for tick in ticks) / os.sysconf("SC_CLK_TCK")
+            except (OSError, ValueError, IndexError):
+                return  # the writer has exited
+            self.peak_kib = max(self.peak_kib, fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0))
+            self._stop.wait(0.02)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of the measurement (under torchrun)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import deepspeed_ext
+    from deepspeed_ext.demo.models import batch, ds_config, finish_distributed
+    from deepspeed_ext.runtime import ASYNC_SAVE_ATTR, PENDING_ATTR
+
+    values = json.loads(Path(args.config).read_text())
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model = AutoModelForCausalLM.from_config(config)
+    world = int(os.environ["WORLD_SIZE"])
+    engine, *_ = deepspeed_ext.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(tp=2, dp=world // 2, zero=1, dtype="bf16",
+                                                           async_save=True))
+    tokens = batch(1, 0, 1, vocab=config.vocab_size)
+
+    def step() -> None:
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+
+    def slowest(seconds: float, op: str = "max") -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return float(value)
+
+    def timed(work) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        return slowest(time.perf_counter() - start)
+
+    def idle_disk() -> None:
+        if dist.get_rank() == 0:
+            os.sync()
+        dist.barrier()
+
+    for _ in range(2):
+        step()
+    out = Path(args.out)
+    rows: dict[str, list[float]] = {key: [] for key in (
+        "sync_save", "async_stall", "async_commit_after", "steps_during", "step_during", "step_alone",
+        "writer_private_mib", "writer_cpu_s", "sync_cpu_s")}
+    for round_ in range(args.rounds):
+        order = ["sync", "async"] if round_ % 2 == 0 else ["async", "sync"]
+        for kind in order:
+            idle_disk()
+            if kind == "sync":
+                setattr(engine, ASYNC_SAVE_ATTR, False)
+                cpu = time.process_time()
+                rows["sync_save"].append(timed(lambda: engine.save_checkpoint(str(out / f"sync{round_}"),
+                                                                               tag="step")))
+                rows["sync_cpu_s"].append(slowest(time.process_time() - cpu, "sum"))
+                setattr(engine, ASYNC_SAVE_ATTR, True)
+                continue
+            rows["async_stall"].append(timed(lambda: engine.save_checkpoint(str(out / f"async{round_}"),
+                                                                             tag="step")))
+            returned = time.perf_counter()
+            memory = PrivateMemory(getattr(engine, PENDING_ATTR).pid)
+            during = []
+            while True:  # every rank agrees when the save is settled (the step's own collective check)
+                start = time.perf_counter()
+                step()
+                during.append(slowest(time.perf_counter() - start))
+                if not hasattr(engine, PENDING_ATTR):
+                    break
+            rows["async_commit_after"].append(slowest(time.perf_counter() - returned))
+            rows["writer_private_mib"].append(slowest(memory.stop() / 1024, "sum"))
+            rows["writer_cpu_s"].append(slowest(memory.cpu_s, "sum"))
+            rows["steps_during"].append(len(during))
+            rows["step_during"].append(statistics.mean(during))
+            alone = [timed(step) for _ in during]
+            rows["step_alone"].append(statistics.mean(alone))
+        if round_ == 0 and dist.get_rank() == 0:
+            rows["same_bytes"] = [_same_files(out / "sync0" / "step", out / "async0" / "step")]
+        if dist.get_rank() == 0:
+            for kind in ("sync", "async"):
+                shutil.rmtree(out / f"{kind}{round_}", ignore_errors=True)
+        dist.barrier()
+    if dist.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps(rows))
+    finish_distributed()
+
+
+def _same_files(sync: Path, background: Path) -> float:
+    """1.0 if every file of the synchronous save is in the background one with the same bytes (the commit marker:
+    the same but for its time), else 0.0."""
+    names = sorted(p.name for p in sync.iterdir())
+    same = names == sorted(p.name for p in background.iterdir())
+    for name in names if same else []:
+        left, right = (sync / name).read_bytes(), (background / name).read_bytes()
+        if name == "deepspeed_ext.commit.json":
+            left_json, right_json = json.loads(left), json.loads(right)
+            left_json.pop("committed_at"), right_json.pop("committed_at")
+            same = same and left_json == right_json
+        else:
+            same = same and left == right
+    return float(same)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(p)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    work = Path(args.workdir) / "async_save"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "config.json").write_text(json.dumps(llama_config(args)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", "--config", str(work / "config.json"), "--out", str(work), "--rounds", str(args.rounds)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    rows = json.loads((work / "result.json").read_text())
+    median = {key: statistics.median(values) for key, values in rows.items()}
+
+    def paired(top: str, bottom: str) -> tuple[float, float, float]:
+        ratios = sorted(a / b for a, b in zip(rows[top], rows[bottom], strict=True))
+        return statistics.median(ratios), ratios[0], ratios[-1]
+
+    stall, stall_low, stall_high = paired("async_stall", "sync_save")
+    slower, slower_low, slower_high = paired("step_during", "step_alone")
+    print(f"\nasync_save, {args.layers}-layer Llama (hidden {args.hidden}), TP=2 ZeRO-1 bf16, {args.rounds} paired "
+          "rounds (median s, slowest rank)")
+    print(f"{'save_checkpoint, synchronous':46} {median['sync_save']:8.3f}   "
+          f"(min {min(rows['sync_save']):.3f}, max {max(rows['sync_save']):.3f})")
+    print(f"{'save_checkpoint, async_save: the stall':46} {median['async_stall']:8.3f}   {stall:.1%} of the "
+          f"synchronous save (median of the rounds' own ratios; {stall_low:.1%}..{stall_high:.1%})")
+    print(f"{'  committed, after the save returned':46} {median['async_commit_after']:8.3f}   "
+          f"({median['steps_during']:.0f} training step(s) meanwhile)")
+    print(f"{'a training step, no save in flight':46} {median['step_alone']:8.3f}   "
+          f"{1 / median['step_alone']:.2f} steps/s")
+    print(f"{'a training step while the writer writes':46} {median['step_during']:8.3f}   "
+          f"{1 / median['step_during']:.2f} steps/s, {slower:.2f}x the step's time "
+          f"({slower_low:.2f}..{slower_high:.2f})")
+    print(f"{'extra host memory (writers, both ranks), MiB':46} {median['writer_private_mib']:8.0f}   "
+          f"(max {max(rows['writer_private_mib']):.0f})")
+    print(f"{'CPU s of a save, both ranks: synchronous':46} {median['sync_cpu_s']:8.3f}")
+    print(f"{'  the background writers (last sample)':46} {median['writer_cpu_s']:8.3f}")
+    print(f"{'files byte-identical to the synchronous save':46} {bool(rows['same_bytes'][0])}")
+    print(json.dumps({"median_s": median, "rounds": rows}))
+
+
+if __name__ == "__main__":
+    main()
