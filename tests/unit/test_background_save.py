@@ -150,6 +150,7 @@ def test_a_writer_gives_back_what_it_wrote_but_keeps_what_it_still_reads(tmp_pat
     seen = tmp_path / "seen.pt"
 
     def write() -> None:
+        torch.set_num_threads(1)  # the parent's OpenMP threads are not in a forked child (as the runtime does)
         release = background.ReleasedPages(lambda: [kept])
         release(address, 64 * page)  # overlaps the kept range: nothing is given back
         release(address, 16 * page)
