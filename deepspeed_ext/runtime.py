@@ -632,11 +632,12 @@ def wait_for_saves(engine: Any) -> None:
 
 def _hook_steps_to_report_background_saves(engine: Any) -> None:
     """Each training step (``train_batch`` of a pipeline engine) first asks how a save in the background went
-    (:func:`settle_background_save`, without waiting), so that a failure stops training at the next step; a load
-    waits for it; the process's exit waits for every one (:func:`_wait_at_exit`)."""
+    (:func:`settle_background_save`, without waiting), so that a failure stops training at the next step;
+    ``destroy`` waits for it (and ``load_checkpoint``: :func:`_hook_load`); the process's exit waits for every
+    one (:func:`_wait_at_exit`)."""
     _BACKGROUND_ENGINES.add(engine)
     name = "train_batch" if engine_private.engine_is_pipeline(engine) else "step"
-    for method in (name, "load_checkpoint", "destroy"):
+    for method in (name, "destroy"):
         own = getattr(engine, method, None)
         if own is None:
             continue
@@ -891,6 +892,7 @@ def _hook_load(engine: Any, reshard: bool, fingerprints: str) -> None:
     signature = inspect.signature(original)
 
     def load(*args: Any, **kwargs: Any) -> Any:
+        settle_background_save(engine, block=True)  # a save still being written is committed (or fails) first
         call = signature.bind(*args, **kwargs)
         call.apply_defaults()
         options = call.arguments
