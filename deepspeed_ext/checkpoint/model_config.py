@@ -70,12 +70,25 @@ def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source
     return config
 
 
+def _meta_model(config: Any) -> torch.nn.Module:
+    """transformers' causal-LM model for ``config``, built on the meta device (no memory). Its class comes from
+    transformers' causal-LM mapping and is called directly: ``AutoModelForCausalLM.from_config`` builds the
+    same modules but takes over a second more (it settles attention kernels, and imports what that needs), on
+    every conversion's path. Raises ``ValueError`` for a model type with no causal-LM class, as it does."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError as exc:
+        raise ValueError(f"no causal-LM model for {type(config).__name__}") from exc
+    with torch.device("meta"):
+        model: torch.nn.Module = model_class(config)
+    return model
+
+
 def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
     """The parameters transformers' model for ``config`` has (built on the meta device: no memory)."""
-    from transformers import AutoModelForCausalLM
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = _meta_model(config)
     except ValueError:
         return None  # a model type with no causal-LM class: nothing to check against
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -87,9 +100,7 @@ def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
 def linear_weights(config: Any) -> set[str]:
     """The ``<module>.weight`` names of the ``nn.Linear`` modules of transformers' model for ``config`` (what its
     FP8 quantizer replaces), built on the meta device."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = _meta_model(config)
     return {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
 
 
@@ -125,8 +136,8 @@ def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: 
 class ConfigFit(StreamCheck):
     """Whether a checkpoint's parameters fit transformers' model for its config, found on a thread.
 
-    Importing transformers' config and model code and building the model on the meta device takes 2-4 s of a
-    command's start; a writer starts this first and streams tensors meanwhile (torch's kernels and file I/O
+    Importing transformers' config and model code and building the model on the meta device takes about a
+    second of a command's start; a writer starts this first and streams tensors meanwhile (torch's kernels and file I/O
     release the GIL). Each tensor read polls it (:meth:`stream`, :meth:`loader`), so a wrong config still
     stops the conversion within seconds of its start, and the writer takes :meth:`result` (transformers'
     config) before it publishes anything.

@@ -452,3 +452,34 @@ def test_odd_depth_written_unscanned_reads_back_through_every_command(tmp_path, 
     assert main(["verify", str(out)]) == 0
     assert main(["from-maxtext", str(out), "-o", str(tmp_path / "back"), "--quiet"]) == 0
     assert main(["compare", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+
+
+def test_uncompressed_chunks_hold_the_same_arrays(tmp_path):
+    """--compression none: every array's zarr3 codecs carry no zstd (they do by default, as MaxText's own saves),
+    and what is restored on the mesh is the same as from the compressed checkpoint."""
+    import tensorstore as ts
+
+    from deepspeed_ext.errors import CheckpointError
+    model = hf_model("llama")
+    params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    written = {}
+    for compression in ("zstd", "none"):
+        written[compression] = write_maxtext(lambda name, state="fp32": params[name],
+                                             {n: a.shape for n, a in params.items()}, get_family("llama"),
+                                             ModelDims.from_config(config), tmp_path / compression, progress=False,
+                                             compression=compression)
+    leaves = convert(model, "llama", tmp_path / "leaves")[1]
+    for leaf in leaves:
+        for compression in ("zstd", "none"):
+            store = {"driver": "ocdbt", "base": f"file://{written[compression]}"}
+            array = ts.open({"driver": "zarr3", "kvstore": store,
+                             "path": "params.params." + ".".join(leaf.path)}).result()
+            codecs = json.dumps(array.spec().to_json()["metadata"]["codecs"])
+            assert ("zstd" in codecs) == (compression == "zstd"), (leaf.name, codecs)
+    a, b = (ocp.tree.to_flat_dict(restore_on_mesh(written[c], leaves), sep="/") for c in ("zstd", "none"))
+    for name in a:
+        assert np.array_equal(np.asarray(a[name]), np.asarray(b[name])), name
+    with pytest.raises(CheckpointError, match="--compression must be one of zstd, none"):
+        write_maxtext(lambda name, state="fp32": params[name], {n: a.shape for n, a in params.items()},
+                      get_family("llama"), ModelDims.from_config(config), tmp_path / "bad", compression="lz4")

@@ -74,9 +74,10 @@ def import_orbax() -> None:
 
 
 def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
-               finish: Callable[[], None] | None = None) -> None:
+               finish: Callable[[], None] | None = None, compression: bool = True) -> None:
     """Save ``tree`` (lazy leaves allowed) into the staging directory ``out`` as step 0, item ``items``, the
-    way MaxText's own writers do, then its manifest; ``finish`` runs after the save (it may refuse it)."""
+    way MaxText's own writers do, then its manifest; ``finish`` runs after the save (it may refuse it).
+    ``compression``: zstd on each storage chunk (Orbax's default), or none."""
     import orbax.checkpoint as ocp
     _register_lazy_leaf()
     try:
@@ -85,7 +86,8 @@ def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, An
         manager = ocp.CheckpointManager(
             out,
             item_names=(ITEM, ),
-            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)},
+            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+                                                             use_compression=compression)},
             options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
         manager.save(int(STEP_DIR), args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
                      custom_metadata=dict(custom_metadata))

@@ -43,6 +43,8 @@ if TYPE_CHECKING:  # torch only where tensors are handed over
     from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck, StreamCheck
 
 DTYPES = ("bfloat16", "float32")
+#: Each storage chunk's codec: zstd (level 3, Orbax's default and MaxText's own) or none.
+COMPRESSIONS = ("zstd", "none")
 #: ``load(name, state)``: one full fp32 tensor as numpy; ``load_rows(name, state, first, last)``: rows
 #: ``[first, last)`` of it (along axis 0), flattened, as numpy or a torch tensor.
 Load = Callable[..., np.ndarray]
@@ -54,13 +56,15 @@ class MaxTextOptions(WriteOptions):
     """``family``: the MaxText model family (None: inferred from the model config); ``scan_layers``: stack the
     decoder layers as MaxText's ``scan_layers=true`` expects; ``dtype`` of the weights; ``mesh``: the target
     mesh the storage chunks are cut for (``{"fsdp": 16}`` or ``"fsdp=16"``); ``with_optimizer``: also write
-    the Adam moments as optax adamw's state."""
+    the Adam moments as optax adamw's state; ``compression``: ``zstd`` (Orbax's default, as MaxText writes) or
+    ``none`` (each chunk's bytes as they are: larger, written and read without (de)compressing)."""
 
     family: str | None = None
     scan_layers: bool = True
     dtype: str = "bfloat16"
     mesh: Mapping[str, int] | str | None = None
     with_optimizer: bool = False
+    compression: str = "zstd"
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,8 @@ class WriterOptions:
     model for the config, running on a thread: polled at each load, and its answer awaited before anything is
     published. ``before_publish``: the source's own checks (its files' checksums), run last before publishing.
     ``protect``: the source's paths, which the output may not touch; the output is built aside and published
-    whole (:mod:`deepspeed_ext.checkpoint.output`). ``source``: the source's name in errors.
+    whole (:mod:`deepspeed_ext.checkpoint.output`). ``source``: the source's name in errors. ``compression``:
+    each storage chunk's codec, one of :data:`COMPRESSIONS`.
     """
 
     scan_layers: bool = True
@@ -110,6 +115,7 @@ class WriterOptions:
     load_rows: LoadRows | None = None
     block_bytes: int | None = None
     before_publish: Callable[[], None] | None = None
+    compression: str = "zstd"
 
 
 def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = MaxTextOptions()) -> Path:
@@ -137,7 +143,8 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                                            with_optimizer=options.with_optimizer, optimizer_step=optimizer_step,
                                            finite=finite_check(source, options), recorded=record_check(info),
                                            fit=fit, protect=protected_paths(source, options), load_rows=load_rows,
-                                           before_publish=source.raise_if_damaged))
+                                           before_publish=source.raise_if_damaged,
+                                           compression=options.compression))
 
 
 def _refuse_other_optimizers(tensors: Mapping[str, LogicalTensor], label: str) -> None:
@@ -223,6 +230,8 @@ def write_maxtext(load: Load,
     options = dataclasses.replace(options, **fields) if fields else options
     if options.dtype not in DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {options.dtype!r}")
+    if options.compression not in COMPRESSIONS:
+        raise CheckpointError(f"--compression must be one of {', '.join(COMPRESSIONS)}, not {options.compression!r}")
     np_dtype = np.dtype(ml_dtypes.bfloat16) if options.dtype == "bfloat16" else np.dtype(np.float32)
     out = output.prepare(out, options.protect, overwrite=options.overwrite)  # absolute: OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, options.scan_layers, options.source)  # validated before writing
@@ -238,7 +247,8 @@ def write_maxtext(load: Load,
               METADATA_KEY: {FAMILY_KEY: family.name, MODEL_CONFIG_KEY: dict(options.model_config or {})}}
     try:
         with output.staged(out) as partial:
-            save_items(partial, tree, custom, finish=lambda: _finish(partial, options, arrays.read_back))
+            save_items(partial, tree, custom, finish=lambda: _finish(partial, options, arrays.read_back),
+                       compression=options.compression != "none")
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
