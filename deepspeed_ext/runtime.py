@@ -510,9 +510,9 @@ def _save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: 
             if fingerprints != "off" and fuse:
                 from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
                 plan = SumsPlan(engine)
-            for index, (own, state, path) in enumerate(files):
-                _guarded_save(own, plan, failures, fuse, state, path,
-                              written=_released_once_written(files[index + 1:], plan) if fuse else None)
+            releases = _released_once_written(files, plan) if fuse else [None] * len(files)
+            for (own, state, path), written in zip(files, releases, strict=True):
+                _guarded_save(own, plan, failures, fuse, state, path, written=written)
             for own, path in copies:
                 _guarded_copy(own, failures, path)
             faults.reached("files-written")
@@ -554,15 +554,20 @@ def _save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: 
     return result
 
 
-def _released_once_written(later_files: list[tuple[Any, Any, str]], plan: Any) -> Any:
-    """For a forked writer's zipsave: each block of a file given back to the kernel once written, but for what a
-    later file or the sums still to be done (``plan``) read."""
+def _released_once_written(files: list[tuple[Any, Any, str]], plan: Any) -> list[Any]:
+    """For a forked writer's zipsave, one per file: what gives each block of the file back to the kernel once it is
+    written, but for what a later file or the sums still to be done (``plan``) read. Nothing is given back where
+    a file's storages cannot be found (a file torch cannot pickle fails in its own write)."""
     from deepspeed_ext.checkpoint import background, zipsave
     try:
-        later = [span for _, state, _ in later_files for span in zipsave.storage_ranges(state)]
-    except Exception:  # noqa: BLE001 - a file torch cannot pickle fails in its own write; nothing is given back
-        return None
-    return background.ReleasedPages(lambda: later + (plan.unread_ranges() if plan is not None else []))
+        spans = [zipsave.storage_ranges(state) for _, state, _ in files]
+    except Exception:  # noqa: BLE001
+        return [None] * len(files)
+    later: list[list[tuple[int, int]]] = [[] for _ in files]
+    for index in range(len(files) - 2, -1, -1):
+        later[index] = later[index + 1] + spans[index + 1]
+    return [background.ReleasedPages(
+        lambda kept=kept: kept + (plan.unread_ranges() if plan is not None else [])) for kept in later]
 
 
 def _ranks_committed_together(engine: Any) -> int:
@@ -648,19 +653,19 @@ def _hook_steps_to_report_background_saves(engine: Any) -> None:
             return _own(*args, **kwargs)
 
         setattr(engine, method, functools.wraps(own)(reporting))
-    _wait_at_exit.install()
+    _wait_at_exit()
 
 
-class _ExitWait:
-    """Installs :func:`finish_background_saves` to run at the process's exit, once."""
+def _wait_at_exit() -> None:
+    """:func:`finish_background_saves` at the process's exit (registered once)."""
+    global _EXIT_WAIT_INSTALLED
+    if not _EXIT_WAIT_INSTALLED:
+        import atexit
+        atexit.register(finish_background_saves)
+        _EXIT_WAIT_INSTALLED = True
 
-    installed = False
 
-    def install(self) -> None:
-        if not self.installed:
-            import atexit
-            atexit.register(finish_background_saves)
-            self.installed = True
+_EXIT_WAIT_INSTALLED = False
 
 
 def finish_background_saves() -> None:
@@ -679,9 +684,6 @@ def finish_background_saves() -> None:
             logger.info("committed %s in the background", pending.tag)
             for action in pending.after_commit:
                 action()
-
-
-_wait_at_exit = _ExitWait()
 
 
 def _is_commit_coordinator(engine: Any) -> bool:
