@@ -186,9 +186,9 @@ def conversions(args: argparse.Namespace, tag_dir: Path, work: Path) -> dict[str
 
 
 def resume(args: argparse.Namespace, work: Path, tp: int, dp: int, zero: int, load_dir: Path,
-           label: str) -> dict[str, float]:
+           label: str, extra: tuple[str, ...] = ()) -> dict[str, float]:
     """One resume at TP=tp x DP=dp under ZeRO ``zero``: load ``load_dir``, train one step; per-rank timing from
-    train.py --timing."""
+    train.py --timing (``extra``: more of its arguments)."""
     timing = work / "timing" / f"{label}_tp{tp}_dp{dp}_zero{zero}"
     timing.parent.mkdir(exist_ok=True)
     for old in timing.parent.glob(f"{timing.name}.rank*.json"):
@@ -197,7 +197,7 @@ def resume(args: argparse.Namespace, work: Path, tp: int, dp: int, zero: int, lo
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(tp * dp), "-m",
            "deepspeed_ext.demo.train", "--tp", str(tp),
            "--zero", str(zero), "--dtype", "bf16", "--steps", "2", "--load-dir", str(load_dir), "--timing",
-           str(timing), "--model-config", str(work / "config.json")]
+           str(timing), "--model-config", str(work / "config.json"), *extra]
     # torchrun gives each of several ranks one OpenMP thread; a single rank keeps the machine's cores.
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     ranks = [json.loads(p.read_text()) for p in sorted(timing.parent.glob(f"{timing.name}.rank*.json"))]
