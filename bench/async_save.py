@@ -26,17 +26,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import llama_config  # noqa: E402
+from convert import run_rank_workers  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class PrivateMemory:
@@ -180,14 +178,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    work = Path(args.workdir) / "async_save"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    (work / "config.json").write_text(json.dumps(llama_config(args)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           "--worker", "--config", str(work / "config.json"), "--out", str(work), "--rounds", str(args.rounds)]
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    rows = json.loads((work / "result.json").read_text())
+    rows = run_rank_workers(args, __file__, "async_save")
     median = {key: statistics.median(values) for key, values in rows.items()}
 
     def paired(top: str, bottom: str) -> tuple[float, float, float]:

@@ -50,6 +50,19 @@ def llama_config(args: argparse.Namespace) -> dict:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def run_rank_workers(args: argparse.Namespace, script: str, name: str) -> dict:
+    """Run ``script --worker`` on 2 ranks (torchrun, gloo, CPU) for the benchmark model in a fresh
+    ``--workdir/name``; what rank 0 left in its ``result.json``."""
+    work = Path(args.workdir) / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "config.json").write_text(json.dumps(llama_config(args)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
+           "--worker", "--config", str(work / "config.json"), "--out", str(work), "--rounds", str(args.rounds)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    return json.loads((work / "result.json").read_text())
+
+
 def checkpoint_workdir(args: argparse.Namespace, layers: int) -> Path:
     """Where the benchmark checkpoint of this model's shapes with ``layers`` layers is cached."""
     vocab = "" if args.vocab == 32000 else f"_v{args.vocab}"

@@ -26,16 +26,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import llama_config  # noqa: E402
+from convert import run_rank_workers  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -158,14 +156,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    work = Path(args.workdir) / "fingerprints"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    (work / "config.json").write_text(json.dumps(llama_config(args)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-           "--worker", "--config", str(work / "config.json"), "--out", str(work), "--rounds", str(args.rounds)]
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    rows = json.loads((work / "result.json").read_text())
+    rows = run_rank_workers(args, __file__, "fingerprints")
     median = {key: statistics.median(values) for key, values in rows.items()}
     print(f"\nresume fingerprints, {args.layers}-layer Llama (hidden {args.hidden}), TP=2 ZeRO-1 bf16, "
           f"{args.rounds} rounds (median s, slowest rank)")

@@ -17,7 +17,7 @@ import pytest
 
 from deepspeed_ext.checkpoint import commit
 from harness.cli import cli_result
-from harness.runner import read_losses, torchrun_train
+from harness.runner import read_losses, the_one_save_failure, torchrun_train
 
 TORN = "global_step5"
 #: The points that leave the save of global_step5 unfinished; "before-latest" leaves it committed, not pointed at.
@@ -153,12 +153,9 @@ def test_a_full_disk_mid_save_fails_every_rank_with_one_reason_and_keeps_the_las
                               "--save-at", "5"], tmp_path / "full.log", check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
-    assert len(reasons) == 1, output[-3000:]
-    (reason, ) = reasons
+    reason = the_one_save_failure(output)
     assert "saving checkpoint 'global_step5'" in reason and "No space left on device" in reason, reason
     assert f"{save_dir / 'latest'} still names 'global_step3'" in reason, reason
-    assert output.count(reason) >= 2  # every rank said it
     assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)
     assert sorted(p.name for p in save_dir.iterdir()) == ["global_step3", "latest", "zero_to_fp32.py",
                                                           "zero_to_torch.py"]
@@ -179,9 +176,7 @@ def _save_failing_at(fault: str, save_dir, tmp_path, monkeypatch) -> tuple[str, 
     monkeypatch.delenv("DEEPSPEED_EXT_FAULT")
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "SIGKILL" not in output, output[-3000:]
-    reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
-    assert len(reasons) == 1, output[-3000:]
-    (reason, ) = reasons
+    reason = the_one_save_failure(output)
     return output, reason
 
 
@@ -193,7 +188,6 @@ def test_one_rank_failing_its_write_stops_every_rank_with_its_reason(tmp_path, m
     output, reason = _save_failing_at(f"mid-file@{TORN}:1=error", save_dir, tmp_path, monkeypatch)
     assert f"saving checkpoint '{TORN}'" in reason and "failed on rank 1:" in reason, reason
     assert "other rank" not in reason and "mp_rank_01" in reason and "injected I/O error" in reason, reason
-    assert output.count(reason) >= 2  # rank 0 said it too
     assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)
     assert sorted(p.name for p in save_dir.iterdir()) == ["global_step3", "latest", "zero_to_fp32.py",
                                                           "zero_to_torch.py"]
@@ -206,5 +200,5 @@ def test_a_failed_copy_of_deepspeeds_recovery_scripts_stops_every_rank_with_its_
     save_dir = tmp_path / "save"
     output, reason = _save_failing_at(f"recovery-scripts@{TORN}:0=error", save_dir, tmp_path, monkeypatch)
     assert f"saving checkpoint '{TORN}'" in reason and "failed on rank 0:" in reason, reason
-    assert "injected I/O error at recovery-scripts" in reason and output.count(reason) >= 2, reason
+    assert "injected I/O error at recovery-scripts" in reason, reason  # said by every rank (the_one_save_failure)
     assert (save_dir / "latest").read_text() == "global_step3" and not commit.unfinished_saves(save_dir)

@@ -204,6 +204,16 @@ def cli_stopped(args: list[str], log: Path, *, point: str, count: int,
     return proc
 
 
+def the_one_save_failure(output: str) -> str:
+    """The one ``CheckpointError`` line a failed run's ranks raised (asserting they all raised the same one,
+    and at least two of them said it)."""
+    reasons = {line.split("CheckpointError: ", 1)[1] for line in output.splitlines() if "CheckpointError: " in line}
+    assert len(reasons) == 1, output[-3000:]
+    (reason, ) = reasons
+    assert output.count(reason) >= 2, output[-3000:]  # every rank said it
+    return reason
+
+
 def read_loss_scales(path: Path) -> dict[int, float | None]:
     """Per step, the fp16 loss scale the run ended the step with (None without loss scaling)."""
     return {int(step): scale for step, scale in json.loads(path.read_text()).get("loss_scales", {}).items()}
