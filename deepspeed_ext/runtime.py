@@ -358,7 +358,7 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str, in_background: bool
     On a CPU engine with DeepSpeed's own torch checkpoint engine, its files are written by
     :mod:`deepspeed_ext.checkpoint.zipsave`: the same bytes, each storage read once, in cached blocks, and the
     fingerprints' sums read each state from those blocks as they are written (see :func:`_guarded_writes`).
-    Otherwise the sums run on a thread while DeepSpeed writes. Then one all-reduce adds the ranks' sums up. A
+    Otherwise the sums run on a thread while DeepSpeed writes. Then rank 0 gathers the ranks' sums and adds them up. A
     checkpoint engine that commits later (decoupled, asynchronous) writes ``latest`` at its own commit: there the
     sums run first, the UC info is written before DeepSpeed's files, and the tag gets no marker (it is read as a
     checkpoint not saved by deepspeed-ext: docs/reliability.md).
@@ -384,7 +384,7 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str, in_background: bool
         save_latest = bool(call.arguments.get("save_latest", True))
         call.arguments["save_latest"] = False
         coordinator = _is_commit_coordinator(engine)
-        in_background = getattr(engine, ASYNC_SAVE_ATTR, False)
+        this_in_background = getattr(engine, ASYNC_SAVE_ATTR, False)  # switchable per save
         if hasattr(engine, PENDING_ATTR):
             settle_background_save(engine, block=True)  # one save at a time: the previous one is committed first
         faults.current_tag = tag
@@ -396,7 +396,7 @@ def _hook_save(engine: Any, info: UCInfo, fingerprints: str, in_background: bool
                 problem = f"{commit.staging_root(save_dir, tag)}: cannot create the staging directory: {exc}"
         _raise_if_any_rank_failed(problem, tag, save_dir)
         call.arguments["save_dir"] = str(commit.staging_root(save_dir, tag))
-        if in_background:
+        if this_in_background:
             return _save_in_background(engine, info, fingerprints, original, call, str(save_dir), tag, save_latest,
                                        coordinator)
         fuse = _can_fuse(engine)
@@ -626,8 +626,10 @@ def _published_before_it_died(pending: Any) -> bool:
     from deepspeed_ext.checkpoint import commit
     staging = commit.staging_root(pending.save_dir, pending.tag)
     final = Path(pending.save_dir) / pending.tag
-    return (staging.is_dir() and not (staging / pending.tag).exists() and final.is_dir()
-            and commit.tag_status(final).state is commit.TagState.COMMITTED and commit.tag_status(final).complete)
+    if not (staging.is_dir() and not (staging / pending.tag).exists() and final.is_dir()):
+        return False
+    status = commit.tag_status(final)
+    return status.state is commit.TagState.COMMITTED and status.complete
 
 
 def wait_for_saves(engine: Any) -> None:

@@ -110,7 +110,7 @@ def wait_for_ranks(staging: str | os.PathLike[str], count: int,
         failed = sorted(int(name.split(".")[0]) for name in names if name.endswith(".failed"))
         if failed:
             raise OtherRankFailed(f"rank {failed[0]}'s part of the save failed")
-        done = sorted(int(name.split(".")[0]) for name in names if name.endswith(".ok") and name[0] != ".")
+        done = sorted(int(name.split(".")[0]) for name in names if name.endswith(".ok"))  # not ".<rank>.ok.tmp"
         if len(done) >= count:
             return {rank: json.loads((directory / f"{rank}.ok").read_text()) for rank in done}
         for name in names:
@@ -158,15 +158,13 @@ class ReleasedPages:
         self._page = mmap.PAGESIZE
         self._madvise = ctypes.CDLL(None, use_errno=True).madvise
         self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self.released = 0
 
     def __call__(self, address: int, nbytes: int) -> None:
         start = -(-address // self._page) * self._page
         end = (address + nbytes) // self._page * self._page
         if end <= start or any(low < end and start < high for low, high in self._keep()):
             return
-        if self._madvise(start, end - start, 4) == 0:  # MADV_DONTNEED
-            self.released += end - start
+        self._madvise(start, end - start, 4)  # MADV_DONTNEED; a refusal only leaves the page shared
 
 
 class BackgroundSave:

@@ -1,5 +1,5 @@
 """The fingerprints of a live DeepSpeed engine's training state (what a save records and a resume checks),
-summed where each rank holds its share and added up over the ranks with one all-reduce.
+summed where each rank holds its share and added up over the ranks by rank 0 (one gather, one broadcast).
 
 Where each state lives in the engine is asked of :mod:`~deepspeed_ext.checkpoint.engine_private`; the sums and
 their comparison are :mod:`~deepspeed_ext.checkpoint.fingerprint`'s.
@@ -26,15 +26,15 @@ def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerp
     """The fingerprints of a live DeepSpeed engine's training state, and any problem found on the way.
 
     Collective: every rank of the engine calls it. Each rank sums what it owns (its TP slice, or TP rank 0 for
-    a replicated tensor; its ZeRO partition, or DP rank 0 without ZeRO), then one all-reduce over all ranks
-    adds the sums up; the full tensors are never assembled.
+    a replicated tensor; its ZeRO partition, or DP rank 0 without ZeRO), then rank 0 gathers the sums, adds them
+    up and hands every rank the result; the full tensors are never assembled.
     """
     return reduce_engine_sums(local_engine_sums(engine, with_moments))
 
 
 @dataclass
 class LocalSums:
-    """One rank's share of an engine's fingerprints, before the all-reduce that adds the ranks' shares up."""
+    """One rank's share of an engine's fingerprints, before rank 0 adds the ranks' shares up."""
 
     params: list[str]
     states: tuple[str, ...]
@@ -189,13 +189,19 @@ def _span_bytes(tensor: torch.Tensor) -> int:
 
 
 def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
-    """The engine's fingerprints from every rank's :class:`LocalSums` (collective: one gather of every rank's sums,
-    added up in rank order by :func:`combine_local_sums`), and any disagreement between the ranks."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local.to_json())
-        return combine_local_sums([LocalSums.from_json(data) for data in gathered])
-    return combine_local_sums([local])
+    """The engine's fingerprints from every rank's :class:`LocalSums`, and any disagreement between the ranks.
+    Collective: rank 0 gathers every rank's sums, adds them up in rank order (:func:`combine_local_sums`, the same
+    additions a save written in the background makes) and hands every rank the result."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return combine_local_sums([local])
+    first = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if first else None
+    dist.gather_object(local.to_json(), gathered, dst=0)
+    result: list[Any] = [combine_local_sums([LocalSums.from_json(data) for data in gathered or []]) if first
+                         else None]
+    dist.broadcast_object_list(result, src=0)
+    found: tuple[Fingerprints, list[str]] = result[0]
+    return found
 
 
 def combine_local_sums(ranks: list[LocalSums]) -> tuple[Fingerprints, list[str]]:
