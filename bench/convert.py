@@ -164,6 +164,8 @@ def conversion_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> d
                                                 "--input_folder", str(tag_dir), "--output_folder", str(out),
                                                 "--num_extract_workers", "2", "--num_merge_workers", "2"]
     commands["to-maxtext (bf16 params)"] = [*ext, "to-maxtext", str(tag_dir), "-o", str(out), "--quiet"]
+    commands["to-maxtext --compression none"] = [*ext, "to-maxtext", str(tag_dir), "-o", str(out), "--quiet",
+                                                 "--compression", "none"]
     commands["to-hf (bf16)"] = [*ext, "to-hf", str(tag_dir), "-o", str(out), "--quiet"]
     return commands
 

@@ -13,6 +13,7 @@ itself read and wrote per extra second.
 
     python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
     python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
+    python bench/marginal.py --large 32 --cache warm --out-dir /mnt/ram    # outputs on a tmpfs: no disk writeback
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert import build_checkpoint, checkpoint_workdir, conversion_commands, du, timed, warm  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
-COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)")
+COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)",
+            "to-maxtext --compression none")
 
 
 def checkpoint(args: argparse.Namespace, layers: int) -> Path:
@@ -41,7 +43,7 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
     runs: dict[tuple[str, int], list[dict[str, float]]] = {}
     for round_ in range(args.rounds):
         for layers, tag_dir in (tag_dirs.items() if round_ % 2 == 0 else reversed(tag_dirs.items())):
-            out = tag_dir.parent.parent / "out"
+            out = (Path(args.out_dir) if args.out_dir else tag_dir.parent.parent) / "out"
             commands = {name: cmd for name, cmd in conversion_commands(args, tag_dir, out).items()
                         if name in args.commands}
             for name in (list(commands) if round_ % 2 == 0 else list(reversed(commands))):
@@ -95,6 +97,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
     p.add_argument("--save", help="also write the medians to this JSON file")
+    p.add_argument("--out-dir", help="write the outputs here (default: beside each checkpoint); a tmpfs takes the "
+                                     "disk's writeback out of every command and of the floor")
     p.add_argument("--commands", nargs="+", choices=COMMANDS, default=list(COMMANDS),
                    help="which commands (cp -r always runs: it is the floor)")
     args = p.parse_args()

@@ -9,7 +9,14 @@ tensor processed: measured as the moment the first tensor state is read (the rea
 cache is warm (every command runs once before the rounds), as on a machine in use; commands alternate
 their order each round and each row is the median of ``--rounds``.
 
+The whole command above ``import torch`` has targets of its own (``to-hf`` +1.5 s, ``to-maxtext`` +2.5 s): what
+the user waits for. The package is byte-compiled first, as ``pip install`` leaves it (an editable checkout where
+``PYTHONDONTWRITEBYTECODE`` is set compiles it again in every process). What transformers says about the model
+config is kept in a cache of the bench's own (``DEEPSPEED_EXT_CACHE_DIR``), emptied first: the warm-up run fills it,
+as a user's first command does; ``--no-config-cache`` measures every command as a first one.
+
     python bench/startup.py                  # 5 rounds (about 3 minutes)
+    python bench/startup.py --no-config-cache --rounds 3
     python bench/startup.py --importtime     # also where each command's imports go (-X importtime, top 8)
 """
 
@@ -30,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert import build_tiny_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Issue 34: the whole command, above ``import torch``.
+WHOLE_TARGETS = {"to-hf": 1.5, "to-maxtext": 2.5}
 TARGETS = {"to-universal": 1.5, "inspect": 1.5, "verify": 1.5, "to-hf": 3.0, "from-hf": 3.0, "to-maxtext": 3.0,
            "from-maxtext": 3.0}
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"}
@@ -87,7 +96,14 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/deepspeed_ext_bench")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--importtime", action="store_true", help="also profile each command's imports")
+    p.add_argument("--no-config-cache", action="store_true",
+                   help="keep no model-config cache: every command finds the config's facts from transformers")
     args = p.parse_args()
+    import compileall
+    compileall.compile_dir(ROOT / "deepspeed_ext", quiet=1)
+    cache = Path(args.workdir) / "config_cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    ENV["DEEPSPEED_EXT_CACHE_DIR"] = "off" if args.no_config_cache else str(cache)
     tag_dir = build_tiny_checkpoint(Path(args.workdir) / "startup")
     work = Path(args.workdir) / "startup_outputs"
     shutil.rmtree(work, ignore_errors=True)
@@ -110,18 +126,24 @@ def main() -> None:
             if first is not None:
                 firsts[name].append(first)
     torch_s = statistics.median(times['python -c "import torch"'])
-    print(f"\nstartup on the tiny model ({tag_dir}), warm cache, median of {args.rounds} rounds")
+    print(f"\nstartup on the tiny model ({tag_dir}), warm cache, median of {args.rounds} rounds, model-config cache "
+          f"{'off' if args.no_config_cache else 'filled by the warm-up run'}")
     print("(to the first tensor: from process start to the first tensor state read; a command that reads none")
     print("is measured whole)\n")
-    print("| command | whole command s | range | to the first tensor s | above import torch s | target s | met |")
-    print("|---|---|---|---|---|---|---|")
+    print("| command | whole command s | range | whole above import torch s | target s | met | to the first tensor s "
+          "| target s | met |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def verdict(value: float, target: float | None) -> str:
+        return "" if target is None else "yes" if value <= target else "no"
+
     for name, values in times.items():
         whole = statistics.median(values)
         first = statistics.median(firsts[name]) if firsts[name] else whole
-        target = TARGETS.get(name)
-        print(f"| {name} | {whole:.2f} | {min(values):.2f}–{max(values):.2f} | "
-              f"{first:.2f}{'' if firsts[name] else ' (whole)'} | {first - torch_s:+.2f} | {target or ''} | "
-              f"{'' if target is None else 'yes' if first <= target else 'no'} |")
+        target, whole_target = TARGETS.get(name), WHOLE_TARGETS.get(name)
+        print(f"| {name} | {whole:.2f} | {min(values):.2f}–{max(values):.2f} | {whole - torch_s:+.2f} | "
+              f"{whole_target or ''} | {verdict(whole - torch_s, whole_target)} | "
+              f"{first:.2f}{'' if firsts[name] else ' (whole)'} | {target or ''} | {verdict(first, target)} |")
     if args.importtime:
         for name, (cmd, out) in table.items():
             print(f"\n{name}: slowest top-level imports (s)")

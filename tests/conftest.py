@@ -19,14 +19,15 @@ SPLIT_BY_FUNCTION = {"test_end_to_end.py", "test_optimizer_paths.py"}
 #: These files' tests are grouped by model family (their ``family`` parameter, or a ``family`` mark): a family's
 #: tests share its trained run.
 SPLIT_BY_FAMILY = {"test_model_families.py"}
-#: These files' tests (each a MaxText run or conversion of its own, sharing no fixture) are each a group: as one
-#: group, tests/unit/test_maxtext.py alone was most of the fast tier's wall time.
-SPLIT_EACH = {"test_maxtext_model_code.py", "test_maxtext.py"}
+#: These files' tests (each a MaxText run or conversion of its own, sharing no fixture but trained scenarios) are
+#: each a group: as one group, tests/unit/test_maxtext.py alone was most of the fast tier's wall time, and
+#: test_maxtext_continue_e2e.py (a MaxText training run per test) 13 minutes of one worker.
+SPLIT_EACH = {"test_maxtext_model_code.py", "test_maxtext.py", "test_maxtext_continue_e2e.py"}
 #: The longest groups start first, so neither worker is left alone with one at the end (scripts/test.sh passes
 #: --no-loadscope-reorder, else pytest-xdist orders the groups by their number of tests instead); the rest keep
 #: collection order, the many short unit-test groups last, where they fill in.
-LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_kv_heads.py", "test_expert_parallel.py",
-                 "test_maxtext.py"]
+LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_maxtext_continue_e2e.py", "test_kv_heads.py",
+                 "test_expert_parallel.py", "test_maxtext.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marks, and before xdist reads the groups

@@ -287,17 +287,17 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
             if recorded is not None:
                 recorded.raise_if_wrong()
             source.raise_if_damaged()
-            config = fit.result()
+            facts = fit.result()
             if like is not None:
                 _write_config(partial / CONFIG_FILE, like.raw_config, quantized)
+            elif quantized is not None:
+                _write_config(partial / CONFIG_FILE, json.loads(facts.config_json), quantized)
             else:
-                config.save_pretrained(partial)
-                if quantized is not None:
-                    _write_config(partial / CONFIG_FILE, json.loads((partial / CONFIG_FILE).read_text()), quantized)
+                durable.replace_file(partial / CONFIG_FILE, facts.config_json)
             for name, companion in companions.items():
                 shutil.copyfile(companion, partial / name)
-            if GENERATION_CONFIG not in companions:
-                _write_generation_config(config, partial)
+            if GENERATION_CONFIG not in companions and facts.generation_config_json is not None:
+                durable.replace_file(partial / GENERATION_CONFIG, facts.generation_config_json)
             # The index comes after every shard: without it a multi-shard output does not load.
             if split.is_sharded:
                 index = {"metadata": {"total_parameters": sum(t.layout.numel for t in params),
@@ -336,7 +336,7 @@ def _quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
             raise CheckpointError(f"--fp8-block must be two positive integers ROWSxCOLS, not {options.fp8_block!r}")
         bm, bn = int(block[0]), int(block[1])
         from deepspeed_ext.checkpoint.model_config import linear_weights
-        linear = linear_weights(fit.result())
+        linear = linear_weights(fit.config())
         skipped: set[str] = set()
         for param, entries in pieces.items():
             for i, entry in enumerate(entries):
@@ -450,16 +450,6 @@ def tokenizer_files(directory: Path) -> list[Path]:
         raise CheckpointError(f"{directory}: no tokenizer files (--tokenizer expects what save_pretrained writes: "
                               "tokenizer.json, tokenizer_config.json, ...)")
     return found
-
-
-def _write_generation_config(config: Any, directory: Path) -> None:
-    """``generation_config.json`` as ``save_pretrained`` writes it for a model that generates (a causal LM):
-    derived from the model config's token ids."""
-    if not config.architectures or not any(name.endswith("ForCausalLM") for name in config.architectures):
-        return
-    from transformers import GenerationConfig
-    generation = GenerationConfig.from_model_config(config)
-    generation.save_pretrained(directory)
 
 
 def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mapping[str, FileTensor],
@@ -612,10 +602,10 @@ def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:
 def parameter_problem(source: CheckpointSource) -> str | None:
     """``verify``'s model check (the format hook): how the parameters fail to fit transformers' model for the
     checkpoint's config, or None."""
-    from deepspeed_ext.checkpoint.model_config import hf_config, parameter_mismatch
+    from deepspeed_ext.checkpoint.model_config import config_facts
     assert source.info.model_config is not None
     shapes = {name: layout.shape for name, layout in source.info.layouts.items()}
-    return parameter_mismatch(hf_config(source.info.model_config, None, str(source.info.path)), shapes)
+    return config_facts(source.info.model_config, None, str(source.info.path)).mismatch(shapes)
 
 
 def open_source(path: Path, options: OpenOptions) -> CheckpointSource:

@@ -8,7 +8,13 @@ compare) checks against it here, so no format module needs another's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
+import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -104,13 +110,6 @@ def linear_weights(config: Any) -> set[str]:
     return {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
 
 
-def parameter_mismatch(config: Any, have: Mapping[str, tuple[int, ...]]) -> str | None:
-    """How parameter names/shapes ``have`` fail to fit transformers' model for ``config``; None if they fit."""
-    expected = _expected_parameters(config)
-    detail = None if expected is None else shapes_mismatch(expected, have, "the config says")
-    return None if detail is None else f"parameters do not fit {type(config).__name__}'s model ({detail})"
-
-
 def shapes_mismatch(expected: Mapping[str, tuple[int, ...]], have: Mapping[str, tuple[int, ...]],
                     expected_says: str) -> str | None:
     """The first way names/shapes ``have`` differ from ``expected`` (missing, unexpected, a wrong shape, where
@@ -123,24 +122,116 @@ def shapes_mismatch(expected: Mapping[str, tuple[int, ...]], have: Mapping[str, 
             f"{wrong[0]} is {list(have[wrong[0]])}, {expected_says} {list(expected[wrong[0]])}")
 
 
-def check_fits_config(config: Any, have: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Refuse parameters that do not fit the model ``config`` describes (``config``: a transformers config or
-    a config dict), naming the first that does not."""
-    if isinstance(config, Mapping):
-        config = hf_config(config, None, source)
-    mismatch = parameter_mismatch(config, have)
-    if mismatch:
-        raise CheckpointError(f"{source}: {mismatch}; wrong --config?")
+#: ``DEEPSPEED_EXT_CACHE_DIR``: where what transformers says about a model config is kept between commands
+#: (default ``$XDG_CACHE_HOME/deepspeed-ext``, else ``~/.cache/deepspeed-ext``); ``off`` keeps nothing.
+CACHE_DIR_ENV = "DEEPSPEED_EXT_CACHE_DIR"
+#: Raised whenever :class:`ConfigFacts` or what goes into it changes: older entries are then never read.
+_FACTS_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What a conversion takes from transformers about one model config (at one dtype), found by transformers
+    itself: the files its ``save_pretrained`` writes and the parameters its causal-LM model has.
+
+    Finding them imports transformers' configuration and model code: 2-4 s of a command's start on a small
+    machine, longer than converting a small checkpoint takes. They depend only on the config, the dtype and the
+    transformers release, so they are kept (JSON, one file per config) in the user's cache directory
+    (:data:`CACHE_DIR_ENV`) and later commands on a model of that config import no transformers at all.
+    """
+
+    #: The name of transformers' config class (``LlamaConfig``), for messages.
+    config_class: str
+    #: ``config.json`` as ``save_pretrained`` writes it.
+    config_json: str
+    #: ``generation_config.json`` as ``save_pretrained`` writes it for a causal LM; None for other models.
+    generation_config_json: str | None
+    #: Parameter (and persistent buffer) names and shapes of transformers' causal-LM model; None where the
+    #: model type has no causal-LM class (nothing to check against).
+    parameters: dict[str, tuple[int, ...]] | None
+
+    def mismatch(self, have: Mapping[str, tuple[int, ...]]) -> str | None:
+        """How names/shapes ``have`` fail to fit the model; None if they fit."""
+        detail = None if self.parameters is None else shapes_mismatch(self.parameters, have, "the config says")
+        return None if detail is None else f"parameters do not fit {self.config_class}'s model ({detail})"
+
+
+def config_facts(model_config: Mapping[str, Any], dtype: torch.dtype | None, source: str) -> ConfigFacts:
+    """:class:`ConfigFacts` of ``model_config`` at ``dtype``: from the cache where an earlier command found
+    them with this transformers release, else from transformers (and kept for the next command)."""
+    entry = _facts_entry(model_config, dtype)
+    if entry is not None and (facts := _read_facts(entry)) is not None:
+        return facts
+    config = hf_config(model_config, dtype, source)
+    with tempfile.TemporaryDirectory(prefix="deepspeed-ext-config-") as scratch:
+        config.save_pretrained(scratch)
+        config_json = Path(scratch, "config.json").read_text()
+        generation_json = None
+        if config.architectures and any(name.endswith("ForCausalLM") for name in config.architectures):
+            from transformers import GenerationConfig
+            GenerationConfig.from_model_config(config).save_pretrained(scratch)
+            generation_json = Path(scratch, "generation_config.json").read_text()
+    facts = ConfigFacts(type(config).__name__, config_json, generation_json, _expected_parameters(config))
+    if entry is not None:
+        _write_facts(entry, facts)
+    return facts
+
+
+def _facts_entry(model_config: Mapping[str, Any], dtype: torch.dtype | None) -> Path | None:
+    """The cache file of this config at this dtype with the installed transformers; None without a cache."""
+    from importlib.metadata import PackageNotFoundError, version
+    directory = os.environ.get(CACHE_DIR_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "deepspeed-ext")
+    if directory == "off":
+        return None
+    try:
+        transformers_version = version("transformers")
+    except PackageNotFoundError:
+        return None  # transformers' own import names what is missing
+    key = json.dumps({"format": _FACTS_FORMAT, "transformers": transformers_version, "dtype": str(dtype),
+                      "config": model_config}, sort_keys=True, default=str)
+    return Path(directory, "model-configs", hashlib.sha256(key.encode()).hexdigest() + ".json")
+
+
+def _read_facts(path: Path) -> ConfigFacts | None:
+    """The facts kept at ``path``; None where there are none, or what is there is not a whole entry (then
+    transformers is asked again and the entry rewritten)."""
+    try:
+        kept = json.loads(path.read_text())
+        parameters = kept["parameters"]
+        return ConfigFacts(str(kept["config_class"]), str(kept["config_json"]),
+                           None if kept["generation_config_json"] is None else str(kept["generation_config_json"]),
+                           None if parameters is None else
+                           {str(name): tuple(int(n) for n in shape) for name, shape in parameters.items()})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _write_facts(path: Path, facts: ConfigFacts) -> None:
+    """Keep ``facts`` at ``path`` (whole or not at all: written aside, then renamed); a cache that cannot be
+    written (read-only home, full disk) is skipped: it only saves time."""
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            json.dump({"config_class": facts.config_class, "config_json": facts.config_json,
+                       "generation_config_json": facts.generation_config_json,
+                       "parameters": facts.parameters}, out)
+        os.replace(tmp, path)
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 class ConfigFit(StreamCheck):
     """Whether a checkpoint's parameters fit transformers' model for its config, found on a thread.
 
-    Importing transformers' config and model code and building the model on the meta device takes about a
-    second of a command's start; a writer starts this first and streams tensors meanwhile (torch's kernels and file I/O
-    release the GIL). Each tensor read polls it (:meth:`stream`, :meth:`loader`), so a wrong config still
-    stops the conversion within seconds of its start, and the writer takes :meth:`result` (transformers'
-    config) before it publishes anything.
+    Finding it (:func:`config_facts`) takes seconds where transformers must be imported; a writer starts this
+    first and streams tensors meanwhile (torch's kernels and file I/O release the GIL). Each tensor read polls it
+    (:meth:`stream`, :meth:`loader`), so a wrong config still stops the conversion within seconds of its start,
+    and the writer takes :meth:`result` (the config's :class:`ConfigFacts`) before it publishes anything.
     """
 
     blockwise = True
@@ -148,24 +239,31 @@ class ConfigFit(StreamCheck):
     def __init__(self, model_config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], source: str,
                  dtype: torch.dtype | None = None):
         from concurrent.futures import ThreadPoolExecutor
+        self._model_config, self._dtype, self._source = dict(model_config), dtype, source
         executor = ThreadPoolExecutor(1, thread_name_prefix="deepspeed-ext-config-check")
-        self._future = executor.submit(self._fits, dict(model_config), dict(shapes), source, dtype)
+        self._future = executor.submit(self._fits, dict(shapes))
         executor.shutdown(wait=False)
 
-    @staticmethod
-    def _fits(model_config: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str,
-               dtype: torch.dtype | None) -> Any:
-        config = hf_config(model_config, dtype, source)
-        check_fits_config(config, shapes, source)
-        return config
+    def _fits(self, shapes: dict[str, tuple[int, ...]]) -> ConfigFacts:
+        facts = config_facts(self._model_config, self._dtype, self._source)
+        mismatch = facts.mismatch(shapes)
+        if mismatch:
+            raise CheckpointError(f"{self._source}: {mismatch}; wrong --config?")
+        return facts
+
+    def config(self) -> Any:
+        """transformers' config object itself (imports transformers), once the parameters fit it."""
+        self.result()
+        return hf_config(self._model_config, self._dtype, self._source)
 
     def poll(self) -> None:
         """Raise the check's error if it has found one by now."""
         if self._future.done():
             self._future.result()
 
-    def result(self) -> Any:
-        """transformers' config, once the parameters are known to fit it (or the error saying why not)."""
+    def result(self) -> ConfigFacts:
+        """What transformers says of the config, once the parameters are known to fit it (or the error saying
+        why not)."""
         return self._future.result()
 
     @contextlib.contextmanager

@@ -22,8 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = {"jax", "jaxlib", "orbax-checkpoint", "tensorstore", "scipy", "transformers", "accelerate"}
 
 
-def _pip(venv: Path, *args: str, log: Path) -> None:
-    run_logged([str(venv / "bin" / "python"), "-m", "pip", *args], log)
+def _pip(venv: Path, command: str, *args: str, log: Path) -> None:
+    """pip COMMAND with ``--no-compile``: what it installs is compiled as it is first imported (and kept:
+    ``run_logged`` lets another environment write its bytecode). pip's compiling every module of torch up front was
+    half the install's time, and is not what this test checks."""
+    run_logged([str(venv / "bin" / "python"), "-m", "pip", command, "--no-compile", *args], log)
 
 
 def test_the_base_install_converts_and_resumes_and_names_the_missing_extras(scenarios, tmp_path):
