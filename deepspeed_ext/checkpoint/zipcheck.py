@@ -22,7 +22,6 @@ import functools
 import os
 import struct
 import zipfile
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +29,19 @@ from typing import Any
 
 from deepspeed_ext.errors import CheckpointError, first_line
 
+try:  # ISA-L's CRC-32 (the isal package): zlib's value, about 4x as fast on one core (8 against 2 GB/s on a
+    # 2-core EPYC VM) and, like zlib's, summing with the GIL released. Every CRC-32 of file bytes goes through it.
+    from isal.isal_zlib import crc32 as crc32
+except ImportError:  # no isal wheel for this platform: zlib's
+    from zlib import crc32 as crc32
+
 #: Records whose data are at least this long are not read by :func:`zip_file_crc32`: their central directory
 #: CRC-32 stands for them. Smaller ones are read with the bytes around them (one read is cheaper than a seek).
 READ_BELOW = 64 << 10
-#: Bytes read (and held) at a time by default: few system calls per GB. A block that stays in the CPU's cache
-#: between the read's copy and zlib's sum is faster (1-2 MiB was ~20% faster than 8 MiB on a 2-core EPYC):
-#: callers may pass ``block_bytes``.
-BLOCK_BYTES = 8 << 20
+#: Bytes read at a time by default, into one buffer reused for the whole range: the block stays in the CPU's
+#: cache between the read's copy and the sum (2 MiB was ~20% faster than 8 MiB on a 2-core EPYC), and no fresh
+#: memory is faulted in for each block. Callers may pass ``block_bytes``.
+BLOCK_BYTES = 2 << 20
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
@@ -167,15 +172,24 @@ def _advise(fd: int, advice_name: str) -> None:
 
 
 def _crc_of_range(fd: int, start: int, stop: int, crc: int, path: Path, block_bytes: int = BLOCK_BYTES) -> int:
-    """``crc`` continued over the file's bytes ``[start, stop)``, read with ``pread`` in blocks (zlib releases the
-    GIL while it sums a block, so other files can be read on other threads meanwhile)."""
+    """``crc`` continued over the file's bytes ``[start, stop)``, read in blocks into one buffer (the sum releases
+    the GIL, so other files can be read on other threads meanwhile)."""
+    if start >= stop:
+        return crc
+    buffer = memoryview(bytearray(min(block_bytes, stop - start)))
     position = start
     while position < stop:
-        block = os.pread(fd, min(block_bytes, stop - position), position)
-        if not block:
+        wanted = min(len(buffer), stop - position)
+        if hasattr(os, "preadv"):
+            got = os.preadv(fd, [buffer[:wanted]], position)
+            block: Any = buffer[:got]
+        else:  # no preadv (older macOS): a fresh bytes object per block
+            block = os.pread(fd, wanted, position)
+            got = len(block)
+        if not got:
             raise ZipCheckError(f"{path}: ends at byte {position}, before byte {stop} (changed while it was read?)")
-        crc = zlib.crc32(block, crc)
-        position += len(block)
+        crc = crc32(block, crc)
+        position += got
     return crc
 
 
@@ -307,8 +321,8 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES) -
     CRC-32 (a hole of zeros left by a killed writer, or damage). ``torch.load`` would not notice most of these:
     it maps tensors and reads a hole as zeros. Errors reading the file are reported too, never raised, so a
     caller can check many files and list every bad one. A file written with CRC-32 off gets ``without_crc`` and
-    only its structure is checked. Reads use ``pread`` in blocks of ``block_bytes``; zlib releases the GIL while
-    summing, so files may be checked on several threads (:func:`check_zips`)."""
+    only its structure is checked. Reads go in blocks of ``block_bytes``; the sum releases the GIL, so files may
+    be checked on several threads (:func:`check_zips`)."""
     path = Path(path)
     report = ZipReport()
     try:
@@ -341,7 +355,7 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES) -
 
 
 def check_zips(paths: Iterable[str | os.PathLike[str]], threads: int = 2) -> dict[Path, ZipReport]:
-    """:func:`check_zip` of each file, ``threads`` at a time (reads and zlib's sums release the GIL: two threads
+    """:func:`check_zip` of each file, ``threads`` at a time (reads and the sums release the GIL: two threads
     keep a disk or the page cache busier than one), in the order given."""
     from concurrent.futures import ThreadPoolExecutor
     files = [Path(path) for path in paths]

@@ -4,7 +4,7 @@ torch.save reads a storage twice: miniz computes the zip record's CRC-32 over al
 copies all of it again, by then evicted from the caches (a storage of an optimizer partition is hundreds of MB).
 Here torch writes the zip with every large storage's bytes left out and no CRC-32 (``write_record_metadata``,
 the way ``torch.serialization.skip_data`` does); then each storage is written at its record's offset in blocks
-small enough to stay in the cache. Each block's CRC-32 (zlib), its ``pwrite`` and whatever an ``observer`` wants
+small enough to stay in the cache. Each block's CRC-32, its ``pwrite`` and whatever an ``observer`` wants
 to read from the same bytes (the resume fingerprints' sums) all read it while it is cached. Last, the CRC-32
 fields (each record's data descriptor and central directory entry) and the ``.data/serialization_id`` record,
 which torch derives from the CRCs, are patched in place. The result is the file torch.save writes, which the
@@ -39,7 +39,6 @@ import secrets
 import struct
 import tempfile
 import zipfile
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -48,7 +47,7 @@ import torch
 
 from deepspeed_ext.checkpoint import durable, faults
 from deepspeed_ext.checkpoint.serialization import pwrite_all
-from deepspeed_ext.checkpoint.zipcheck import record_data_offset
+from deepspeed_ext.checkpoint.zipcheck import crc32, record_data_offset
 from deepspeed_ext.errors import first_line
 
 logger = logging.getLogger("deepspeed_ext")
@@ -504,7 +503,7 @@ def _write_storage(fd: int, storage: torch.UntypedStorage, offset: int, observer
 
     def put(block: Any, start: int) -> None:  # one cached block: checksummed, written, its writeback started
         nonlocal crc
-        crc = zlib.crc32(block, crc)
+        crc = crc32(block, crc)
         pwrite_all(fd, block, offset + start)
         durable.start_writeback(fd, offset + start, block.nbytes)
         if written is not None:
@@ -583,7 +582,7 @@ def _patch(handle: Any, records: _Records, crcs: dict[str, int], old_id: bytes) 
     fd = handle.fileno()
     for record in records.values():
         if record.name not in crcs:  # written by torch: a few bytes, read back
-            crcs[record.name] = zlib.crc32(os.pread(fd, record.size, record.data_offset)) if record.size else 0
+            crcs[record.name] = crc32(os.pread(fd, record.size, record.data_offset)) if record.size else 0
     id_record = records.by_suffix("/" + _ID_RECORD)
     combined = 0
     for record in records.values():
@@ -591,7 +590,7 @@ def _patch(handle: Any, records: _Records, crcs: dict[str, int], old_id: bytes) 
             combined = _hash_combine(combined, crcs[record.name])
     new_id = old_id[:20] + b"%020d" % combined
     os.pwrite(fd, new_id, id_record.data_offset)
-    crcs[id_record.name] = zlib.crc32(new_id)
+    crcs[id_record.name] = crc32(new_id)
     for record in records.values():
         if record.size:
             packed = struct.pack("<I", crcs[record.name])

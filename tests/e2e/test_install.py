@@ -40,7 +40,7 @@ def test_the_base_install_converts_and_resumes_and_names_the_missing_extras(scen
     installed = {entry["name"].lower() for entry in json.loads(subprocess.run(
         [python, "-m", "pip", "list", "--format", "json"], capture_output=True, text=True, check=True).stdout)}
     assert not installed & HEAVY, sorted(installed & HEAVY)
-    assert {"deepspeed-ext", "deepspeed", "torch", "safetensors", "numpy", "tqdm", "google-crc32c"} <= installed
+    assert {"deepspeed-ext", "deepspeed", "torch", "safetensors", "numpy", "tqdm", "google-crc32c", "isal"} <= installed
     (tmp_path / "packages.txt").write_text(f"{len(installed)} packages\n" + "\n".join(sorted(installed)))
 
     def ext(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -93,6 +93,22 @@ def test_crc32_combine_equals_zlib_on_random_splits(data, cut, seed):
     assert crc32_combine(zlib.crc32(a, seed), zlib.crc32(b), len(b)) == zlib.crc32(b, zlib.crc32(a, seed))
 
 
+@settings(max_examples=100, deadline=None)
+@given(data=st.binary(max_size=5000), start=st.integers(min_value=0, max_value=5000),
+       seed=st.integers(min_value=0, max_value=0xFFFFFFFF))
+def test_the_fast_crc32_is_zlibs(data, start, seed):
+    view = memoryview(data)[start:]
+    assert zipcheck.crc32(view, seed) == zlib.crc32(view, seed)
+    assert zipcheck.crc32(data) == zlib.crc32(data)
+
+
+def test_file_crc32_without_preadv(tmp_path, monkeypatch):
+    big = tmp_path / "legacy.bin"
+    big.write_bytes(os.urandom(zipcheck.BLOCK_BYTES * 2 + 5))
+    monkeypatch.delattr(os, "preadv", raising=False)
+    assert file_crc32(big) == _full(big)
+
+
 def test_crc32_combine_len2_zero_and_long_runs():
     assert crc32_combine(0x12345678, 0, 0) == 0x12345678
     assert crc32_combine(0, 0, 0) == 0
@@ -304,7 +320,15 @@ def test_an_io_error_is_that_records_problem(files, monkeypatch):
             raise OSError(5, "Input/output error")
         return real_pread(fd, n, at)
 
+    def preadv(fd: int, buffers: list, at: int) -> int:
+        if offset <= at < offset + size:
+            raise OSError(5, "Input/output error")
+        return real_preadv(fd, buffers, at)
+
+    real_preadv = getattr(os, "preadv", None)
     monkeypatch.setattr(os, "pread", pread)
+    if real_preadv is not None:
+        monkeypatch.setattr(os, "preadv", preadv)
     report = check_zip(path)
     assert report.problems == [f"{path}: record {name} cannot be read: Input/output error"]
     assert report.bytes_checked == sum(size for _, size in _records(path).values()) - size
