@@ -38,9 +38,10 @@ except ImportError:  # no isal wheel for this platform: zlib's
 #: Records whose data are at least this long are not read by :func:`zip_file_crc32`: their central directory
 #: CRC-32 stands for them. Smaller ones are read with the bytes around them (one read is cheaper than a seek).
 READ_BELOW = 64 << 10
-#: Bytes read at a time by default, into one buffer reused for the whole range: the block stays in the CPU's
-#: cache between the read's copy and the sum (2 MiB was ~20% faster than 8 MiB on a 2-core EPYC), and no fresh
-#: memory is faulted in for each block. Callers may pass ``block_bytes``.
+#: Bytes read at a time by default, into one buffer reused for the whole range: no fresh memory is faulted in
+#: for each block, and the block can stay in the CPU's cache between the read's copy and the sum (2 and 8 MiB
+#: both checked 3.5 GB/s from a warm page cache on one thread of a 2-core EPYC VM; zlib and a fresh 8 MiB
+#: ``pread`` per block, 1.5 GB/s). Callers may pass ``block_bytes``.
 BLOCK_BYTES = 2 << 20
 
 _LOCAL_HEADER = b"PK\x03\x04"
