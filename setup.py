@@ -15,7 +15,8 @@ setup(
     # DeepSpeed: the releases the test suite runs on, both ends (0.18.8 and 0.19.8; docs/support-matrix.md).
     install_requires=["torch>=2.4", "deepspeed>=0.18.8,<=0.19.8", "safetensors", "numpy", "tqdm", "google-crc32c",
                       # ISA-L's CRC-32, 4x zlib's; where no wheel is built, zlib's is used
-                      "isal; platform_machine in 'x86_64 AMD64 aarch64 arm64'"],
+                      "isal; platform_machine == 'x86_64' or platform_machine == 'AMD64'"
+                      " or platform_machine == 'aarch64' or platform_machine == 'arm64'"],
     extras_require={
         "hf": HF,
         "maxtext": MAXTEXT,

@@ -12,8 +12,9 @@ Two uses:
   directory) are read. It equals ``zlib.crc32`` of the whole file whenever the records match their CRC-32,
   which :func:`check_zip` verifies.
 
-Only the standard library is imported here, so tools that only check files start fast; the zip record parser
-that :mod:`.serialization` and :mod:`.zipsave` use lives here for that reason.
+Only the standard library (and ISA-L's CRC-32, where ``isal`` is installed) is imported here, so tools that
+only check files start fast; the zip record parser that :mod:`.serialization` and :mod:`.zipsave` use lives here
+for that reason.
 """
 
 from __future__ import annotations
