@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import struct
 import time
 import zipfile
@@ -100,6 +101,12 @@ def test_the_fast_crc32_is_zlibs(data, start, seed):
     view = memoryview(data)[start:]
     assert zipcheck.crc32(view, seed) == zlib.crc32(view, seed)
     assert zipcheck.crc32(data) == zlib.crc32(data)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"),
+                    reason="isal is installed only where it has wheels")
+def test_isal_is_used_where_it_is_installed():
+    assert zipcheck.crc32 is not zlib.crc32  # the base install brings isal on this platform
 
 
 def test_file_crc32_without_preadv(tmp_path, monkeypatch):
