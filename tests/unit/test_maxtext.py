@@ -483,3 +483,27 @@ def test_uncompressed_chunks_hold_the_same_arrays(tmp_path):
     with pytest.raises(CheckpointError, match="--compression must be one of zstd, none"):
         write_maxtext(lambda name, state="fp32": params[name], {n: a.shape for n, a in params.items()},
                       get_family("llama"), ModelDims.from_config(config), tmp_path / "bad", compression="lz4")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stored_blocks_copied_by_torch_have_numpys_bits(dtype):
+    """The writer lays out (and casts) each block through torch: the bits are those numpy's own cast gives, for
+    the views the transforms make (transposed, split per head, every other column, reversed) and for values
+    across float32's range (zeros of both signs, subnormals, bf16 ties, infinities)."""
+    import ml_dtypes
+
+    from deepspeed_ext.checkpoint.maxtext.writer import _contiguous_as
+
+    target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
+    rng = np.random.default_rng(7)
+    block = (rng.standard_normal((96, 70)) * np.float32(10.0) ** rng.integers(-44, 38, (96, 70))).astype(np.float32)
+    block[0, :6] = [np.inf, -np.inf, 0.0, -0.0, 1e-45, -3e-39]
+    block.view(np.uint32)[1, :8] = 0x3F808000 + np.arange(8, dtype=np.uint32)  # bf16 ties and their neighbours
+    views = [block, block.T, block.T.reshape(70, 6, 16), block[:, 1::2], block[::-1], block.T[:, 0::3],
+             block[:0], block.astype(np.float64)]
+    for view in views:
+        stored = _contiguous_as(view, target)
+        expected = np.ascontiguousarray(view, dtype=target)
+        assert stored.flags.c_contiguous and stored.dtype == target and stored.shape == view.shape
+        bits = np.uint16 if dtype == "bfloat16" else np.uint32
+        assert np.array_equal(stored.view(bits), expected.view(bits)), view.strides
