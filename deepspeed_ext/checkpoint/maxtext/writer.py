@@ -191,9 +191,8 @@ def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRow
         return tensors[name].load_tensor(state).detach().float().numpy()
 
     def load_rows(name: str, state: str, first: int, last: int) -> Any:
-        """Rows ``[first, last)`` as a flat fp32 tensor of their own (the source's blocks may be views of a mapped
-        file that the next read releases); a source that cannot read ranges loads the tensor once for its blocks."""
-        import torch
+        """Rows ``[first, last)`` as a flat fp32 tensor; a source that cannot read ranges loads the tensor once for
+        its blocks."""
         tensor = tensors[name]
         row = math.prod(tensor.shape[1:])
         if tensor.range_loader is None:
@@ -201,12 +200,13 @@ def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRow
                 last_whole.clear()
                 last_whole[(name, state)] = tensor.load_tensor(state).detach().float().reshape(-1)
             return last_whole[(name, state)][first * row:last * row]
-        rows = torch.empty((last - first) * row, dtype=torch.float32)
-        offset = 0
-        for block in tensor.blocks(state, first * row, last * row):  # each copied before the next is read
-            rows[offset:offset + block.numel()].copy_(block.detach().reshape(-1))
-            offset += block.numel()
-        return rows
+        # One read for the writer's whole block (its size bounds the memory): the source merges the TP shards of
+        # the rows into a tensor of their own, with no second copy into this one's. A view of a mapped file
+        # (a replicated tensor's rows) is consumed before this thread reads again; its pages are released then,
+        # which only drops them from memory.
+        # (Blocks are cut on multiples of their size: one as large as the range's end is the whole range.)
+        (rows,) = tensor.blocks(state, first * row, last * row, block_elements=max(1, last * row))
+        return rows.detach().reshape(-1).float()
 
     return load, load_rows
 
