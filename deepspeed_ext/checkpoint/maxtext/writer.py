@@ -5,7 +5,7 @@ Streaming: each leaf is a lazy proxy that Orbax materialises just before writing
 time, and writes slab by slab: a block of an HF tensor's rows (about :data:`BLOCK_BYTES` of fp32) is read,
 transformed and cast, and becomes one slab of the leaf, written as whole storage chunks (a scanned stack is
 stored one layer thick). Peak memory is a few blocks, whatever the size of the largest tensor. bf16 is written
-as ``ml_dtypes.bfloat16`` straight from the fp32 rows.
+as ``ml_dtypes.bfloat16``, cast from the fp32 rows by torch (:func:`_contiguous_as`).
 """
 
 from __future__ import annotations
