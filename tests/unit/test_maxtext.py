@@ -507,3 +507,35 @@ def test_stored_blocks_copied_by_torch_have_numpys_bits(dtype):
         assert stored.flags.c_contiguous and stored.dtype == target and stored.shape == view.shape
         bits = np.uint16 if dtype == "bfloat16" else np.uint32
         assert np.array_equal(stored.view(bits), expected.view(bits)), view.strides
+
+
+def test_source_rows_are_read_in_one_range_per_block():
+    """The writer's row blocks of a source that reads ranges: one read per block, whatever the block's offset (the
+    source's own block grid is cut on multiples of its size), the rows equal to the tensor's, in fp32 (a bf16
+    source too); a tensor with no elements per row reads nothing."""
+    from deepspeed_ext.checkpoint.maxtext.writer import _source_loaders
+    from deepspeed_ext.checkpoint.tensor import LogicalTensor
+    from deepspeed_ext.module_inject.layout import TPLayout
+
+    # 1.5M elements: a range across the source's default block grid (1M elements) would be read in two pieces.
+    full = {"w": torch.randn(300, 5000), "b": torch.randn(11, 3).to(torch.bfloat16), "empty": torch.zeros(4, 0)}
+    reads: list[tuple[str, int, int]] = []
+
+    def tensor(name: str) -> LogicalTensor:
+        def range_loader(state: str, low: int, high: int) -> torch.Tensor:
+            reads.append((name, low, high))
+            return full[name].reshape(-1)[low:high]
+
+        return LogicalTensor(name=name, shape=tuple(full[name].shape), layout=TPLayout.replicated(full[name].shape, 1),
+                             states=("fp32",), loader=lambda state: full[name], dtype=full[name].dtype,
+                             range_loader=range_loader)
+
+    _, load_rows = _source_loaders({name: tensor(name) for name in full})
+    for name, first, last in (("w", 0, 300), ("w", 3, 4), ("w", 150, 250), ("w", 299, 300), ("b", 2, 9)):
+        reads.clear()
+        rows = load_rows(name, "fp32", first, last)
+        row = full[name].shape[1]
+        assert reads == [(name, first * row, last * row)]
+        assert rows.dtype == torch.float32 and torch.equal(rows, full[name][first:last].float().reshape(-1))
+    reads.clear()
+    assert load_rows("empty", "fp32", 0, 4).numel() == 0 and not reads

@@ -193,6 +193,7 @@ def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRow
     def load_rows(name: str, state: str, first: int, last: int) -> Any:
         """Rows ``[first, last)`` as a flat fp32 tensor; a source that cannot read ranges loads the tensor once for
         its blocks."""
+        import torch
         tensor = tensors[name]
         row = math.prod(tensor.shape[1:])
         if tensor.range_loader is None:
@@ -205,7 +206,9 @@ def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRow
         # (a replicated tensor's rows) is consumed before this thread reads again; its pages are released then,
         # which only drops them from memory.
         # (Blocks are cut on multiples of their size: one as large as the range's end is the whole range.)
-        (rows,) = tensor.blocks(state, first * row, last * row, block_elements=max(1, last * row))
+        if first * row == last * row:  # no elements (a dimension of size 0): no block to read
+            return torch.empty(0, dtype=torch.float32)
+        (rows,) = tensor.blocks(state, first * row, last * row, block_elements=last * row)
         return rows.detach().reshape(-1).float()
 
     return load, load_rows
