@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -230,7 +230,7 @@ def unfinished_save_message(save_dir: Path, tag: str | None = None) -> str | Non
 
 
 def check_contents(tag_dir: str | os.PathLike[str], status: TagStatus | None = None,
-                   threads: int = 2) -> tuple[str, list[str]]:
+                   threads: int = 2, lazy: Collection[Path] = ()) -> tuple[str, list[str]]:
     """Read every byte of a DeepSpeed tag and check it; ``(what was checked, in words; problems, one line each)``.
 
     * committed: every file the marker lists against its size and CRC-32 (the marker's CRC-32 of a torch file
@@ -238,8 +238,12 @@ def check_contents(tag_dir: str | os.PathLike[str], status: TagStatus | None = N
       checked against its CRC-32 too);
     * unmarked: every torch file's zip records against their CRC-32s, and a file cut short (no central
       directory) found (a file written with CRC-32 off can only be checked for its structure).
+
+    ``lazy``: zip files of the tag whose large records' data are *not* read here (a conversion checks the records
+    it reads, :class:`ContentCheck`); everything else about them is checked as above: their structure, their
+    small records and, against a marker, their CRC-32 as their records' CRC-32s and the bytes between them give it.
     """
-    from deepspeed_ext.checkpoint.zipcheck import ZipCheckError, check_zips, file_crc32
+    from deepspeed_ext.checkpoint.zipcheck import ZipCheckError, check_zips, file_crc32, small_records
     tag_dir = Path(tag_dir)
     status = status or tag_status(tag_dir)
     problems = list(status.problems)
@@ -248,7 +252,7 @@ def check_contents(tag_dir: str | os.PathLike[str], status: TagStatus | None = N
     if status.marker is not None:
         listed = {name: tag_dir / name for name in status.marker.files if (tag_dir / name).is_file()}
         zips = [path for path in listed.values() if _is_zip(path)]
-        reports = check_zips(zips, threads=threads)
+        reports = check_zips(zips, threads=threads, read_data=dict.fromkeys(_within(zips, lazy), small_records))
         for name, path in sorted(listed.items()):
             record = status.marker.files[name]
             report = reports.get(path)
@@ -265,7 +269,9 @@ def check_contents(tag_dir: str | os.PathLike[str], status: TagStatus | None = N
                                 f"{record.crc32})")
         return f"{len(status.marker.files)} files against the commit marker (size, CRC-32)", problems
     files = sorted(path for path in _files(tag_dir) if _STATE_FILE.match(path.name))
-    reports = check_zips([path for path in files if path.suffix == ".pt"], threads=threads)
+    torch_files = [path for path in files if path.suffix == ".pt"]
+    reports = check_zips(torch_files, threads=threads, read_data=dict.fromkeys(_within(torch_files, lazy),
+                                                                                 small_records))
     unchecked = [path.name for path, report in reports.items() if report.without_crc]
     for report in reports.values():
         problems += report.problems
@@ -275,32 +281,93 @@ def check_contents(tag_dir: str | os.PathLike[str], status: TagStatus | None = N
             f"against their CRC-32{note}"), problems
 
 
+def _within(paths: Iterable[Path], chosen: Collection[Path]) -> list[Path]:
+    """Those of ``paths`` that are among ``chosen`` (compared resolved: a mapped file is named by its real path)."""
+    resolved = {Path(path).resolve() for path in chosen}
+    return [path for path in paths if path.resolve() in resolved] if resolved else []
+
+
 class ContentCheck:
     """:func:`check_contents` on a thread of its own, started when a conversion starts reading the tag: the check
     reads each file sequentially while the conversion reads what it needs (on a cold cache the one warms the
-    other's pages), and its verdict is asked for before anything is published."""
+    other's pages), and its verdict is asked for before anything is published.
 
-    def __init__(self, tag_dir: Path):
+    ``lazy`` (the optimizer files, most of a tag's bytes): of these only the large records the conversion reads
+    (:meth:`note_read`) have their data read and checked against their CRC-32, on the same thread as they are
+    read; their structure, small records and marker CRC-32 are checked all the same. A conversion that needs the
+    master weights alone (to-hf, to-maxtext without the optimizer) then reads none of the moments, which are
+    twice the masters' bytes; every byte it uses is still checked against what was saved. ``verify`` checks all.
+    """
+
+    def __init__(self, tag_dir: Path, lazy: Collection[Path] = ()):
+        import queue
         import threading
         self.tag_dir = Path(tag_dir)
+        self.lazy = frozenset(Path(path).resolve() for path in lazy)
         self._result: tuple[str, list[str]] | None = None
         self._error: BaseException | None = None
+        self._reads: queue.SimpleQueue[tuple[Path, int | None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        #: ``(file, record)`` already read and checked, and the late reads' problems (see :meth:`note_read`).
+        self._checked: set[tuple[Path, str]] = set()
+        self._read_bytes = 0
+        self._late: list[str] = []
         self._thread = threading.Thread(target=self._run, name="deepspeed-ext-content-check", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            self._result = check_contents(self.tag_dir, threads=1)
+            checked, problems = check_contents(self.tag_dir, threads=1, lazy=self.lazy)
+            while (read := self._reads.get()) is not None:
+                problems += self._check_read(*read)
+            if self.lazy:
+                checked += (f"; the data of {len(self.lazy)} optimizer files checked only where read "
+                            f"({len(self._checked)} records, {self._read_bytes} bytes)")
+            self._result = checked, problems
         except BaseException as exc:  # handed to the caller's thread
             self._error = exc
 
+    def note_read(self, path: Path, offset: int | None) -> None:
+        """A conversion reads a tensor at byte ``offset`` of ``path`` (None: somewhere unknown, so the whole file
+        is checked): where ``path`` is lazy, the record holding it is checked, once. A read noted after the verdict
+        was asked for is checked at once, and its problems join the next verdict."""
+        path = Path(path).resolve()
+        if path not in self.lazy:
+            return
+        with self._lock:
+            if not self._closed:
+                self._reads.put((path, offset))
+                return
+        self._thread.join()  # its own reads done: the records it checked are known
+        self._late += self._check_read(path, offset)
+
+    def _check_read(self, path: Path, offset: int | None) -> list[str]:
+        from deepspeed_ext.checkpoint.zipcheck import ZipCheckError, check_zip, records_holding
+        try:
+            names = None if offset is None else records_holding(path, [offset])
+        except (OSError, ZipCheckError) as exc:
+            return [f"{path}: cannot read: {exc}"]
+        if names is not None:
+            names -= {name for file, name in self._checked if file == path}
+            if not names:
+                return []
+        report = check_zip(path, read_data=None if names is None else (lambda info: info.filename in names))
+        self._checked.update((path, name) for name in names or ["*"])
+        self._read_bytes += report.bytes_checked
+        return report.problems
+
     def result(self) -> tuple[str, list[str]]:
         """Wait for the check: :func:`check_contents`'s (what was checked, the problems)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._reads.put(None)
         self._thread.join()
         if self._error is not None:
             raise self._error
         assert self._result is not None
-        return self._result
+        return self._result[0], self._result[1] + self._late
 
     def raise_if_damaged(self, cause: BaseException | None = None) -> None:
         """Wait for the check; raise :class:`DamagedFilesError` (one line) when a file failed it (``cause``: the

@@ -23,7 +23,7 @@ import functools
 import os
 import struct
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,8 @@ class ZipReport:
     records: int = 0
     #: Bytes of record data read and compared with their CRC-32.
     bytes_checked: int = 0
+    #: Bytes of record data left unread (``read_data`` said so): only their place in the file was checked.
+    bytes_unread: int = 0
     #: The file was written with CRC-32 off (every non-empty record's CRC-32 is 0, as torch writes with
     #: ``compute_crc32=False``, which :func:`deepspeed_ext.checkpoint.serialization.save` uses): no record's data
     #: could be checked, only the file's structure.
@@ -281,10 +283,14 @@ def _unreadable_directory(path: Path, fd: int, size: int, exc: BaseException) ->
     return f"{path}: damaged zip central directory: {first_line(exc)}"
 
 
+#: Which records' data :func:`check_zip` reads and compares with their CRC-32 (None: every record's).
+ReadData = Callable[[zipfile.ZipInfo], bool]
+
+
 def _check_record(handle: Any, archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, path: Path,
-                  block_bytes: int, report: ZipReport) -> str | None:
-    """The problem with one record, if any: no local header, data past the end, a CRC-32 mismatch, a data
-    descriptor that disagrees with the central directory."""
+                  block_bytes: int, report: ZipReport, read_data: ReadData | None = None) -> str | None:
+    """The problem with one record, if any: no local header, data past the end, a CRC-32 mismatch (where
+    ``read_data`` lets its data be read), a data descriptor that disagrees with the central directory."""
     name = info.filename
     start = _data_offset(handle, info.header_offset)
     if start is None:
@@ -292,7 +298,9 @@ def _check_record(handle: Any, archive: zipfile.ZipFile, info: zipfile.ZipInfo, 
     stop = start + info.compress_size
     if stop > size:
         return f"{path}: record {name} runs past the end of the file ({stop - size} bytes missing: cut short)"
-    if not report.without_crc and info.compress_size:
+    if read_data is not None and info.compress_size and not read_data(info):
+        report.bytes_unread += info.compress_size
+    elif not report.without_crc and info.compress_size:
         if info.compress_type == zipfile.ZIP_STORED:
             crc = _crc_of_range(handle.fileno(), start, stop, 0, path, block_bytes)
             report.bytes_checked += info.compress_size
@@ -317,14 +325,16 @@ def _check_record(handle: Any, archive: zipfile.ZipFile, info: zipfile.ZipInfo, 
     return None
 
 
-def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES) -> ZipReport:
+def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES,
+              read_data: ReadData | None = None) -> ZipReport:
     """Read every record of a zip file (a torch.save file) and compare it with its CRC-32; report what is wrong,
     one line per problem: not a zip, cut short, a record without its local header, past the end, or failing its
     CRC-32 (a hole of zeros left by a killed writer, or damage). ``torch.load`` would not notice most of these:
     it maps tensors and reads a hole as zeros. Errors reading the file are reported too, never raised, so a
     caller can check many files and list every bad one. A file written with CRC-32 off gets ``without_crc`` and
     only its structure is checked. Reads go in blocks of ``block_bytes``; the sum releases the GIL, so files may
-    be checked on several threads (:func:`check_zips`)."""
+    be checked on several threads (:func:`check_zips`). ``read_data``: which records' data to read (the rest are
+    checked for their place in the file only); default every record's."""
     path = Path(path)
     report = ZipReport()
     try:
@@ -344,7 +354,7 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES) -
                 report.without_crc = bool(with_data) and all(info.CRC == 0 for info in with_data)
                 for info in records:
                     try:
-                        problem = _check_record(handle, archive, info, size, path, block_bytes, report)
+                        problem = _check_record(handle, archive, info, size, path, block_bytes, report, read_data)
                     except OSError as exc:  # an I/O error (a bad sector) is that record's problem: go on
                         problem = f"{path}: record {info.filename} cannot be read: {exc.strerror or first_line(exc)}"
                     if problem is not None:
@@ -356,10 +366,37 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES) -
     return report
 
 
-def check_zips(paths: Iterable[str | os.PathLike[str]], threads: int = 2) -> dict[Path, ZipReport]:
+def check_zips(paths: Iterable[str | os.PathLike[str]], threads: int = 2,
+               read_data: Mapping[Path, ReadData] | None = None) -> dict[Path, ZipReport]:
     """:func:`check_zip` of each file, ``threads`` at a time (reads and the sums release the GIL: two threads
-    keep a disk or the page cache busier than one), in the order given."""
+    keep a disk or the page cache busier than one), in the order given; ``read_data``: per file, which records'
+    data to read (a file not in it: every record's)."""
     from concurrent.futures import ThreadPoolExecutor
     files = [Path(path) for path in paths]
+    chosen = read_data or {}
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="deepspeed-ext-zipcheck") as pool:
-        return dict(zip(files, pool.map(check_zip, files), strict=True))
+        return dict(zip(files, pool.map(lambda path: check_zip(path, read_data=chosen.get(path)), files),
+                        strict=True))
+
+
+def small_records(info: zipfile.ZipInfo) -> bool:
+    """A :data:`ReadData` choice: the records below :data:`READ_BELOW` bytes (pickles, small tensors), which
+    :func:`zip_file_crc32` reads too."""
+    return info.compress_size < READ_BELOW
+
+
+def records_holding(path: str | os.PathLike[str], offsets: Iterable[int]) -> set[str]:
+    """The names of the records whose data hold any of the byte ``offsets`` of the zip file at ``path`` (a
+    tensor mapped from it starts at one). Raises :class:`ZipCheckError` for a file that is not a readable zip."""
+    wanted = sorted(set(offsets))
+    found: set[str] = set()
+    with open(path, "rb", buffering=0) as handle:
+        try:
+            records = _infolist(handle)
+        except Exception as exc:  # zipfile raises most kinds on damage
+            raise ZipCheckError(f"{path}: not a readable zip file: {first_line(exc)}") from exc
+        for info in records:
+            start = _data_offset(handle, info.header_offset)
+            if start is not None and any(start <= offset < start + info.compress_size for offset in wanted):
+                found.add(info.filename)
+    return found

@@ -253,14 +253,23 @@ def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
     cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "unchecked.log")
 
 
-def _zero_inside_largest_record(path, length: int = 64 * 1024) -> str:
-    """Zero ``length`` bytes in the middle of the data of ``path``'s largest zip record (as a write that never
-    arrived leaves a preallocated file: a hole); the record's name."""
+def _zero_inside_record(path, state: str, length: int = 64 * 1024) -> str:
+    """Zero ``length`` bytes in the middle of the zip record of ``path`` (a ZeRO-1/2 optimizer file) that holds
+    flat group 0's ``state`` (``fp32``: the master partition; else a moment), as a write that never arrived leaves
+    a preallocated file: a hole; the record's name."""
     import zipfile
 
-    from deepspeed_ext.checkpoint.zipcheck import record_data_offset
+    from deepspeed_ext.checkpoint import serialization
+    from deepspeed_ext.checkpoint.zipcheck import record_data_offset, records_holding
+    optimizer = serialization.load(path)["optimizer_state_dict"]
+    flat = optimizer["single_partition_of_fp32_groups"][0] if state == "fp32" else \
+        optimizer["base_optimizer_state"]["state"][0][state]
+    location = serialization.mapped_location(flat)
+    assert location is not None
+    (name, ) = records_holding(path, [location[1]])
+    del optimizer, flat
     with zipfile.ZipFile(path) as archive:
-        info = max(archive.infolist(), key=lambda item: item.file_size)
+        info = archive.getinfo(name)
     with open(path, "r+b") as handle:
         data_offset = record_data_offset(handle, info.header_offset)
         assert data_offset is not None, info.filename
@@ -269,12 +278,16 @@ def _zero_inside_largest_record(path, length: int = 64 * 1024) -> str:
     return info.filename
 
 
+@pytest.mark.parametrize("state", ["fp32", "exp_avg"], ids=["master", "moment"])
 @pytest.mark.parametrize("marked", [False, True], ids=["no-marker", "committed"])
-def test_a_zeroed_range_in_the_fp32_partition_is_refused_by_verify_and_the_converters(tp2, tmp_path, marked):
+def test_a_zeroed_range_in_an_optimizer_partition_is_refused_by_verify_and_the_converters_that_read_it(
+        tp2, tmp_path, marked, state):
     """Issue 28's reproduction: a complete tag copied, 64 KiB zeroed inside TP rank 0's fp32 partition (a range a
     killed writer never wrote). Without a marker (plain DeepSpeed, or a torn save whose metadata is gone) the zip
     record's CRC-32 names the file and the record; with the marker, the file differs from it. verify fails and
-    to-universal / to-hf exit 2 in one line, publishing nothing."""
+    to-universal / to-hf exit 2 in one line, publishing nothing. The same hole in a moment: verify and
+    to-universal (which reads the moments) refuse it; to-hf reads the masters alone, every byte of them checked,
+    and converts."""
     save_dir = tmp_path / "holed"
     shutil.copytree(tp2.save_dir, save_dir, ignore=shutil.ignore_patterns("*_universal", "latest_universal"))
     tag = save_dir / tp2.tag_dir.name
@@ -284,7 +297,7 @@ def test_a_zeroed_range_in_the_fp32_partition_is_refused_by_verify_and_the_conve
         without_commit_marker(tag)
         (tag / "deepspeed_ext.json").unlink()  # as in the report: upstream's universal_checkpoint_info remains
     victim = tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    record = _zero_inside_largest_record(victim)
+    record = _zero_inside_record(victim, state)
     before = {p: p.read_bytes() for p in save_dir.rglob("*") if p.is_file()}
 
     verified = cli(["verify", str(save_dir)], tmp_path / "verify.log", check=False)
@@ -295,6 +308,9 @@ def test_a_zeroed_range_in_the_fp32_partition_is_refused_by_verify_and_the_conve
     for command, out, extra in (("to-universal", tmp_path / "uni", []),
                                 ("to-hf", tmp_path / "hf", ["--config", str(config)])):
         proc = cli([command, str(save_dir), "-o", str(out), "-q", *extra], tmp_path / f"{command}.log", check=False)
+        if command == "to-hf" and state != "fp32":
+            assert proc.returncode == 0 and (out / "model.safetensors").is_file(), proc.stderr
+            continue
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and victim.name in lines[0], (command, proc.stderr)
         assert not out.exists() and not Path(f"{out}.partial").exists(), command
@@ -335,7 +351,8 @@ _FAULTS = {
     "partitioned for another DP degree": ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                           lambda path: _edit_torch_file(
                                               path, lambda o: o["optimizer_state_dict"].update(partition_count=[2])),
-                                          "param group 0 is partitioned over 2 ranks, but the model states and files say DP=1"),
+                                          "param group 0 is partitioned over 2 ranks, but the model states and "
+                                          "files say DP=1"),
 }
 
 

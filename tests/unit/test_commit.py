@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed_ext.checkpoint import commit, durable, faults
+from deepspeed_ext.checkpoint import commit, durable, faults, serialization
 from deepspeed_ext.checkpoint.formats import detect_all, trainer_checkpoints
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.runtime import refuse_incomplete
@@ -197,3 +197,68 @@ def test_the_trainers_resume_choice_skips_a_torn_checkpoint_under_enable(tmp_pat
     finally:
         runtime._trainer_resume_choice(install=False)
     assert trainer_utils.get_last_checkpoint is own
+
+
+def _optimizer_tag(directory: Path) -> Path:
+    """A tag with one optimizer file whose master and moments are large records (each past the few KiB a check
+    always reads); the file."""
+    _tag(directory, tp=1)
+    states = {"fp32": torch.randn(100_000), "exp_avg": torch.randn(100_000), "exp_avg_sq": torch.rand(100_000)}
+    optim = directory / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save(states, optim)
+    return optim
+
+
+def _zero_inside(path: Path, tensor: torch.Tensor) -> None:
+    """64 bytes of ``tensor``'s data in ``path`` zeroed in place (a hole a killed writer left)."""
+    location = serialization.mapped_location(tensor)
+    assert location is not None and location[0] == path.resolve()
+    with open(path, "r+b") as handle:
+        handle.seek(location[1] + 1024)
+        handle.write(b"\0" * 64)
+
+
+@pytest.mark.parametrize("marked", [True, False], ids=["committed", "no-marker"])
+def test_a_lazy_content_check_reads_only_the_records_read_and_finds_damage_there(tmp_path, marked):
+    """The conversions' check (``ContentCheck`` with the optimizer files lazy): a hole in a moment no one reads
+    passes, the same hole in the master that was read is named, and the whole check (``verify``'s) names both.
+    Everything of the file but its unread records' data is checked all the same (a cut-short file is named)."""
+    if marked:
+        commit.prepare_staging(tmp_path / "save", "t")
+        directory = commit.staging_root(tmp_path / "save", "t") / "t"
+    else:
+        directory = tmp_path / "save" / "t"
+    name = _optimizer_tag(directory).name
+    tag_dir = commit.commit(tmp_path / "save", "t", {}, save_latest=True) if marked else directory
+    if not marked:
+        (tag_dir / commit.UC_INFO_FILE).unlink()  # a plain DeepSpeed tag: no marker is due
+    optim = tag_dir / name
+    states = serialization.load(optim)
+    _zero_inside(optim, states["exp_avg"])
+
+    def lazy_check(*read: str) -> tuple[str, list[str]]:
+        check = commit.ContentCheck(tag_dir, lazy=[optim])
+        for state in read:
+            location = serialization.mapped_location(states[state])
+            assert location is not None
+            check.note_read(optim, location[1])
+        return check.result()
+
+    checked, problems = lazy_check("fp32")
+    assert not problems, problems
+    assert "checked only where read (1 records, 400000 bytes)" in checked, checked
+    _, problems = lazy_check("fp32", "exp_avg", "exp_avg")  # the second read of a record is not checked again
+    assert len(problems) == 1 and str(optim) in problems[0], problems
+    _, problems = commit.check_contents(tag_dir)  # verify's: every byte
+    assert problems and all(str(optim) in problem for problem in problems), problems
+
+    check = commit.ContentCheck(tag_dir, lazy=[optim])
+    check.result()
+    check.note_read(optim, None)  # read after the verdict, somewhere unknown: the whole file, at once
+    with pytest.raises(CheckpointError, match=f"{optim}.*nothing was written"):
+        check.raise_if_damaged()
+
+    with open(optim, "r+b") as handle:
+        handle.truncate(optim.stat().st_size - 100)
+    _, problems = lazy_check()
+    assert problems and str(optim) in problems[0], problems

@@ -105,6 +105,8 @@ class DeepSpeedCheckpoint:
         # What the restore reads with pread: each flat tensor's file and offset, and one descriptor per file.
         self._stored: dict[tuple[int, int, int, str], ranges.Stored] = {}
         self._readers: dict[Path, ranges.FileReader] = {}
+        #: The flat tensors (tp, dp, group, state) whose reads the content check was told of.
+        self._noted_reads: set[tuple[int, int, int, str]] = set()
         #: Per (name, TP rank, state): the fragments in that state's tensors; per (tp, dp, group, state): where
         #: whole parameters lie in a state that holds them (None: laid out like the master).
         self._remapped: dict[tuple[str, int, str], list[Fragment]] = {}
@@ -293,8 +295,9 @@ class DeepSpeedCheckpoint:
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet. The files'
-        checksums are checked meanwhile, on a thread (:meth:`raise_if_damaged`)."""
-        self._start_content_check()
+        checksums are checked meanwhile, on a thread (:meth:`raise_if_damaged`): of the optimizer files, only the
+        records the caller reads."""
+        self._start_content_check(lazy=True)
         module = self.model_states.get(keys.MODULE) or {}
         for name, layout in self.layouts.items():
 
@@ -330,17 +333,35 @@ class DeepSpeedCheckpoint:
                 self._content_check.raise_if_damaged(cause=exc)
             raise
 
-    def _start_content_check(self) -> ContentCheck:
-        if self._content_check is None:
+    def _start_content_check(self, lazy: bool) -> ContentCheck:
+        """The check of the tag's files, started once. ``lazy``: the optimizer files' large records are checked
+        only as they are read (:meth:`_flat`); a check of everything already started serves as well."""
+        if self._content_check is None or (not lazy and self._content_check.lazy):
             from deepspeed_ext.checkpoint.commit import ContentCheck
-            self._content_check = ContentCheck(self.tag_dir)
+            optimizer_files = {self.optimizer.mapped_file(tp, dp) for tp, dp in self.files.optim_files} \
+                if lazy else set()
+            self._content_check = ContentCheck(self.tag_dir, lazy={path for path in optimizer_files if path})
         return self._content_check
 
     def contents_checked(self) -> tuple[str, list[str]]:
-        """Every file of the tag against its checksums (:func:`~deepspeed_ext.checkpoint.commit.check_contents`):
-        (what was checked, in words; one line per problem). The same check the conversions run as they read, run
-        once per opened checkpoint."""
-        return self._start_content_check().result()
+        """Every byte of every file of the tag against its checksums
+        (:func:`~deepspeed_ext.checkpoint.commit.check_contents`): (what was checked, in words; one line per
+        problem), run once per opened checkpoint: ``verify``'s check."""
+        return self._start_content_check(lazy=False).result()
+
+    def _flat(self, tp: int, dp: int, group: int, state: str) -> torch.Tensor:
+        """The optimizer's flat tensor (:meth:`OptimizerLayout.flat`) a read takes its elements from; the content
+        check is told which record of the file it is, once, before its elements are used."""
+        flat = self.optimizer.flat(tp, dp, group, state)
+        check, key = self._content_check, (tp, dp, group, state)
+        if check is not None and check.lazy and key not in self._noted_reads:
+            self._noted_reads.add(key)
+            path = self.optimizer.mapped_file(tp, dp)
+            if path is not None:
+                location = serialization.mapped_location(flat)
+                check.note_read(path, location[1] if location is not None and location[0] == path.resolve()
+                                else None)
+        return flat
 
     def raise_if_damaged(self) -> None:
         """Raise :class:`CheckpointError` when a file of the tag fails its checksums (the commit marker's, or its
@@ -510,7 +531,7 @@ class DeepSpeedCheckpoint:
         fragments that hold them (a view into the memory-mapped file when one fragment does)."""
         pieces = []
         for held_by, dp, group, start, count in self._flat_pieces(name, tp, low, high, state):
-            piece = self.optimizer.flat(held_by, dp, group, state).narrow(0, start, count)
+            piece = self._flat(held_by, dp, group, state).narrow(0, start, count)
             pieces.append(piece)
             mapped = self.optimizer.mapped_file(held_by, dp)
             if mapped is not None:
@@ -527,7 +548,7 @@ class DeepSpeedCheckpoint:
             key = (held_by, dp, group, state)
             stored = self._stored.get(key)
             if stored is None:  # once per flat tensor: the optimizer files stay mapped while the reader lives
-                stored = self._stored[key] = ranges.stored(self.optimizer.flat(held_by, dp, group, state),
+                stored = self._stored[key] = ranges.stored(self._flat(held_by, dp, group, state),
                                                            self._readers)
             found.append((stored, start, count))
         return found
