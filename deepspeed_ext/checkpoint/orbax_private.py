@@ -88,6 +88,61 @@ def check_orbax_internals() -> None:
                               f"writes and step metadata (tested with {TESTED_ORBAX}): {problems}")
 
 
+def leaf_checkpointer() -> Any:
+    """An Orbax ``Checkpointer`` (OCDBT, zarr3) for partial restores of a leaf at a time that parses each item's
+    PyTree metadata once. Orbax reads, parses and nests the whole tree's metadata file on every restore, so reading
+    a checkpoint leaf by leaf took time quadratic in its leaves (a tree of a few thousand leaves: minutes). Where
+    the installed Orbax lacks the hook (:func:`metadata_reuse_problems`), a plain checkpointer: the same leaves,
+    read the slow way."""
+    import orbax.checkpoint as ocp
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)
+    impl = getattr(handler, "_handler_impl", None)
+    read = getattr(impl, "_read_metadata_file", None)
+    if impl is not None and inspect.iscoroutinefunction(read):
+        parsed: dict[str, _ParsedOnce] = {}
+
+        async def read_once(directory: Any) -> Any:
+            key = str(directory)
+            if key not in parsed:  # two threads may both parse it: either result serves
+                parsed[key] = _ParsedOnce(await read(directory))
+            return parsed[key]
+
+        impl._read_metadata_file = read_once  # an instance attribute: this handler's restores alone
+    return ocp.Checkpointer(handler)
+
+
+class _ParsedOnce:
+    """Orbax's parsed tree metadata (``InternalTreeMetadata``) with its nested tree built once: a restore only
+    reads it (it trims a copy to the leaves asked for)."""
+
+    def __init__(self, metadata: Any):
+        self._metadata = metadata
+        self._nested: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._metadata, name)
+
+    def as_nested_tree(self) -> Any:
+        if self._nested is None:
+            self._nested = self._metadata.as_nested_tree()
+        return self._nested
+
+
+def metadata_reuse_problems() -> list[str]:
+    """What :func:`leaf_checkpointer` needs of the installed Orbax and it lacks (then its restores parse the
+    metadata every time: slower, never wrong)."""
+    import orbax.checkpoint as ocp
+    impl = getattr(ocp.PyTreeCheckpointHandler(), "_handler_impl", None)
+    if impl is None:
+        return ["PyTreeCheckpointHandler._handler_impl"]
+    problems = [] if inspect.iscoroutinefunction(getattr(impl, "_read_metadata_file", None)) else [
+        "BasePyTreeCheckpointHandler._read_metadata_file"]
+    from orbax.checkpoint._src.metadata import tree as tree_metadata
+    if not callable(getattr(tree_metadata.InternalTreeMetadata, "as_nested_tree", None)):
+        problems.append("InternalTreeMetadata.as_nested_tree")
+    return problems
+
+
 def add_step_custom_metadata(step_dir: Path, key: str, entries: Mapping[str, Any]) -> None:
     """Add ``entries`` to ``key``'s entry of the custom metadata Orbax recorded for the step saved in ``step_dir``.
 

@@ -17,3 +17,42 @@ def test_orbax_internals_we_rely_on_are_still_there():
     from deepspeed_ext.checkpoint.orbax_private import TESTED_ORBAX, check_orbax_internals
     check_orbax_internals()
     assert ocp.__version__ == TESTED_ORBAX, "new Orbax: re-check orbax_private.py, then update TESTED_ORBAX"
+
+
+def test_leaf_restores_parse_the_tree_metadata_once(tmp_path):
+    """``leaf_checkpointer``: restoring a saved tree leaf by leaf parses its metadata file once, not once per leaf
+    (Orbax's own restore does, which made reading a checkpoint quadratic in its leaves), and every leaf comes back
+    as saved."""
+    try:
+        import numpy as np
+        import orbax.checkpoint as ocp
+    except ImportError:
+        unavailable("orbax-checkpoint is not installed here (the [maxtext] extra)")
+    from deepspeed_ext.checkpoint import orbax_private
+    from deepspeed_ext.checkpoint.maxtext.orbax_io import restore_leaf
+    assert orbax_private.metadata_reuse_problems() == []
+    tree = {"params": {f"layer_{i}": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3) + i,
+                                      "scale": np.full(3, i, dtype=np.float32)} for i in range(12)},
+            "step": 7}
+    items = tmp_path / "items"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)).save(items, tree)
+    saved = ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree
+    impl = orbax_private.leaf_checkpointer()._handler._handler_impl
+    parse = type(impl)._read_metadata_file
+    parsed = []
+
+    async def counted(self, directory):
+        parsed.append(directory)
+        return await parse(self, directory)
+
+    type(impl)._read_metadata_file = counted
+    try:
+        checkpointer = orbax_private.leaf_checkpointer()  # wraps the counting method
+        for i in range(12):
+            for leaf in ("kernel", "scale"):
+                value = restore_leaf(checkpointer, items, saved, ("params", f"layer_{i}", leaf), np.ndarray)
+                np.testing.assert_array_equal(value, tree["params"][f"layer_{i}"][leaf])
+        assert int(np.asarray(restore_leaf(checkpointer, items, saved, ("step", ), int))) == 7
+    finally:
+        type(impl)._read_metadata_file = parse
+    assert len(parsed) == 1, parsed

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from deepspeed_ext.checkpoint import orbax_private
 from deepspeed_ext.checkpoint.families import LAYER, LAYERS, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprints
 from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
@@ -84,7 +85,7 @@ class MaxTextCheckpoint:
         self.family = family
         self.model_config = dict(model_config)
         self.dims = ModelDims.from_config(model_config, source="--config")
-        self._checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+        self._checkpointer = orbax_private.leaf_checkpointer()
         try:
             metadata = ocp.PyTreeCheckpointer().metadata(self.items)
             if metadata is None or metadata.item_metadata is None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from deepspeed_ext.checkpoint import output
+from deepspeed_ext.checkpoint import orbax_private, output
 from deepspeed_ext.checkpoint.maxtext.names import ITEM, METADATA, PARAM_ROOTS, SCANNED_STACKS, STEP_DIR
 from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, restore_leaf, save_items
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf
@@ -42,7 +42,7 @@ def reshard_orbax(items: str | Path,
     step = items.parent
     out = output.prepare(out, [*protect, *output.read_paths(step.parent if step.name.isdigit() else step)],
                          overwrite=overwrite)
-    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+    checkpointer = orbax_private.leaf_checkpointer()
     tree = ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree
     try:
         custom = ocp.StandardCheckpointer().metadata(items.parent).custom_metadata or {}
