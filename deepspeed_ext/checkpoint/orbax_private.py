@@ -9,7 +9,12 @@ Orbax takes a step's custom metadata before it writes the arrays and has no publ
 afterwards; what is known only once every array is written (the fingerprints of lazily read tensors) is added
 by rewriting the step's metadata file, whose name and layout are Orbax's own (:func:`add_step_custom_metadata`).
 
-``check_orbax_internals()`` verifies every internal this module uses. The writer calls it before it
+Reading, Orbax parses an item's whole tree metadata for every partial restore; :func:`leaf_checkpointer` hooks
+the handler's metadata read so that readers restoring a leaf at a time parse it once. It only saves time, so
+where Orbax lacks the hook it is left out (:func:`metadata_reuse_problems` says what is missing; the unit test
+fails on it) rather than refused.
+
+``check_orbax_internals()`` verifies every internal the writes use. The writer calls it before it
 relies on them, and ``tests/unit/test_orbax_private.py`` runs it too (and, in CI,
 ``tests/e2e/test_orbax_guard_e2e.py`` in MaxText's own environment), so an Orbax upgrade that moves them
 fails loudly instead of writing silently different chunks.
