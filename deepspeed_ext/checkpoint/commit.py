@@ -357,12 +357,16 @@ class ContentCheck:
         self._read_bytes += report.bytes_checked
         return report.problems
 
-    def result(self) -> tuple[str, list[str]]:
-        """Wait for the check: :func:`check_contents`'s (what was checked, the problems)."""
+    def close(self) -> None:
+        """No more reads to check: the thread finishes what it has (reads noted later are checked at once)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._reads.put(None)
+
+    def result(self) -> tuple[str, list[str]]:
+        """Wait for the check: :func:`check_contents`'s (what was checked, the problems)."""
+        self.close()
         self._thread.join()
         if self._error is not None:
             raise self._error

@@ -338,6 +338,8 @@ class DeepSpeedCheckpoint:
         only as they are read (:meth:`_flat`); a check of everything already started serves as well."""
         if self._content_check is None or (not lazy and self._content_check.lazy):
             from deepspeed_ext.checkpoint.commit import ContentCheck
+            if self._content_check is not None:  # a check of everything replaces the one of what was read
+                self._content_check.close()
             optimizer_files = {self.optimizer.mapped_file(tp, dp) for tp, dp in self.files.optim_files} \
                 if lazy else set()
             self._content_check = ContentCheck(self.tag_dir, lazy={path for path in optimizer_files if path})
