@@ -101,9 +101,9 @@ def leaf_checkpointer() -> Any:
     read the slow way."""
     import orbax.checkpoint as ocp
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True)
-    impl = getattr(handler, "_handler_impl", None)
-    read = getattr(impl, "_read_metadata_file", None)
-    if impl is not None and inspect.iscoroutinefunction(read):
+    impl: Any = getattr(handler, "_handler_impl", None)
+    if not _reuse_problems(impl):
+        read = impl._read_metadata_file
         parsed: dict[str, _ParsedOnce] = {}
 
         async def read_once(directory: Any) -> Any:
@@ -137,7 +137,11 @@ def metadata_reuse_problems() -> list[str]:
     """What :func:`leaf_checkpointer` needs of the installed Orbax and it lacks (then its restores parse the
     metadata every time: slower, never wrong)."""
     import orbax.checkpoint as ocp
-    impl = getattr(ocp.PyTreeCheckpointHandler(), "_handler_impl", None)
+    return _reuse_problems(getattr(ocp.PyTreeCheckpointHandler(), "_handler_impl", None))
+
+
+def _reuse_problems(impl: Any) -> list[str]:
+    """:func:`metadata_reuse_problems` of one handler's implementation (None: the handler has none)."""
     if impl is None:
         return ["PyTreeCheckpointHandler._handler_impl"]
     problems = [] if inspect.iscoroutinefunction(getattr(impl, "_read_metadata_file", None)) else [
