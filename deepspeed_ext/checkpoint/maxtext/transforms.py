@@ -101,6 +101,12 @@ class Transform:
     row_unit: Callable[[tuple[int, ...], ModelDims], int] = lambda s, d: 1
     heads_in_rows: bool = False
 
+    @property
+    def rearranges(self) -> bool:
+        """Whether ``forward`` only moves elements (a weight without a scale or shift, whose moments take
+        ``forward`` itself): what it stores holds the HF tensor's values, so their sums need no inverse."""
+        return self.moments is None
+
 
 def _heads_in(x: np.ndarray, dims: ModelDims) -> np.ndarray:
     return x.T.reshape(x.shape[1], -1, dims.head_dim)  # (heads*D, H) -> (H, heads, D)

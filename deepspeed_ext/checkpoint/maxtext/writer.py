@@ -419,7 +419,9 @@ class _LeafArrays:
                 if TRANSFORMS[rule.kind].heads_in_rows else dims
         stored = _contiguous_as(to_maxtext(rule.kind, array, block_dims, self.family, state), leaf_dtype)
         del array
-        self.read_back.add(name, state, rule, low,
+        # Sums do not see order: where the transform only moves elements, the stored block itself is what a read
+        # returns (its dtype widened as it is summed); otherwise the read is undone in fp32, as from-maxtext does.
+        self.read_back.add(name, state, rule, low, stored if TRANSFORMS[rule.kind].rearranges else
                            from_maxtext(rule.kind, stored.astype(np.float32), block_dims, self.family, state))
         return stored
 
@@ -461,13 +463,15 @@ class _ReadBackFingerprints:
         self._parts: dict[tuple[str, str], dict[tuple[str, str, int], Fingerprint]] = {}
 
     def add(self, name: str, state: str, rule: Rule, first_row: int, read: np.ndarray) -> None:
-        """``read``: the HF rows from ``first_row`` on of this rule's part (a block, or all of it)."""
+        """``read``: the HF rows from ``first_row`` on of this rule's part (a block, or all of it), or the stored
+        elements that hold them (fp32 or bf16)."""
         import torch
 
         # Sums do not see order: the elements as laid out in memory, with no copy for a transposed view.
         flat = np.ravel(read, order="K")
-        self._parts.setdefault((name, state), {})[(rule.collection, rule.path, first_row)] = Fingerprint.of(
-            torch.from_numpy(flat))
+        values = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16) if flat.dtype.name == "bfloat16" \
+            else torch.from_numpy(flat)
+        self._parts.setdefault((name, state), {})[(rule.collection, rule.path, first_row)] = Fingerprint.of(values)
 
     def total(self, step: int | None, global_steps: int) -> Fingerprints:
         """The fingerprints of the whole tensors: a joined tensor's sums are its parts' sums added up."""
