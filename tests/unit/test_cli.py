@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -157,3 +158,33 @@ def test_docs_examples_write_under_their_own_directories():
                 roots.setdefault(root, set()).add(page.name)
     shared = {root: pages for root, pages in roots.items() if len(pages) > 1}
     assert not shared, shared
+
+
+_COLLECTOR_PROBE = """
+import gc, sys
+import deepspeed_ext.checkpoint.formats as formats
+from deepspeed_ext import cli
+opened, seen = formats.open_checkpoint, []
+def spy(*args, **kwargs):
+    seen.append(gc.isenabled())
+    return opened(*args, **kwargs)
+formats.open_checkpoint = spy
+path, as_program = sys.argv[1], sys.argv[2] == "program"
+sys.argv = ["deepspeed-ext", "inspect", path]
+code = cli.main() if as_program else cli.main(["inspect", path])
+print("probe", code, seen, gc.isenabled(), gc.get_freeze_count() > 0)
+"""
+
+
+@pytest.mark.parametrize("caller, expected", [("program", "probe 0 [False] True True"),
+                                              ("python", "probe 0 [True] True False")])
+def test_the_collector_is_off_while_the_libraries_load_and_on_once_the_source_is_open(sources, caller, expected):
+    """The program turns the garbage collector off while torch and DeepSpeed are imported (collections that find
+    nothing) and back on, with what was imported frozen, once the source is open; a caller in Python keeps its
+    collector as it was."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", _COLLECTOR_PROBE, str(sources / "hf"), caller], capture_output=True,
+                          text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == expected
