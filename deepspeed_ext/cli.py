@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from deepspeed_ext.checkpoint.locate import ALREADY_UNIVERSAL
 from deepspeed_ext.errors import DeepSpeedExtError
@@ -37,11 +37,15 @@ _FROM_MAXTEXT_READS = {
 
 
 def _open(path: str, tag: str | None = None, config: str | None = None, family: str | None = None,
-          **options: Any) -> Any:
-    # The registry's opener (the API's, plus ``accept``: which command reads the formats this one does not).
+          libraries: Callable[[], None] | None = None, **options: Any) -> Any:
+    """The registry's opener (the API's, plus ``accept``: which command reads the formats this one does not).
+    ``libraries``: imports the command goes on to need, made once the source is open (bad input is named first)
+    and before the garbage collector is back on (:func:`main`)."""
     from deepspeed_ext.checkpoint.formats import open_checkpoint
     _say_which_trainer_checkpoint(path, tag)
     source = open_checkpoint(path, tag=tag, config=config, family=family, **options)
+    if libraries is not None:
+        libraries()
     _collect_garbage_again()
     for note in getattr(source, "notes", ()):  # what an HF release was read as (its text model, its MTP layer)
         print(f"deepspeed-ext: {path}: {note}", file=sys.stderr)
@@ -139,7 +143,8 @@ def _leave_distributed(code: int) -> NoReturn:
 
 def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh
-    source = _open(args.source, args.tag, args.config, args.family, mtp=args.mtp)
+    from deepspeed_ext.checkpoint.maxtext.orbax_io import import_orbax
+    source = _open(args.source, args.tag, args.config, args.family, libraries=import_orbax, mtp=args.mtp)
     items = _write(source, args.output, "maxtext", args, family=args.family, scan_layers=args.scan_layers,
                    dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
                    with_optimizer=args.with_optimizer, compression=args.compression)
@@ -232,9 +237,11 @@ def cmd_reshard_orbax(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.formats import detect_all
     from deepspeed_ext.checkpoint.locate import MAXTEXT, maxtext_items
     from deepspeed_ext.errors import CheckpointError
-    _collect_garbage_again()
     if MAXTEXT not in detect_all(args.source):
         raise CheckpointError(f"{args.source}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
+    from deepspeed_ext.checkpoint.maxtext.orbax_io import import_orbax
+    import_orbax()
+    _collect_garbage_again()
     items, whole = reshard_orbax(maxtext_items(Path(args.source)), args.output, parse_mesh(args.mesh),
                                  overwrite=args.overwrite, progress=not args.quiet, protect=[args.source])
     if whole:
