@@ -7,9 +7,11 @@ ZeRO-1 bf16, trained one step by the real engine; 70 layers, 857M, would need mo
 rank, which a 24 GiB machine cannot give two ranks) and dividing the bytes difference by the time difference
 leaves the marginal rate, which fixed costs cannot hide. Each command runs with its input evicted from the page
 cache (cold) and read into it after a ``sync`` (warm), ``--rounds`` times in alternating order; rows are
-medians. Two marginal rates, each as a fraction of cp's: the extra checkpoint bytes per extra second (the same
-bytes for every command, so against cp it is cp's extra time over the command's), and the extra bytes the command
-itself read and wrote per extra second.
+medians. Three marginal rates, each as a fraction of cp's: the extra checkpoint bytes per extra second (the same
+bytes for every command, so against cp it is cp's extra time over the command's), the extra bytes of output per
+extra second (what the command leaves behind, measured by its size: "per byte written"), and the extra bytes the
+command itself read and wrote per extra second as the block layer counts them (a warm cache and a tmpfs count
+almost none).
 
     python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
     python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
@@ -51,10 +53,11 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
                 if cache == "warm":
                     warm(tag_dir)
                 result = timed(commands[name], cold=tag_dir if cache == "cold" else None)
+                result["output"] = du(out)  # the issue's "per byte written": what the command leaves behind
                 runs.setdefault((name, layers), []).append(result)
                 print(f"{cache} round {round_ + 1}: {name} on {layers} layers: {result['wall']:.1f} s, "
-                      f"read {result['read'] / 2**30:.2f} GiB, written {result['written'] / 2**30:.2f} GiB",
-                      flush=True)
+                      f"read {result['read'] / 2**30:.2f} GiB, written {result['written'] / 2**30:.2f} GiB "
+                      f"(block layer), output {result['output'] / 2**30:.2f} GiB", flush=True)
             shutil.rmtree(out, ignore_errors=True)
     cp = {layers: [r["wall"] for r in runs[("cp -r", layers)]] for layers in tag_dirs}
     extra = [large - small for small, large in zip(*cp.values(), strict=True)]
@@ -67,29 +70,32 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
 
 
 def report(medians: dict[tuple[str, int], dict], sizes: dict[int, int], small: int, large: int, cache: str) -> None:
-    """Per command: the time the larger checkpoint adds, per extra GB of checkpoint and per extra GB the command
-    itself moved (read + written), each against cp's."""
+    """Per command: the time the larger checkpoint adds, per extra GB of checkpoint, per extra GB of output (the
+    output's size: a tmpfs or a warm cache hides writes from the block layer) and per extra GB the command itself
+    moved (read + written as the block layer counts them), each against cp's."""
     extra_size = sizes[large] - sizes[small]
 
-    def rates(name: str) -> tuple[float, float]:
+    def rates(name: str) -> tuple[float, float, float]:
         a, b = medians[(name, small)], medians[(name, large)]
         seconds = max(b["wall"] - a["wall"], 1e-3)
-        return extra_size / seconds, ((b["read"] + b["written"]) - (a["read"] + a["written"])) / seconds
+        return (extra_size / seconds, ((b["read"] + b["written"]) - (a["read"] + a["written"])) / seconds,
+                (b["output"] - a["output"]) / seconds)
 
-    cp_size_rate, cp_moved_rate = rates("cp -r")
+    cp_size_rate, cp_moved_rate, cp_output_rate = rates("cp -r")
     print(f"\n{cache} cache, medians; marginal = {large} layers ({sizes[large] / 2**30:.2f} GiB) - {small} layers "
           f"({sizes[small] / 2**30:.2f} GiB)\n")
     print(f"| command | wall s, {small} layers | wall s, {large} layers | extra s | checkpoint GB/s at the margin | "
-          "vs cp | GB moved/s at the margin | vs cp |")
-    print("|---|---|---|---|---|---|---|---|")
+          "vs cp | output GB written/s at the margin | vs cp | GB moved/s at the margin | vs cp |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in [name for name in COMMANDS if (name, small) in medians]:
         a, b = medians[(name, small)], medians[(name, large)]
-        size_rate, moved_rate = rates(name)
+        size_rate, moved_rate, output_rate = rates(name)
         # Bytes moved come from the block layer's counters: a warm cache and a tmpfs count (almost) none.
         moved = (f"{moved_rate / 1e9:.2f} | {moved_rate / cp_moved_rate:.2f}"
                  if cp_moved_rate * 100 >= cp_size_rate and moved_rate > 0 else "n/a (not counted) | n/a")
         print(f"| {name} | {a['wall']:.1f} | {b['wall']:.1f} | {b['wall'] - a['wall']:.1f} | {size_rate / 1e9:.2f} | "
-              f"{size_rate / cp_size_rate:.2f} | {moved} |")
+              f"{size_rate / cp_size_rate:.2f} | {output_rate / 1e9:.2f} | {output_rate / cp_output_rate:.2f} | "
+              f"{moved} |")
 
 
 def main() -> None:
