@@ -593,13 +593,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Conversion is pure CPU work. Without this, importing DeepSpeed probes for an accelerator and prints
     # its finding on stdout, which would corrupt `inspect --json`.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # Importing torch and DeepSpeed creates millions of objects that live as long as the process; the collections
-    # their creation triggers found no garbage but walked them all (0.3 s of each command on a 2-core VM). The
-    # collector is off until the source is open (_open) or the command starts its work.
+    # Importing torch, DeepSpeed, JAX and Orbax creates millions of objects that live as long as the process; the
+    # collections their creation triggered found next to nothing but walked them all (1-2 s of each command on a
+    # 2-core VM, docs/performance.md). The collector is off until the source is open (_open) or the command starts
+    # its work, and on again whatever happens before that.
     global _COLLECTOR_HELD
     if argv is None and gc.isenabled():  # the program itself; a caller in Python keeps its collector as it is
         gc.disable()
         _COLLECTOR_HELD = True
+    try:
+        return _run(argv)
+    finally:
+        if _COLLECTOR_HELD:
+            _COLLECTOR_HELD = False
+            gc.enable()
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:

@@ -169,7 +169,7 @@ def spy(*args, **kwargs):
     seen.append(gc.isenabled())
     return opened(*args, **kwargs)
 formats.open_checkpoint = spy
-path, as_program = sys.argv[1], sys.argv[2] == "program"
+path, as_program = sys.argv[1], sys.argv[2] != "python"
 sys.argv = ["deepspeed-ext", "inspect", path]
 code = cli.main() if as_program else cli.main(["inspect", path])
 print("probe", code, seen, gc.isenabled(), gc.get_freeze_count() > 0)
@@ -177,14 +177,17 @@ print("probe", code, seen, gc.isenabled(), gc.get_freeze_count() > 0)
 
 
 @pytest.mark.parametrize("caller, expected", [("program", "probe 0 [False] True True"),
-                                              ("python", "probe 0 [True] True False")])
-def test_the_collector_is_off_while_the_libraries_load_and_on_once_the_source_is_open(sources, caller, expected):
+                                              ("python", "probe 0 [True] True False"),
+                                              ("program, bad input", "probe 2 [False] True False")])
+def test_the_collector_is_off_while_the_libraries_load_and_on_once_the_source_is_open(sources, tmp_path, caller,
+                                                                                         expected):
     """The program turns the garbage collector off while torch and DeepSpeed are imported (collections that find
-    nothing) and back on, with what was imported frozen, once the source is open; a caller in Python keeps its
-    collector as it was."""
+    nothing) and back on, with what was imported frozen, once the source is open (on, unfrozen, when the command
+    ends before that); a caller in Python keeps its collector as it was."""
     import subprocess
     import sys
-    proc = subprocess.run([sys.executable, "-c", _COLLECTOR_PROBE, str(sources / "hf"), caller], capture_output=True,
+    path = tmp_path / "missing" if caller.endswith("bad input") else sources / "hf"
+    proc = subprocess.run([sys.executable, "-c", _COLLECTOR_PROBE, str(path), caller], capture_output=True,
                           text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == expected
