@@ -56,14 +56,15 @@ def _open(path: str, tag: str | None = None, config: str | None = None, family: 
 _COLLECTOR_HELD = False
 
 
-def _collect_garbage_again() -> None:
-    """Turn the garbage collector back on where :func:`main` turned it off while the libraries were imported,
-    with what is alive now (modules, classes, functions: nothing that dies) frozen, so no collection walks it
-    again."""
+def _collect_garbage_again(freeze: bool = True) -> None:
+    """Turn the garbage collector back on where :func:`main` turned it off while the libraries were imported.
+    ``freeze``: with what is alive now (modules, classes, functions: nothing that dies) frozen first, so no
+    collection walks it again."""
     global _COLLECTOR_HELD
     if _COLLECTOR_HELD:
         _COLLECTOR_HELD = False
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         gc.enable()
 
 
@@ -604,9 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
     finally:
-        if _COLLECTOR_HELD:
-            _COLLECTOR_HELD = False
-            gc.enable()
+        _collect_garbage_again(freeze=False)  # a command that ended before its source was open
 
 
 def _run(argv: Sequence[str] | None) -> int:
