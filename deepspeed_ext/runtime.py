@@ -971,6 +971,7 @@ def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | N
     from deepspeed_ext.checkpoint.expert_names import has_autoep_names, model_named_fingerprints
     from deepspeed_ext.checkpoint.fingerprint import compare, mismatch_message
     from deepspeed_ext.checkpoint.metadata import read_uc_info
+    from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS
     from deepspeed_ext.errors import CheckpointError
     if load_path is None:
         return None
@@ -990,7 +991,7 @@ def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | N
             logger.info("optimizer states not loaded from %s; resume fingerprints not checked", directory)
         return None
     started = time.perf_counter()
-    recorded_states = {state for states in recorded.tensors.values() for state in states}
+    recorded_states = {state for states in recorded.tensors.values() for state in states} - {MODULE_WEIGHTS}
     found, problems = engine_fingerprints(engine, with_moments=len(recorded_states) > 1)
     if has_autoep_names(found.tensors) and not has_autoep_names(recorded.tensors):
         found = model_named_fingerprints(found)  # an AutoEP engine resumed from the model's names (from-hf)

@@ -17,9 +17,12 @@ import torch.distributed as dist
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.fingerprint import ROW_ELEMENTS, Fingerprint, Fingerprints, partial_sums
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
-from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, ordered_states
+from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MODULE_WEIGHTS, ordered_states
 from deepspeed_ext.checkpoint.zipsave import Region
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerprints, list[str]]:
@@ -82,6 +85,10 @@ class SumsPlan:
         tp_size, tp_rank = engine_private.model_parallel_info(engine)
         # The master and every tensor state the optimizer keeps (Adam's moments, Muon's and SGD's momentum, ...).
         states = ordered_states(engine_private.live_tensor_states(engine)) if with_moments else (MASTER_WEIGHTS, )
+        # The module's bf16/fp16 weights too, where its model-states files hold them apart from the masters: a
+        # bf16 export may read them instead (half the bytes, no cast) and still check what it read.
+        if engine_private.module_weights_apart(engine):
+            states = (*states, MODULE_WEIGHTS)
         whole = engine_private.muon_whole_offsets(engine)
         params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
         stage0 = engine_private.stage0_slots(engine)
@@ -103,7 +110,10 @@ class SumsPlan:
             if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
                 continue
             for j, state in enumerate(states):
-                local = engine_private.owned_state(param, state, stage0, base, dp_rank, whole)
+                if state == MODULE_WEIGHTS:  # whole on every DP rank: DP rank 0 speaks for it
+                    local = param if dp_rank == 0 and param.dtype in _LOW_PRECISION else None
+                else:
+                    local = engine_private.owned_state(param, state, stage0, base, dp_rank, whole)
                 if local is not None and local.numel():
                     self.pending[i, j] = local.detach()
         self.sums = torch.zeros(len(params), len(states), 3, dtype=torch.float64)
@@ -238,7 +248,7 @@ def combine_local_sums(ranks: list[LocalSums]) -> tuple[Fingerprints, list[str]]
             if dtype in (torch.bfloat16, torch.float16):
                 found.roundings[name] = float(torch.finfo(dtype).eps)
             if ranks[0].with_moments:  # no optimizer steps a buffer: checkpoints carry its states as zeros
-                for state in states[1:]:
+                for state in (s for s in states[1:] if s != MODULE_WEIGHTS):
                     found.add(name, state, Fingerprint(int(row[0]), 0.0, 0.0))
     for position, key in ((0, "lowest step"), (2, "step"), (4, "global_steps")):
         high, low = spread[position].item(), -spread[position + 1].item()

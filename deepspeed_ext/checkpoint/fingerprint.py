@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS
 from deepspeed_ext.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -224,7 +225,9 @@ def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] |
     """``(checked, mismatches)``: every (tensor, state) both sides have (of ``states``, or all), and the steps.
 
     A tensor or state the live side lacks is a mismatch (it was recorded, so it should have been loaded);
-    one the record lacks is not checked (an older checkpoint, a parameter frozen when it was saved).
+    one the record lacks is not checked (an older checkpoint, a parameter frozen when it was saved). The module's
+    own weights (``MODULE_WEIGHTS``) are the exception: a copy of the masters that not every side holds apart
+    (a ZeRO-3 engine, a universal checkpoint, a writer that read the masters), checked only where both have it.
     """
     wanted = set(states) if states is not None else None
     checked, mismatches = 0, []
@@ -233,6 +236,8 @@ def compare(recorded: Fingerprints, found: Fingerprints, states: Iterable[str] |
             if wanted is not None and state not in wanted:
                 continue
             live = found.get(name, state)
+            if live is None and state == MODULE_WEIGHTS:
+                continue
             checked += 1
             if live is None:
                 mismatches.append(Mismatch(name, state, saved.describe(), "nothing"))

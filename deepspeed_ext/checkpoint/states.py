@@ -20,6 +20,11 @@ STEP = "step"
 #: DeepSpeed's Muon: the momentum of the matrices it steps, and the param-group flag that marks them.
 MUON_MOMENTUM = "momentum_buffer"
 USE_MUON = "use_muon"
+#: Not an optimizer state: the trained module's own lower-precision copy of the weights (bf16 or fp16), which
+#: DeepSpeed's ZeRO-0/1/2 model-states files hold beside the fp32 masters and refreshes from them after every
+#: step. Fingerprinted at save so that a reader may take a bf16 export from it (half the bytes of the masters,
+#: no cast) with the same end-to-end check; no converter writes it as a state of its own.
+MODULE_WEIGHTS = "module"
 
 
 def is_scalar_state(value: Any) -> bool:

@@ -21,6 +21,7 @@ from deepspeed_ext.checkpoint.fingerprint import (SOURCE_WRONG, Fingerprint, Fin
                                                   partial_sums)
 from deepspeed_ext.checkpoint.states import ADAM_STATES as ADAM_STATES
 from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS as MASTER_WEIGHTS
+from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS as MODULE_WEIGHTS
 from deepspeed_ext.checkpoint.states import STEP as STEP
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -53,10 +54,17 @@ class LogicalTensor:
     range_loader: Callable[[str, int, int], torch.Tensor] | None = None
     #: Which of ``states`` are scalars (the optimizer step; carried per param group, never streamed in blocks).
     scalars: tuple[str, ...] = (STEP, )
+    #: Whether the source also holds the module's own copy of the weights in ``dtype`` (``MODULE_WEIGHTS``, read
+    #: like a state): a DeepSpeed ZeRO-0/1/2 checkpoint trained in bf16 or fp16. Not one of ``states``: no
+    #: converter carries it, a writer may read it in place of the masters.
+    module_weights: bool = False
+
+    def _check_readable(self, state: str) -> None:
+        if state not in self.states and not (state == MODULE_WEIGHTS and self.module_weights):
+            raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
 
     def load(self, state: str = MASTER_WEIGHTS) -> torch.Tensor | int:
-        if state not in self.states:
-            raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
+        self._check_readable(state)
         value = self.loader(state)
         if _FIRST_READ_PROBE:
             _first_read()
@@ -74,8 +82,7 @@ class LogicalTensor:
         blocks of about ``block_elements``, cut at whole rows (the slice of every dimension after the first)
         where they can be; one block where the source cannot read ranges (it loads the whole tensor). A block
         may be a view into a memory-mapped file: consume it before asking for the next."""
-        if state not in self.states:
-            raise KeyError(f"{self.name}: no state {state!r} (have {', '.join(self.states)})")
+        self._check_readable(state)
         numel = math.prod(self.shape)
         high = numel if high is None else high
         if self.range_loader is None:

@@ -5,6 +5,7 @@ tests/e2e/test_maxtext_continue_e2e.py; the rest in tests/unit/test_maxtext.py."
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,6 +53,60 @@ def test_deepspeed_checkpoint_to_maxtext_directly_and_via_universal(scenarios, t
     with torch.no_grad():
         reference = model(input_ids=torch.tensor([tokens])).logits[0]
     assert max_kl(reference, logits) <= 1e-5
+
+
+def test_a_bf16_export_reads_the_module_weights_to_the_bits_of_the_masters_cast_and_checks_them(scenarios, tmp_path,
+                                                                                                 monkeypatch):
+    """A bf16 to-maxtext of a TP=2 ZeRO-1 bf16 save reads the module's own bf16 weights, whose fingerprints the save
+    recorded, in place of the fp32 masters, and stores the very arrays the masters' cast gives. A module weight that
+    no longer fits its record is refused in one line naming it, nothing written; the masters still convert."""
+    import shutil
+
+    from deepspeed_ext.checkpoint import commit
+    from deepspeed_ext.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
+    from deepspeed_ext.checkpoint.formats import open_checkpoint
+    from deepspeed_ext.checkpoint.maxtext.writer import MaxTextOptions, write
+    from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS
+    from deepspeed_ext.demo.models import build_model
+    from harness.runner import cli
+    from harness.scenario import without_commit_marker
+
+    tp2 = scenarios("tp2_zero1_bf16", tp=2)
+    source = open_checkpoint(tp2.save_dir)
+    recorded = source.info.fingerprints
+    assert recorded is not None and all(recorded.get(name, MODULE_WEIGHTS) is not None for name in source.info.layouts)
+    module_reads = []
+    real_module_range = DeepSpeedCheckpoint._module_range
+    monkeypatch.setattr(DeepSpeedCheckpoint, "_module_range",
+                        lambda self, *args: module_reads.append(args) or real_module_range(self, *args))
+    items = {}
+    for module in (True, False):
+        items[module] = write(open_checkpoint(tp2.save_dir), tmp_path / f"module_{module}",
+                              MaxTextOptions(progress=False, module_weights=module))
+        assert bool(module_reads) == module
+        module_reads.clear()
+
+    model = build_model("llama")
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    leaves = plan_leaves(get_family("llama"), ModelDims.from_config(config), shapes, True)
+    flat = {module: ocp.tree.to_flat_dict(restore_on_mesh(path, leaves), sep="/") for module, path in items.items()}
+    assert flat[True].keys() == flat[False].keys()
+    for key, array in flat[True].items():
+        assert np.array_equal(np.asarray(array), np.asarray(flat[False][key])), key
+
+    tag = without_commit_marker(Path(shutil.copytree(tp2.tag_dir, tmp_path / "edited" / tp2.tag_dir.name)))
+    info_file = tag / commit.UC_INFO_FILE
+    info = json.loads(info_file.read_text())
+    name = "model.layers.1.self_attn.k_proj.weight"
+    info["fingerprints"]["tensors"][name][MODULE_WEIGHTS][1] += 1.0
+    info_file.write_text(json.dumps(info))
+    proc = cli(["to-maxtext", str(tag), "-o", str(tmp_path / "refused"), "--quiet"], tmp_path / "refused.log",
+               check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"'{name}' module: recorded" in lines[0] and not (tmp_path / "refused").exists(), lines[0]
+    write(open_checkpoint(tag), tmp_path / "masters", MaxTextOptions(progress=False, module_weights=False))
 
 
 def test_reshard_orbax_rechunks_array_by_array_and_keeps_everything_else(tmp_path):

@@ -142,3 +142,27 @@ def test_tiny_and_heavy_tailed_values_sum_to_the_float64_reference_in_any_split(
     parts = [fingerprint.partial_sums(piece) for piece in torch.split(x, 1000)]
     blocks = Fingerprint(sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts))
     assert blocks.agrees(whole), (blocks, whole)
+
+
+def test_the_module_weights_are_checked_only_where_both_sides_hold_them():
+    """A save records the module's bf16 weights beside the masters; a side that holds no separate copy (a ZeRO-3
+    engine, a universal checkpoint, a writer that read the masters) is not short of a state, one that holds a
+    different copy is caught, and a missing master is still a mismatch."""
+    from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MODULE_WEIGHTS
+
+    master, module = Fingerprint(4, 1.0, 2.0), Fingerprint(4, 1.0, 2.001)
+    recorded = Fingerprints()
+    recorded.add("w", MASTER_WEIGHTS, master)
+    recorded.add("w", MODULE_WEIGHTS, module)
+    masters_only = Fingerprints()
+    masters_only.add("w", MASTER_WEIGHTS, master)
+    assert compare(recorded, masters_only) == (1, [])
+    both = Fingerprints()
+    both.add("w", MASTER_WEIGHTS, master)
+    both.add("w", MODULE_WEIGHTS, Fingerprint(4, 1.0, 2.5))
+    checked, mismatches = compare(recorded, both)
+    assert checked == 2 and [(m.name, m.state) for m in mismatches] == [("w", MODULE_WEIGHTS)]
+    module_only = Fingerprints()
+    module_only.add("w", MODULE_WEIGHTS, module)
+    checked, mismatches = compare(recorded, module_only)
+    assert checked == 2 and [(m.state, m.found) for m in mismatches] == [(MASTER_WEIGHTS, "nothing")]

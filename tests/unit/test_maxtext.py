@@ -539,3 +539,55 @@ def test_source_rows_are_read_in_one_range_per_block():
         assert rows.dtype == torch.float32 and torch.equal(rows, full[name][first:last].float().reshape(-1))
     reads.clear()
     assert load_rows("empty", "fp32", 0, 4).numel() == 0 and not reads
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_leaves_from_the_module_weights_are_the_masters_cast_bit_for_bit(tmp_path, family):
+    """Written from module weights (the masters rounded to bf16, as DeepSpeed keeps them) in place of the masters,
+    every bf16 leaf holds the same bits: moved (kernels), scaled by a power of two (llama's query by 1/4, gemma3's
+    embedding by 8), or made from the masters (gemma3's 1 + w norms). A query block with weights that scale below
+    the smallest normal, where rounding twice could differ, comes from the masters, which must round to the module's
+    weights: a block where they do not is refused."""
+    import math
+
+    from deepspeed_ext.checkpoint.maxtext.writer import ModuleWeights
+    from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS
+    from deepspeed_ext.errors import CheckpointError
+
+    model = hf_model(family)
+    params = {name: p.detach().float().numpy().copy() for name, p in model.named_parameters()}
+    query = next(name for name in params if name.endswith("self_attn.q_proj.weight"))
+    params[query][0, :4] = [2.0e-38, -3.1e-38, 4.7e-37, 1.3e-38]  # normal in fp32, subnormal once scaled by 1/4
+    module = {name: torch.from_numpy(array).to(torch.bfloat16) for name, array in params.items()}
+    shapes = {name: array.shape for name, array in params.items()}
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    dims = ModelDims.from_config(config)
+    master_reads = []
+
+    def load_rows(name, state, first, last):
+        row = math.prod(shapes[name][1:])
+        values = module[name] if state == MODULE_WEIGHTS else torch.from_numpy(params[name])
+        return values.reshape(-1)[first * row:last * row]
+
+    def master_rows(name, first, last):
+        master_reads.append(name)
+        return load_rows(name, "fp32", first, last)
+
+    def write(label, module_weights):
+        return write_maxtext(lambda name, state="fp32": params[name], shapes, get_family(family), dims, tmp_path / label,
+                             progress=False, model_config=config, load_rows=load_rows, block_bytes=4096,
+                             module_weights=module_weights)
+
+    written = {label: write(label, weights) for label, weights in
+               (("masters", None), ("module", ModuleWeights(frozenset(params), master_rows)))}
+    assert master_reads == ([query] if family == "llama" else [])
+    leaves = plan_leaves(get_family(family), dims, shapes, True)
+    a, b = (ocp.tree.to_flat_dict(restore_on_mesh(written[label], leaves), sep="/") for label in written)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(np.asarray(a[name]), np.asarray(b[name])), name
+
+    if family == "llama":
+        module[query].view(torch.int16)[0, 5] ^= 1  # a module weight that is not its master rounded
+        with pytest.raises(CheckpointError, match="the module's bf16 weights are not its fp32 masters rounded"):
+            write("refused", ModuleWeights(frozenset(params), master_rows))

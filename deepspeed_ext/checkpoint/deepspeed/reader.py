@@ -27,8 +27,8 @@ from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.manifest import FilesChecked
 from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
-from deepspeed_ext.checkpoint.states import (is_scalar_state, optimizer_settings, optimizer_state_keys,
-                                             optimizer_states_summary, ordered_states)
+from deepspeed_ext.checkpoint.states import (MODULE_WEIGHTS, is_scalar_state, optimizer_settings,
+                                             optimizer_state_keys, optimizer_states_summary, ordered_states)
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError
 from deepspeed_ext.module_inject.upstream import name_patterns, unsharded_weights
@@ -317,7 +317,8 @@ class DeepSpeedCheckpoint:
                                 scalars=tuple(self._scalars),
                                 loader=loader,
                                 dtype=weights.dtype if torch.is_tensor(weights) else torch.float32,
-                                range_loader=range_loader)
+                                range_loader=range_loader,
+                                module_weights=name in self._module_shards)
 
     #: The check of every file's checksums, started by the first :meth:`tensors` (a conversion reads it all).
     _content_check: ContentCheck | None = None
@@ -479,6 +480,33 @@ class DeepSpeedCheckpoint:
 
     # ------------------------------------------------------------------ reading tensors
     @cached_property
+    def _module_shards(self) -> dict[str, list[torch.Tensor]]:
+        """Per parameter, each TP rank's slice of the module's own bf16/fp16 weights (``MODULE_WEIGHTS``), flat and
+        memory-mapped, where the model-states files hold them whole: ZeRO-0/1/2 without pipeline stages or AutoEP
+        experts, every TP rank's slice of the layout's shape, all in one lower precision."""
+        if self.files.partitioned_weights or self.pp_degree != 1 or self.experts is not None:
+            return {}
+        modules = [self.rank_model_states(tp).get(keys.MODULE) or {} for tp in range(self.tp_degree)]
+        found = {}
+        for name, layout in self.layouts.items():
+            if name in self.buffers or layout.tp_size > len(modules):
+                continue
+            shards = [modules[tp].get(name) for tp in range(layout.tp_size)]
+            tensors = [shard for shard in shards if torch.is_tensor(shard)]
+            if len(tensors) == len(shards) and all(
+                    shard.dtype == tensors[0].dtype and shard.dtype in (torch.bfloat16, torch.float16)
+                    and tuple(shard.shape) == tuple(layout.local_shape(tp)) for tp, shard in enumerate(tensors)):
+                found[name] = [shard.reshape(-1) for shard in tensors]
+        return found
+
+    def _module_range(self, name: str, tp: int, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of TP rank ``tp``'s flattened slice of the module's weights of ``name``: a view
+        into the memory-mapped model-states file, whose pages are released once it is consumed."""
+        piece = self._module_shards[name][tp][low:high]
+        self._in_flight.append((self.files.model_files[tp], piece))
+        return piece
+
+    @cached_property
     def _fragments(self) -> dict[tuple[str, int], list[Fragment]]:
         """``(name, tp) -> fragments`` in DP order."""
         found: dict[tuple[str, int], list[Fragment]] = {}
@@ -583,7 +611,8 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.tag_dir}: parameter {name!r}: {exc}") from exc
 
     def full_tensor(self, name: str, state: str = MASTER_WEIGHTS) -> torch.Tensor:
-        """The full fp32 tensor of ``name`` (master weights or an Adam moment), merged over TP ranks.
+        """The full fp32 tensor of ``name`` (master weights or an Adam moment), or the module's own weights
+        (``MODULE_WEIGHTS``, in their bf16/fp16), merged over TP ranks.
 
         May be a view into the memory-mapped optimizer file; sinks copy what they keep.
         """
@@ -593,7 +622,8 @@ class DeepSpeedCheckpoint:
             return buffer if state == MASTER_WEIGHTS else torch.zeros_like(buffer)
         layout = self.layouts[name]
         # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
-        shards = [self.local_tensor(name, tp, state) for tp in range(layout.tp_size)]
+        shards = ([self._module_shards[name][tp].view(layout.local_shape(tp)) for tp in range(layout.tp_size)]
+                  if state == MODULE_WEIGHTS else [self.local_tensor(name, tp, state) for tp in range(layout.tp_size)])
         try:
             full = layout.merge(shards)
         except Exception as exc:
@@ -610,6 +640,8 @@ class DeepSpeedCheckpoint:
         layout = self.layouts[name]
 
         def read(tp: int, start: int, stop: int) -> torch.Tensor:
+            if state == MODULE_WEIGHTS:
+                return self._module_range(name, tp, start, stop)
             return self._flat_range(name, tp, state, start, stop)
 
         if layout.is_replicated:

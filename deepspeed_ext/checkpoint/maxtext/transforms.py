@@ -93,6 +93,9 @@ class Transform:
     interleaved: bool = False
     moments: str | None = None  # None: a moment takes ``forward`` itself
     moment_factor: Callable[[ModelDims, Family, str], np.float32] | None = None
+    #: Where ``forward`` is ``moments``'s rearrangement times a factor and nothing more, that factor (None: it
+    #: also shifts, as gemma3's norms do, or only rearranges).
+    scale: Callable[[ModelDims, Family], np.float32] | None = None
     #: Streaming: the axis of the leaf (one layer's) that the HF tensor's rows (axis 0) become, so a block of
     #: HF rows is a slab of the leaf along it (None: the leaf is produced whole). ``row_unit``: HF rows per step
     #: along that axis (a head's rows for per-head reshapes). ``heads_in_rows``: ``forward`` takes the head
@@ -179,6 +182,26 @@ def _embed_scale(dims: ModelDims) -> np.float32:
 STATES = (MASTER_WEIGHTS, *ADAM_STATES)
 
 
+def _query_factor(dims: ModelDims, family: Family) -> np.float32:
+    return _query_scale(dims.head_dim) if family.query_scaled else np.float32(1.0)
+
+
+def exact_bf16_scale(kind: str, dims: ModelDims, family: Family) -> float | None:
+    """The factor a leaf of this kind scales the weight by (1.0 where it only moves elements) where that factor is a
+    power of two, else None. Scaling by a power of two commutes with rounding while the values stay normal, so
+    such a leaf computed from the bf16 rounding of the weights holds the very bits it holds computed from the
+    fp32 weights and rounded last: the caller makes sure that no nonzero weight scales below bf16's (float32's)
+    smallest normal, 2**-126. Another factor (gemma3's sqrt(hidden) of 2560, a head dim of 128), or a shift,
+    rounds twice."""
+    transform = TRANSFORMS[kind]
+    if transform.rearranges:
+        return 1.0
+    if transform.scale is None:
+        return None
+    factor = float(transform.scale(dims, family))
+    return factor if factor > 0 and math.frexp(factor)[0] == 0.5 else None
+
+
 def _moment_factor(dims: ModelDims, family: Family, state: str) -> np.float32:
     """How a query-kernel Adam moment scales between HF and MaxText.
 
@@ -234,13 +257,13 @@ TRANSFORMS: dict[str, Transform] = {
     "linear": Transform(lambda x, d, f: x.T, lambda s, d: (s[1], s[0]), lambda x, d, f: x.T, lambda s: (s[1], s[0]),
                         row_axis=1),
     "query": Transform(_query, _per_head_shape, _query_inverse, lambda s: (s[1] * s[2], s[0]), moments="key",
-                       moment_factor=_moment_factor, row_axis=1, row_unit=_head_rows),
+                       moment_factor=_moment_factor, scale=_query_factor, row_axis=1, row_unit=_head_rows),
     "key": Transform(_key, _per_head_shape, _key_inverse, lambda s: (s[1] * s[2], s[0]), row_axis=1,
                      row_unit=_head_rows),
     "value": Transform(_value, _per_head_shape, _value_inverse, lambda s: (s[1] * s[2], s[0]), row_axis=1,
                        row_unit=_head_rows),
     "query_bias": dataclasses.replace(_as_bias(_query, _query_inverse), moments="key_bias",
-                                      moment_factor=_moment_factor),
+                                      moment_factor=_moment_factor, scale=_query_factor),
     "key_bias": _as_bias(_key, _key_inverse),
     "value_bias": _as_bias(_value, _value_inverse),
     "out": Transform(lambda x, d, f: x.T.reshape(-1, d.head_dim, x.shape[0]),
@@ -262,7 +285,7 @@ TRANSFORMS: dict[str, Transform] = {
                                lambda x, d, f: x - np.float32(1.0), lambda s: s, moments="copy", row_axis=0),
     "embed_scaled": Transform(lambda x, d, f: x * _embed_scale(d), lambda s, d: s,
                               lambda x, d, f: x / _embed_scale(d), lambda s: s, moments="copy",
-                              moment_factor=_embed_moment_factor, row_axis=0),
+                              moment_factor=_embed_moment_factor, scale=lambda d, f: _embed_scale(d), row_axis=0),
     # transformers' fused experts [E, 2I, H] (gate rows, then up rows) and [E, H, I] -> MaxText's [E, in, out].
     "expert_gate": Transform(lambda x, d, f: _expert_half(x, False), lambda s, d: (s[0], s[2], s[1] // 2),
                              lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), join_axis=1,

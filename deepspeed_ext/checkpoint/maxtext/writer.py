@@ -30,10 +30,10 @@ from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, import_orbax, sa
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf, plan_leaves
 from deepspeed_ext.checkpoint.maxtext.sharding import parse_mesh, shard_shape, storage_chunk
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
-                                                         from_maxtext, row_blocks, to_maxtext)
-from deepspeed_ext.checkpoint.source import (CheckpointSource, WriteOptions, finite_check, protected_paths,
-                                             required_model_config)
-from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, MUON_MOMENTUM, STEP
+                                                         exact_bf16_scale, from_maxtext, row_blocks, to_maxtext)
+from deepspeed_ext.checkpoint.source import (CheckpointSource, SourceInfo, WriteOptions, finite_check,
+                                             protected_paths, required_model_config)
+from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, MODULE_WEIGHTS, MUON_MOMENTUM, STEP
 from deepspeed_ext.errors import CheckpointError
 
 if TYPE_CHECKING:  # torch only where tensors are handed over
@@ -57,7 +57,9 @@ class MaxTextOptions(WriteOptions):
     decoder layers as MaxText's ``scan_layers=true`` expects; ``dtype`` of the weights; ``mesh``: the target
     mesh the storage chunks are cut for (``{"fsdp": 16}`` or ``"fsdp=16"``); ``with_optimizer``: also write
     the Adam moments as optax adamw's state; ``compression``: ``zstd`` (Orbax's default, as MaxText writes) or
-    ``none`` (each chunk's bytes as they are: larger, written and read without (de)compressing)."""
+    ``none`` (each chunk's bytes as they are: larger, written and read without (de)compressing);
+    ``module_weights``: for bf16 weights, read a DeepSpeed checkpoint's own bf16 module weights where it recorded
+    their fingerprints (the same bits as the masters' cast, from half the bytes); False reads the fp32 masters."""
 
     family: str | None = None
     scan_layers: bool = True
@@ -65,6 +67,7 @@ class MaxTextOptions(WriteOptions):
     mesh: Mapping[str, int] | str | None = None
     with_optimizer: bool = False
     compression: str = "zstd"
+    module_weights: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,22 @@ class WriterOptions:
     block_bytes: int | None = None
     before_publish: Callable[[], None] | None = None
     compression: str = "zstd"
+    #: What a bf16 leaf may read in place of the fp32 masters (:class:`ModuleWeights`; None: the masters).
+    module_weights: ModuleWeights | None = None
+
+
+@dataclass(frozen=True)
+class ModuleWeights:
+    """The HF tensors whose module weights ``load_rows`` returns in bf16 (state ``MODULE_WEIGHTS``, checked against
+    the fingerprints the source recorded of them). DeepSpeed rounds its fp32 masters to them after every step, so a
+    bf16 leaf whose transform moves them or scales them by a power of two (:func:`~.transforms.exact_bf16_scale`)
+    is the very bits it would be from the masters, read from half the bytes with no cast. ``master_rows``:
+    ``load_rows`` of the masters unchecked, for the rare block whose weights a factor below 1 would take under
+    the smallest normal (there the two roundings may differ): the block is made from the masters, which must
+    round to the checked module weights."""
+
+    names: frozenset[str]
+    master_rows: Callable[[str, int, int], Any]
 
 
 def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = MaxTextOptions()) -> Path:
@@ -132,6 +151,8 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     import_orbax()  # before the config check's thread imports transformers (see import_orbax)
     fit = ConfigFit(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)
     load, load_rows = _source_loaders(tensors)
+    module_weights = _module_weights(tensors, info, load_rows) \
+        if options.dtype == "bfloat16" and options.module_weights else None
     with fit.first():  # a config that does not fit is named before what follows from it
         optimizer_step = _optimizer_step(tensors, label) if options.with_optimizer else None
         mesh = parse_mesh(options.mesh) if isinstance(options.mesh, str) else options.mesh
@@ -144,7 +165,21 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                                            finite=finite_check(source, options), recorded=record_check(info),
                                            fit=fit, protect=protected_paths(source, options), load_rows=load_rows,
                                            before_publish=source.raise_if_damaged,
-                                           compression=options.compression))
+                                           compression=options.compression, module_weights=module_weights))
+
+
+def _module_weights(tensors: Mapping[str, LogicalTensor], info: SourceInfo, load_rows: LoadRows
+                    ) -> ModuleWeights | None:
+    """The tensors whose bf16 module weights the source holds with a recorded fingerprint (a save by
+    deepspeed-ext): a bf16 export may read them instead of the masters and still check what it read."""
+    import torch
+    recorded = info.fingerprints
+    if recorded is None:
+        return None
+    names = frozenset(name for name, tensor in tensors.items() if tensor.module_weights
+                      and tensor.dtype == torch.bfloat16 and recorded.get(name, MODULE_WEIGHTS) is not None)
+    return ModuleWeights(names, lambda name, first, last: load_rows(name, MASTER_WEIGHTS, first, last)) \
+        if names else None
 
 
 def _refuse_other_optimizers(tensors: Mapping[str, LogicalTensor], label: str) -> None:
@@ -207,9 +242,10 @@ def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRow
         # which only drops them from memory.
         # (Blocks are cut on multiples of their size: one as large as the range's end is the whole range.)
         if first * row == last * row:  # no elements (a dimension of size 0): no block to read
-            return torch.empty(0, dtype=torch.float32)
+            return torch.empty(0, dtype=tensor.dtype if state == MODULE_WEIGHTS else torch.float32)
         (rows,) = tensor.blocks(state, first * row, last * row, block_elements=last * row)
-        return rows.detach().reshape(-1).float()
+        rows = rows.detach().reshape(-1)
+        return rows if state == MODULE_WEIGHTS else rows.float()  # the module's weights stay in their bf16
 
     return load, load_rows
 
@@ -330,6 +366,7 @@ class _LeafArrays:
         self.family, self.dims, self.mesh, self.bar = family, dims, options.mesh, bar
         self.block_bytes = BLOCK_BYTES if options.block_bytes is None else options.block_bytes
         self.np_dtype = np_dtype
+        self.module_weights, self.source = options.module_weights, options.source
         # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
         # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
         # fingerprint per part (a fused tensor's halves sit in two leaves), added up once every array is written.
@@ -400,30 +437,75 @@ class _LeafArrays:
             chunk[plan.axis] = plan.chunk
         return plan, (tuple(chunk[:1] + [1] + chunk[1:]) if leaf.stacked else tuple(chunk))
 
+    def _module_scale(self, rule: Rule, name: str) -> float | None:
+        """The factor ``name``'s bf16 leaf of ``rule`` takes from the module's weights with the masters' very bits
+        (:func:`exact_bf16_scale`), or None where it is read from the masters."""
+        if self.module_weights is None or name not in self.module_weights.names:
+            return None
+        return exact_bf16_scale(rule.kind, self.dims, self.family)
+
+    def _module_rows(self, name: str, scale: float, low: int, high: int, hf_shape: tuple[int, ...]) -> np.ndarray:
+        """Rows ``[low, high)`` of ``name`` from the module's bf16 weights (checked as they are read), as bf16 where
+        ``scale`` is 1 and as fp32 where it is another power of two (the product is then exact, and exact again once
+        rounded to bf16), except in a block where some weight would scale below the smallest normal: that block is
+        made from the fp32 masters, which must round to the module's weights."""
+        import ml_dtypes
+        import torch
+        assert self.module_weights is not None
+        rows = self.load_rows(name, MODULE_WEIGHTS, low, high)
+        shape = (high - low, *hf_shape[1:])
+        array: np.ndarray = rows.view(torch.int16).numpy().view(ml_dtypes.bfloat16).reshape(shape)
+        if scale == 1.0:
+            return array
+        if scale > 1.0 or not _below(rows, 2.0 ** -126 / scale):
+            widened: np.ndarray = array.astype(np.float32)
+            return widened
+        masters = self.module_weights.master_rows(name, low, high)
+        if not torch.equal(masters.to(torch.bfloat16).view(torch.int16), rows.view(torch.int16)):
+            raise CheckpointError(f"{self.source}: {name!r}: the module's bf16 weights are not its fp32 masters rounded "
+                                  f"(rows {low}-{high}); convert from the masters (module_weights=False)")
+        stored: np.ndarray = masters.numpy().reshape(shape)
+        return stored
+
     def stored_block(self, rule: Rule, name: str, state: str, leaf_dtype: np.dtype, plan: RowBlocks, first: int,
                      last: int) -> np.ndarray:
         """Units ``[first, last)`` of HF tensor ``name`` in the leaf's layout and dtype (all of it where the plan
         streams nothing); its read-back fingerprint is recorded as it goes."""
         hf_shape = tuple(self.hf_shapes[name])
         dims = self.dims
+        transform = TRANSFORMS[rule.kind]
         if plan.axis is None:
-            array = np.asarray(self.load(name, state), dtype=np.float32)
-            block_dims, low = dims, 0
+            low, high, block_dims = 0, (hf_shape[0] if hf_shape else 0), dims
         else:
             low, high = first * plan.unit, last * plan.unit
+            # A per-head reshape that takes the head count from dims sees only this block's heads.
+            block_dims = dataclasses.replace(dims, num_heads=last - first) if transform.heads_in_rows else dims
+        module_scale = self._module_scale(rule, name) if state == MASTER_WEIGHTS and leaf_dtype.name == "bfloat16" \
+            and hf_shape else None
+        if module_scale is not None:  # the bits the masters' cast gives, read from half the bytes, no cast
+            array = self._module_rows(name, module_scale, low, high, hf_shape)
+        elif plan.axis is None:
+            array = np.asarray(self.load(name, state), dtype=np.float32)
+        else:
             rows = self.load_rows(name, state, low, high)
             rows = rows.detach().numpy() if hasattr(rows, "detach") else rows  # a torch tensor
             array = np.asarray(rows, dtype=np.float32).reshape(high - low, *hf_shape[1:])
-            # A per-head reshape that takes the head count from dims sees only this block's heads.
-            block_dims = dataclasses.replace(dims, num_heads=last - first) \
-                if TRANSFORMS[rule.kind].heads_in_rows else dims
         stored = _contiguous_as(to_maxtext(rule.kind, array, block_dims, self.family, state), leaf_dtype)
         del array
         # Sums do not see order: where the transform only moves elements, the stored block itself is what a read
         # returns (its dtype widened as it is summed); otherwise the read is undone in fp32, as from-maxtext does.
-        self.read_back.add(name, state, rule, low, stored if TRANSFORMS[rule.kind].rearranges else
+        self.read_back.add(name, state, rule, low, stored if transform.rearranges else
                            from_maxtext(rule.kind, stored.astype(np.float32), block_dims, self.family, state))
         return stored
+
+
+def _below(values: Any, limit: float) -> bool:
+    """Whether any nonzero element of the bf16 torch tensor ``values`` is smaller in magnitude than ``limit`` (a
+    power of two at or above bf16's smallest normal), from the bits: one pass, no cast."""
+    import torch
+    magnitudes = values.view(torch.int16) & 0x7FFF  # bf16 is sign and magnitude: the magnitude's bits order it
+    limit_bits = (math.frexp(limit)[1] - 1 + 127) << 7  # 2**e has exponent field e + 127, mantissa 0
+    return bool(((magnitudes > 0) & (magnitudes < limit_bits)).any())
 
 
 def _contiguous_as(view: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -435,6 +517,12 @@ def _contiguous_as(view: np.ndarray, dtype: np.dtype) -> np.ndarray:
     import torch
 
     bf16 = dtype.name == "bfloat16"
+    if bf16 and view.dtype == dtype and view.size and all(stride > 0 and stride % view.itemsize == 0
+                                                          for stride in view.strides):
+        # Already bf16 (the module's weights): one transposing copy of 2-byte elements, into memory of its own
+        # (the view may be of the source's mapped file).
+        copied = torch.from_numpy(view.view(np.int16)).clone(memory_format=torch.contiguous_format)
+        return copied.numpy().view(dtype)
     if (view.dtype != np.float32 or not (bf16 or dtype == np.float32) or view.size == 0 or not view.flags.writeable
             or any(stride < 0 or stride % view.itemsize for stride in view.strides)):
         return np.ascontiguousarray(view, dtype=dtype)  # what torch.from_numpy cannot take (or warns about)
