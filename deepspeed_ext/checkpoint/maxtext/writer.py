@@ -462,8 +462,8 @@ class _LeafArrays:
             return widened
         masters = self.module_weights.master_rows(name, low, high)
         if not torch.equal(masters.to(torch.bfloat16).view(torch.int16), rows.view(torch.int16)):
-            raise CheckpointError(f"{self.source}: {name!r}: the module's bf16 weights are not its fp32 masters rounded "
-                                  f"(rows {low}-{high}); convert from the masters (module_weights=False)")
+            raise CheckpointError(f"{self.source}: {name!r}: the module's bf16 weights are not its fp32 masters "
+                                  f"rounded (rows {low}-{high}); convert from the masters (module_weights=False)")
         stored: np.ndarray = masters.numpy().reshape(shape)
         return stored
 
