@@ -575,8 +575,8 @@ def test_bf16_leaves_from_the_module_weights_are_the_masters_cast_bit_for_bit(tm
 
     def write(label, module_weights):
         return write_maxtext(lambda name, state="fp32": params[name], shapes, get_family(family), dims,
-                             tmp_path / label, progress=False, model_config=config, load_rows=load_rows, block_bytes=4096,
-                             module_weights=module_weights)
+                             tmp_path / label, progress=False, model_config=config, load_rows=load_rows,
+                             block_bytes=4096, module_weights=module_weights)
 
     written = {label: write(label, weights) for label, weights in
                (("masters", None), ("module", ModuleWeights(frozenset(params), master_rows)))}
