@@ -213,6 +213,11 @@ class RecordCheck(StreamCheck):
                 ranges[(low, high)] = partial_sums(value)
         return value
 
+    def range_sums(self, name: str, state: str, low: int, high: int) -> tuple[int, float, float] | None:
+        """The sums of elements ``[low, high)`` of ``state`` as they were read (None where they were not read in that
+        block): a writer that stores exactly those values takes them for its own record instead of summing again."""
+        return self._ranges.get((name, state), {}).get((low, high))
+
     def _found(self) -> Fingerprints:
         """The fingerprints of the states read: whole, or added up from their blocks."""
         found = Fingerprints({name: dict(states) for name, states in self.found.tensors.items()})

@@ -94,6 +94,16 @@ def test_a_bf16_export_reads_the_module_weights_to_the_bits_of_the_masters_cast_
     assert flat[True].keys() == flat[False].keys()
     for key, array in flat[True].items():
         assert np.array_equal(np.asarray(array), np.asarray(flat[False][key])), key
+    # Each records what a read returns (the module path from the sums its source check took): the same record,
+    # and from-maxtext, which checks it, reads the output.
+    from deepspeed_ext.checkpoint.fingerprint import Fingerprints
+    records = [Fingerprints.from_json(json.loads((tmp_path / f"module_{module}" / "0" / "_CHECKPOINT_METADATA")
+                                                 .read_text())["custom_metadata"]["deepspeed_ext"]["fingerprints"])
+               for module in (True, False)]
+    assert records[0].tensors.keys() == records[1].tensors.keys()
+    for name, states in records[0].tensors.items():
+        assert states["fp32"].agrees(records[1].get(name, "fp32")), name
+    cli(["from-maxtext", str(tmp_path / "module_True"), "-o", str(tmp_path / "back"), "--quiet"], tmp_path / "back.log")
 
     tag = without_commit_marker(Path(shutil.copytree(tp2.tag_dir, tmp_path / "edited" / tp2.tag_dir.name)))
     info_file = tag / commit.UC_INFO_FILE

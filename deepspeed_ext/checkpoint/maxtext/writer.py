@@ -366,7 +366,7 @@ class _LeafArrays:
         self.family, self.dims, self.mesh, self.bar = family, dims, options.mesh, bar
         self.block_bytes = BLOCK_BYTES if options.block_bytes is None else options.block_bytes
         self.np_dtype = np_dtype
-        self.module_weights, self.source = options.module_weights, options.source
+        self.module_weights, self.source, self.recorded = options.module_weights, options.source, options.recorded
         # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
         # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
         # fingerprint per part (a fused tensor's halves sit in two leaves), added up once every array is written.
@@ -444,28 +444,31 @@ class _LeafArrays:
             return None
         return exact_bf16_scale(rule.kind, self.dims, self.family)
 
-    def _module_rows(self, name: str, scale: float, low: int, high: int, hf_shape: tuple[int, ...]) -> np.ndarray:
+    def _module_rows(self, name: str, scale: float, low: int, high: int, hf_shape: tuple[int, ...]
+                     ) -> tuple[np.ndarray, Fingerprint | None]:
         """Rows ``[low, high)`` of ``name`` from the module's bf16 weights (checked as they are read), as bf16 where
         ``scale`` is 1 and as fp32 where it is another power of two (the product is then exact, and exact again once
         rounded to bf16), except in a block where some weight would scale below the smallest normal: that block is
-        made from the fp32 masters, which must round to the module's weights."""
+        made from the fp32 masters, which must round to the module's weights. With them, the fingerprint of the
+        rows as the source check summed them (what a read of the leaf returns, undone from its layout) or None."""
         import ml_dtypes
         import torch
         assert self.module_weights is not None
         rows = self.load_rows(name, MODULE_WEIGHTS, low, high)
+        row = math.prod(hf_shape[1:])
+        sums = self.recorded.range_sums(name, MODULE_WEIGHTS, low * row, high * row) if self.recorded else None
+        read = Fingerprint(*sums) if sums is not None else None
         shape = (high - low, *hf_shape[1:])
         array: np.ndarray = rows.view(torch.int16).numpy().view(ml_dtypes.bfloat16).reshape(shape)
         if scale == 1.0:
-            return array
+            return array, read
         if scale > 1.0 or not _below(rows, 2.0 ** -126 / scale):
-            widened: np.ndarray = array.astype(np.float32)
-            return widened
+            return array.astype(np.float32), read
         masters = self.module_weights.master_rows(name, low, high)
         if not torch.equal(masters.to(torch.bfloat16).view(torch.int16), rows.view(torch.int16)):
             raise CheckpointError(f"{self.source}: {name!r}: the module's bf16 weights are not its fp32 masters "
                                   f"rounded (rows {low}-{high}); convert from the masters (module_weights=False)")
-        stored: np.ndarray = masters.numpy().reshape(shape)
-        return stored
+        return masters.numpy().reshape(shape), None
 
     def stored_block(self, rule: Rule, name: str, state: str, leaf_dtype: np.dtype, plan: RowBlocks, first: int,
                      last: int) -> np.ndarray:
@@ -482,8 +485,9 @@ class _LeafArrays:
             block_dims = dataclasses.replace(dims, num_heads=last - first) if transform.heads_in_rows else dims
         module_scale = self._module_scale(rule, name) if state == MASTER_WEIGHTS and leaf_dtype.name == "bfloat16" \
             and hf_shape else None
+        read: Fingerprint | None = None
         if module_scale is not None:  # the bits the masters' cast gives, read from half the bytes, no cast
-            array = self._module_rows(name, module_scale, low, high, hf_shape)
+            array, read = self._module_rows(name, module_scale, low, high, hf_shape)
         elif plan.axis is None:
             array = np.asarray(self.load(name, state), dtype=np.float32)
         else:
@@ -491,6 +495,11 @@ class _LeafArrays:
             rows = rows.detach().numpy() if hasattr(rows, "detach") else rows  # a torch tensor
             array = np.asarray(rows, dtype=np.float32).reshape(high - low, *hf_shape[1:])
         stored = _contiguous_as(to_maxtext(rule.kind, array, block_dims, self.family, state), leaf_dtype)
+        if read is not None and stored.size == array.size:
+            # The leaf holds every one of the module weights read (scaled by a power of two, which a read undoes
+            # exactly): their sums, taken as they were checked, are the read-back's. Sums do not see order.
+            self.read_back.add_sums(name, state, rule, low, read)
+            return stored
         del array
         # Sums do not see order: where the transform only moves elements, the stored block itself is what a read
         # returns (its dtype widened as it is summed); otherwise the read is undone in fp32, as from-maxtext does.
@@ -559,7 +568,11 @@ class _ReadBackFingerprints:
         flat = np.ravel(read, order="K")
         values = torch.from_numpy(flat.view(np.int16)).view(torch.bfloat16) if flat.dtype.name == "bfloat16" \
             else torch.from_numpy(flat)
-        self._parts.setdefault((name, state), {})[(rule.collection, rule.path, first_row)] = Fingerprint.of(values)
+        self.add_sums(name, state, rule, first_row, Fingerprint.of(values))
+
+    def add_sums(self, name: str, state: str, rule: Rule, first_row: int, sums: Fingerprint) -> None:
+        """:meth:`add` of a part whose sums are known already."""
+        self._parts.setdefault((name, state), {})[(rule.collection, rule.path, first_row)] = sums
 
     def total(self, step: int | None, global_steps: int) -> Fingerprints:
         """The fingerprints of the whole tensors: a joined tensor's sums are its parts' sums added up."""
