@@ -45,9 +45,9 @@ from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_inf
 from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo,
                                              WriteOptions, check_against_record, finite_check, protected_paths,
                                              required_model_config)
-from deepspeed_ext.checkpoint.states import (ADAM_STATES, KNOWN_SCALARS, MASTER_WEIGHTS, MUON_MOMENTUM, STEP,
-                                             has_optimizer, optimizer_settings, optimizer_states_summary,
-                                             ordered_states)
+from deepspeed_ext.checkpoint.states import (ADAM_STATES, KNOWN_SCALARS, MASTER_WEIGHTS, MODULE_WEIGHTS,
+                                             MUON_MOMENTUM, STEP, has_optimizer, optimizer_settings,
+                                             optimizer_states_summary, ordered_states)
 from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -626,7 +626,8 @@ class UniversalCheckpoint:
         """The states ``name`` must have: those the checkpoint's record lists for it, and the states that come
         together (Adam's two moments: one without the other is a file lost)."""
         recorded = self.uc_info.fingerprints if self.uc_info is not None else None
-        expected = list(recorded.tensors[name]) if recorded is not None and name in recorded.tensors else []
+        expected = [state for state in recorded.tensors[name] if state != MODULE_WEIGHTS] \
+            if recorded is not None and name in recorded.tensors else []  # no file holds the module's own copy
         if any(state in states for state in ADAM_STATES):
             expected += ADAM_STATES
         return tuple(dict.fromkeys(expected))
