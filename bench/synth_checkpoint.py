@@ -397,11 +397,14 @@ def write_rank(plan: Plan, tag_dir: Path, rank: int, sums: dict[tuple[str, str],
             owned = rank == 0 or not param.layout.is_replicated
             for block in local_blocks(plan, param, state, rank):
                 position = optim.write(block, position)
-                if state == "fp32":  # the engine's bf16 weights are its fp32 masters rounded
-                    bf16_position = model.write(block.to(torch.bfloat16), bf16_position)
-                if owned:
-                    numel, total, total_sq = partial_sums(block)
-                    entry = sums.setdefault((param.name, state), [0, 0.0, 0.0])
+                summed = [(state, block)]
+                if state == "fp32":  # the engine's bf16 weights are its fp32 masters rounded (fingerprinted too)
+                    weights = block.to(torch.bfloat16)
+                    bf16_position = model.write(weights, bf16_position)
+                    summed.append(("module", weights))
+                for key, values in summed if owned else ():
+                    numel, total, total_sq = partial_sums(values)
+                    entry = sums.setdefault((param.name, key), [0, 0.0, 0.0])
                     entry[0] += numel
                     entry[1] += total
                     entry[2] += total_sq
