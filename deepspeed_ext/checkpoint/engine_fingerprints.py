@@ -22,9 +22,6 @@ from deepspeed_ext.checkpoint.zipsave import Region
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR
 
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
 def engine_fingerprints(engine: Any, with_moments: bool = True) -> tuple[Fingerprints, list[str]]:
     """The fingerprints of a live DeepSpeed engine's training state, and any problem found on the way.
 
@@ -111,7 +108,7 @@ class SumsPlan:
                 continue
             for j, state in enumerate(states):
                 if state == MODULE_WEIGHTS:  # whole on every DP rank: DP rank 0 speaks for it
-                    local = param if dp_rank == 0 and param.dtype in _LOW_PRECISION else None
+                    local = param if dp_rank == 0 and param.dtype in engine_private.LOW_PRECISION else None
                 else:
                     local = engine_private.owned_state(param, state, stage0, base, dp_rank, whole)
                 if local is not None and local.numel():
@@ -245,7 +242,7 @@ def combine_local_sums(ranks: list[LocalSums]) -> tuple[Fingerprints, list[str]]
     for (name, dtype), row in zip(buffers, buffer_sums.tolist(), strict=True):
         if row[0]:
             found.add(name, MASTER_WEIGHTS, Fingerprint(int(row[0]), *row[1:]))
-            if dtype in (torch.bfloat16, torch.float16):
+            if dtype in engine_private.LOW_PRECISION:
                 found.roundings[name] = float(torch.finfo(dtype).eps)
             if ranks[0].with_moments:  # no optimizer steps a buffer: checkpoints carry its states as zeros
                 for state in (s for s in states[1:] if s != MODULE_WEIGHTS):

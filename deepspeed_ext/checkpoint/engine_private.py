@@ -192,6 +192,10 @@ def partitions_weights(engine: Any) -> bool:
     return bool(engine.zero_optimization_partition_weights())
 
 
+#: The dtypes DeepSpeed keeps a module's weights in apart from its fp32 masters (mixed precision).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def module_weights_apart(engine: Any) -> bool:
     """Whether the engine keeps its module's trainable weights in bf16 or fp16 apart from the fp32 masters, whole
     on every data-parallel rank of its TP slice, as its model-states files save them: ZeRO-0/1/2 with mixed
@@ -199,8 +203,7 @@ def module_weights_apart(engine: Any) -> bool:
     layers or experts, which its model-states files do not hold whole)."""
     if partitions_weights(engine) or engine_is_pipeline(engine) or autoep_layers(engine.module):
         return False
-    return any(param.dtype in (torch.bfloat16, torch.float16)
-               for param in engine.module.parameters() if param.requires_grad)
+    return any(param.dtype in LOW_PRECISION for param in engine.module.parameters() if param.requires_grad)
 
 
 def data_parallel_group(engine: Any) -> Any:
