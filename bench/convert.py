@@ -137,7 +137,7 @@ def timed(cmd: list[str], cold: Path | None) -> dict[str, float]:
     shell = " ".join(shlex.quote(c) for c in cmd) + " && sync"
     start = time.perf_counter()
     proc = subprocess.run(["/usr/bin/time", "-v", "sh", "-c", shell], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu"})
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"failed: {shell}\n{proc.stderr[-3000:]}")

@@ -11,7 +11,9 @@ medians. Three marginal rates, each as a fraction of cp's: the extra checkpoint 
 bytes for every command, so against cp it is cp's extra time over the command's), the extra bytes of output per
 extra second (what the command leaves behind, measured by its size: "per byte written"), and the extra bytes the
 command itself read and wrote per extra second as the block layer counts them (a warm cache and a tmpfs count
-almost none).
+almost none). Two floors (bench/maxtext_floor.py: every bf16 weight of the model-states files transposed as
+MaxText lays it out and written with tensorstore, or written as it lies; nothing checked, merged or recorded) show
+what any writer of MaxText's layout pays per byte on this machine.
 
     python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
     python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
@@ -31,12 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert import build_checkpoint, checkpoint_workdir, conversion_commands, du, timed, warm  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
+#: bench/maxtext_floor.py: the least a writer of MaxText's layout does (no checks, no TP merge), with and
+#: without MaxText's transposition: what any to-maxtext pays per byte on this machine.
+FLOOR_TRANSPOSED = "floor: transpose + write"
+FLOOR_COPY = "floor: write as laid out"
 COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)",
-            "to-maxtext --compression none")
+            "to-maxtext --compression none", FLOOR_TRANSPOSED, FLOOR_COPY)
 
 
 def checkpoint(args: argparse.Namespace, layers: int) -> Path:
     return build_checkpoint(argparse.Namespace(**{**vars(args), "layers": layers}), checkpoint_workdir(args, layers))
+
+
+def marginal_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> dict[str, list[str]]:
+    """bench/convert.py's commands and the two floors."""
+    floor = [sys.executable, str(Path(__file__).with_name("maxtext_floor.py")), str(tag_dir), str(out)]
+    return {**conversion_commands(args, tag_dir, out), FLOOR_TRANSPOSED: floor, FLOOR_COPY: [*floor, "--no-transpose"]}
 
 
 def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> dict[tuple[str, int], dict]:
@@ -46,7 +58,7 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
     for round_ in range(args.rounds):
         for layers, tag_dir in (tag_dirs.items() if round_ % 2 == 0 else reversed(tag_dirs.items())):
             out = (Path(args.out_dir) if args.out_dir else tag_dir.parent.parent) / "out"
-            commands = {name: cmd for name, cmd in conversion_commands(args, tag_dir, out).items()
+            commands = {name: cmd for name, cmd in marginal_commands(args, tag_dir, out).items()
                         if name in args.commands}
             for name in (list(commands) if round_ % 2 == 0 else list(reversed(commands))):
                 shutil.rmtree(out, ignore_errors=True)

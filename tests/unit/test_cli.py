@@ -191,3 +191,32 @@ def test_the_collector_is_off_while_the_libraries_load_and_on_once_the_source_is
                           text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == expected
+
+
+_WAIT_POLICY_PROBE = """
+import os, sys
+from deepspeed_ext import cli
+assert "torch" not in sys.modules  # the policy must be in place before torch loads libgomp
+path, as_program = sys.argv[1], sys.argv[2] == "program"
+sys.argv = ["deepspeed-ext", "inspect", path]
+code = cli.main() if as_program else cli.main(["inspect", path])
+print("probe", code, "torch" in sys.modules, os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize("caller, policy, expected", [("program", None, "probe 0 True PASSIVE"),
+                                                      ("program", "ACTIVE", "probe 0 True ACTIVE"),
+                                                      ("python", None, "probe 0 True None")])
+def test_the_program_lets_idle_openmp_workers_sleep_unless_the_user_chose(sources, caller, policy, expected):
+    """The program sets OMP_WAIT_POLICY=PASSIVE before torch is loaded (its OpenMP workers spinning between
+    operations took the cores tensorstore's and the checks' threads needed); a user's own policy stands, and a
+    caller in Python keeps its environment as it was."""
+    import subprocess
+    import sys
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    proc = subprocess.run([sys.executable, "-c", _WAIT_POLICY_PROBE, str(sources / "hf"), caller],
+                          capture_output=True, text=True, env={**env, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == expected
