@@ -23,7 +23,6 @@ async def write_all(tag_dir: Path, out: Path, transpose: bool) -> int:
     import re
 
     import ml_dtypes
-    import numpy as np
     import tensorstore as ts
     import torch
 
@@ -53,7 +52,7 @@ async def write_all(tag_dir: Path, out: Path, transpose: bool) -> int:
                 pending.append(store[layer].write(array, can_reference_source_data_indefinitely=True))
                 if len(pending) >= 2:
                     await pending.pop(0)
-                written += int(np.prod(array.shape)) * 2
+                written += array.nbytes
     for write in pending:
         await write
     return written

@@ -160,10 +160,11 @@ def test_docs_examples_write_under_their_own_directories():
     assert not shared, shared
 
 
-_COLLECTOR_PROBE = """
-import gc, sys
+_PROCESS_PROBE = """
+import gc, os, sys
 import deepspeed_ext.checkpoint.formats as formats
 from deepspeed_ext import cli
+assert "torch" not in sys.modules  # the wait policy must be in place before torch loads libgomp
 opened, seen = formats.open_checkpoint, []
 def spy(*args, **kwargs):
     seen.append(gc.isenabled())
@@ -172,51 +173,29 @@ formats.open_checkpoint = spy
 path, as_program = sys.argv[1], sys.argv[2] != "python"
 sys.argv = ["deepspeed-ext", "inspect", path]
 code = cli.main() if as_program else cli.main(["inspect", path])
-print("probe", code, seen, gc.isenabled(), gc.get_freeze_count() > 0)
+print("probe", code, seen, gc.isenabled(), gc.get_freeze_count() > 0, "torch" in sys.modules,
+      os.environ.get("OMP_WAIT_POLICY"))
 """
 
 
-@pytest.mark.parametrize("caller, expected", [("program", "probe 0 [False] True True"),
-                                              ("python", "probe 0 [True] True False"),
-                                              ("program, bad input", "probe 2 [False] True False")])
-def test_the_collector_is_off_while_the_libraries_load_and_on_once_the_source_is_open(sources, tmp_path, caller,
-                                                                                         expected):
+@pytest.mark.parametrize("caller, policy, expected", [
+    ("program", None, "probe 0 [False] True True True PASSIVE"),
+    ("program", "ACTIVE", "probe 0 [False] True True True ACTIVE"),
+    ("python", None, "probe 0 [True] True False True None"),
+    ("program, bad input", None, "probe 2 [False] True False False PASSIVE")])
+def test_the_program_sets_up_its_process_before_the_libraries_load(sources, tmp_path, caller, policy, expected):
     """The program turns the garbage collector off while torch and DeepSpeed are imported (collections that find
     nothing) and back on, with what was imported frozen, once the source is open (on, unfrozen, when the command
-    ends before that); a caller in Python keeps its collector as it was."""
+    ends before that). Before torch is loaded it sets OMP_WAIT_POLICY=PASSIVE (its OpenMP workers spinning between
+    operations took the cores tensorstore's and the checks' threads needed), unless the user chose a policy. A
+    caller in Python keeps its collector and its environment as they were."""
     import subprocess
     import sys
     path = tmp_path / "missing" if caller.endswith("bad input") else sources / "hf"
-    proc = subprocess.run([sys.executable, "-c", _COLLECTOR_PROBE, str(path), caller], capture_output=True,
-                          text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == expected
-
-
-_WAIT_POLICY_PROBE = """
-import os, sys
-from deepspeed_ext import cli
-assert "torch" not in sys.modules  # the policy must be in place before torch loads libgomp
-path, as_program = sys.argv[1], sys.argv[2] == "program"
-sys.argv = ["deepspeed-ext", "inspect", path]
-code = cli.main() if as_program else cli.main(["inspect", path])
-print("probe", code, "torch" in sys.modules, os.environ.get("OMP_WAIT_POLICY"))
-"""
-
-
-@pytest.mark.parametrize("caller, policy, expected", [("program", None, "probe 0 True PASSIVE"),
-                                                      ("program", "ACTIVE", "probe 0 True ACTIVE"),
-                                                      ("python", None, "probe 0 True None")])
-def test_the_program_lets_idle_openmp_workers_sleep_unless_the_user_chose(sources, caller, policy, expected):
-    """The program sets OMP_WAIT_POLICY=PASSIVE before torch is loaded (its OpenMP workers spinning between
-    operations took the cores tensorstore's and the checks' threads needed); a user's own policy stands, and a
-    caller in Python keeps its environment as it was."""
-    import subprocess
-    import sys
     env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
-    proc = subprocess.run([sys.executable, "-c", _WAIT_POLICY_PROBE, str(sources / "hf"), caller],
-                          capture_output=True, text=True, env={**env, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run([sys.executable, "-c", _PROCESS_PROBE, str(path), caller], capture_output=True,
+                          text=True, env={**env, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == expected
