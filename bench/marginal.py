@@ -11,9 +11,10 @@ medians. Three marginal rates, each as a fraction of cp's: the extra checkpoint 
 bytes for every command, so against cp it is cp's extra time over the command's), the extra bytes of output per
 extra second (what the command leaves behind, measured by its size: "per byte written"), and the extra bytes the
 command itself read and wrote per extra second as the block layer counts them (a warm cache and a tmpfs count
-almost none). Two floors (bench/maxtext_floor.py: every bf16 weight of the model-states files transposed as
-MaxText lays it out and written with tensorstore, or written as it lies; nothing checked, merged or recorded) show
-what any writer of MaxText's layout pays per byte on this machine.
+almost none). Three floors (bench/maxtext_floor.py: every bf16 weight of the model-states files transposed as
+MaxText lays it out and written with tensorstore, or written as it lies, or transposed and written as plain zarr3
+files by two threads of ours without tensorstore or OCDBT; nothing checked, merged or recorded) show what any
+writer of MaxText's layout pays per byte on this machine, and what leaving tensorstore would save.
 
     python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
     python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
@@ -34,11 +35,13 @@ from convert import build_checkpoint, checkpoint_workdir, conversion_commands, d
 from maxtext_rss import model_arguments  # noqa: E402
 
 #: bench/maxtext_floor.py: the least a writer of MaxText's layout does (no checks, no TP merge), with and
-#: without MaxText's transposition: what any to-maxtext pays per byte on this machine.
+#: without MaxText's transposition: what any to-maxtext pays per byte on this machine; and the same arrays written
+#: as plain zarr3 files without tensorstore: what a writer of our own would pay.
 FLOOR_TRANSPOSED = "floor: transpose + write"
 FLOOR_COPY = "floor: write as laid out"
+FLOOR_FILES = "floor: transpose + plain files"
 COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)",
-            "to-maxtext --compression none", FLOOR_TRANSPOSED, FLOOR_COPY)
+            "to-maxtext --compression none", FLOOR_TRANSPOSED, FLOOR_COPY, FLOOR_FILES)
 
 
 def checkpoint(args: argparse.Namespace, layers: int) -> Path:
@@ -46,9 +49,10 @@ def checkpoint(args: argparse.Namespace, layers: int) -> Path:
 
 
 def marginal_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> dict[str, list[str]]:
-    """bench/convert.py's commands and the two floors."""
+    """bench/convert.py's commands and the three floors."""
     floor = [sys.executable, str(Path(__file__).with_name("maxtext_floor.py")), str(tag_dir), str(out)]
-    return {**conversion_commands(args, tag_dir, out), FLOOR_TRANSPOSED: floor, FLOOR_COPY: [*floor, "--no-transpose"]}
+    return {**conversion_commands(args, tag_dir, out), FLOOR_TRANSPOSED: floor, FLOOR_COPY: [*floor, "--no-transpose"],
+            FLOOR_FILES: [*floor, "--files"]}
 
 
 def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> dict[tuple[str, int], dict]:
