@@ -129,12 +129,14 @@ def test_a_job_killed_while_its_save_is_written_in_the_background_keeps_latest(t
 
 
 def test_a_full_disk_in_the_background_stops_training_at_the_next_step_and_keeps_latest(small_disk, tmp_path):
-    """The disk fills while global_step5 is written in the background: training stops at a later step (not at the
+    """The disk fills while global_step5 is written in the background: training stops at the next step (not at the
     end) with one line on every rank naming the full disk; nothing of global_step5 is left, latest names
-    global_step3, and training resumes from it."""
+    global_step3, and training resumes from it. The writer is let end before step 6 (unreaped, unasked): the tiny
+    model's steps can outrun it, and then the failure would surface only at the end."""
     save_dir = small_disk / "save"
     proc = torchrun_train(2, ["--tp", "2", "--steps", "12", "--save-dir", str(save_dir), "--save-at", "3",
-                              "--save-at", "5", "--async-save"], tmp_path / "full.log", check=False)
+                              "--save-at", "5", "--async-save", "--writer-ends-before-next-step"],
+                          tmp_path / "full.log", check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     reason = the_one_save_failure(output)

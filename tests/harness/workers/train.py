@@ -7,6 +7,7 @@
     --also-save-without-latest DIR   at save time, first engine.save_checkpoint(DIR, save_latest=False)
     --also-save-synchronously DIR    at save time, first a synchronous engine.save_checkpoint(DIR) (the run saves
                         in the background otherwise: --async-save)
+    --writer-ends-before-next-step   after each save, wait until the background writer has exited, unreaped
     --save-errors FILE  after each save, wait for it (deepspeed_ext.wait_for_saves); a failure is appended to FILE
                         (JSON lines: step, rank, message) and training goes on
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +185,18 @@ def loss_scale(engine: Any, step: int) -> float | None:
     return float(scaler.cur_scale) if scaler is not None and hasattr(scaler, "cur_scale") else None
 
 
+def writer_ended(engine: Any, limit_s: float = 120.0) -> None:
+    """Wait until this rank's background writer has exited, without reaping it or asking how it went: the next
+    ``engine.step()`` finds out, as it would at any later step, however fast the steps are against the writer."""
+    from deepspeed_ext.runtime import PENDING_ATTR
+    pending = getattr(engine, PENDING_ATTR, None)
+    deadline = time.monotonic() + limit_s
+    while pending is not None and time.monotonic() < deadline:
+        if os.waitid(os.P_PID, pending.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return
+        time.sleep(0.05)
+
+
 def run_with_probes(argv: list[str]) -> None:
     """One run of the demo's training script (``train.run``), with the probes its arguments ask for."""
     from deepspeed_ext.demo import train
@@ -193,6 +207,7 @@ def run_with_probes(argv: list[str]) -> None:
     probes.add_argument("--also-save-without-latest")
     probes.add_argument("--also-save-synchronously")
     probes.add_argument("--save-errors")
+    probes.add_argument("--writer-ends-before-next-step", action="store_true")
     args, rest = probes.parse_known_args(argv)
     if args.allow_cpu_fp16:
         allow_cpu_fp16()
@@ -213,6 +228,9 @@ def run_with_probes(argv: list[str]) -> None:
 
         import deepspeed_ext
         from deepspeed_ext.errors import CheckpointError
+        if args.writer_ends_before_next_step:
+            writer_ended(engine)
+            return
         try:
             deepspeed_ext.wait_for_saves(engine)
         except CheckpointError as exc:
@@ -224,7 +242,7 @@ def run_with_probes(argv: list[str]) -> None:
         if args.dump_loaded else None,
         before_save=before_save if args.dump or args.also_save_without_latest or args.also_save_synchronously
         else None,
-        after_save=after_save if args.save_errors else None,
+        after_save=after_save if args.save_errors or args.writer_ends_before_next_step else None,
         after_step=loss_scale,
         result_key="loss_scales")
     train.run(rest, hooks)
@@ -239,7 +257,6 @@ def serve(directory: Path) -> None:
     import contextlib
     import json
     import sys
-    import time
     import traceback
 
     import torch.distributed as dist
