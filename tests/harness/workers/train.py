@@ -230,6 +230,7 @@ def run_with_probes(argv: list[str]) -> None:
         from deepspeed_ext.errors import CheckpointError
         if args.writer_ends_before_next_step:
             writer_ended(engine)
+        if not args.save_errors:
             return
         try:
             deepspeed_ext.wait_for_saves(engine)
