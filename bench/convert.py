@@ -166,6 +166,8 @@ def conversion_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> d
     commands["to-maxtext (bf16 params)"] = [*ext, "to-maxtext", str(tag_dir), "-o", str(out), "--quiet"]
     commands["to-maxtext --compression none"] = [*ext, "to-maxtext", str(tag_dir), "-o", str(out), "--quiet",
                                                  "--compression", "none"]
+    commands["to-maxtext --no-ocdbt --compression none"] = [*ext, "to-maxtext", str(tag_dir), "-o", str(out),
+                                                           "--quiet", "--no-ocdbt", "--compression", "none"]
     commands["to-hf (bf16)"] = [*ext, "to-hf", str(tag_dir), "-o", str(out), "--quiet"]
     return commands
 

@@ -41,7 +41,8 @@ FLOOR_TRANSPOSED = "floor: transpose + write"
 FLOOR_COPY = "floor: write as laid out"
 FLOOR_FILES = "floor: transpose + plain files"
 COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)",
-            "to-maxtext --compression none", FLOOR_TRANSPOSED, FLOOR_COPY, FLOOR_FILES)
+            "to-maxtext --compression none", "to-maxtext --no-ocdbt --compression none", FLOOR_TRANSPOSED, FLOOR_COPY,
+            FLOOR_FILES)
 
 
 def checkpoint(args: argparse.Namespace, layers: int) -> Path:

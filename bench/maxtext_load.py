@@ -1,9 +1,10 @@
-"""``to-maxtext`` with each storage codec (``--compression zstd``, the default, and ``none``): the write, against
+"""``to-maxtext`` with each storage choice (``--compression zstd``, the default; ``none``; ``none`` with
+``--no-ocdbt``, chunk files deepspeed-ext writes itself): the write, against
 ``cp -r`` per byte written, and MaxText's own load of the result (``maxtext.common.checkpointing.
 load_params_from_path``, what ``load_parameters_path`` runs), on the 246M benchmark checkpoint (TP=2 ZeRO-1
 bf16, one training step, cached by bench/convert.py's builder).
 
-Each round, in alternating order: ``cp -r`` of the DeepSpeed tag, then per codec ``to-maxtext`` (bf16
+Each round, in alternating order: ``cp -r`` of the DeepSpeed tag, then per choice ``to-maxtext`` (bf16
 parameters), then MaxText's load of what it wrote into one CPU device, with the input warm (read after a
 ``sync``) or cold (evicted); medians. MaxText's load runs in the MaxText environment (.venv-maxtext).
 
@@ -26,7 +27,9 @@ from convert import build_checkpoint, checkpoint_workdir, du, evict, timed, warm
 from maxtext_rss import model_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CODECS = ("zstd", "none")
+#: Each storage choice, by name, and its to-maxtext options.
+CODECS = {"zstd": ["--compression", "zstd"], "none": ["--compression", "none"],
+          "none, no OCDBT": ["--compression", "none", "--no-ocdbt"]}
 
 #: Run in the MaxText environment: MaxText's own parameter load of ``argv[1]`` (an ``OUT/0/items``), timed.
 LOAD = r"""
@@ -76,11 +79,11 @@ def main() -> None:
             rows.setdefault(f"{cache} cp wall", []).append(copy["wall"])
             rows.setdefault(f"{cache} cp written", []).append(du(work / "cp"))
             for codec in order:
-                out = work / codec
+                out = work / codec.replace(", ", "_").replace(" ", "_")
                 if cache == "warm":
                     warm(tag_dir)
                 run = timed([sys.executable, "-m", "deepspeed_ext", "to-maxtext", str(tag_dir), "-o", str(out),
-                             "--quiet", "--compression", codec], cold=tag_dir if cache == "cold" else None)
+                             "--quiet", *CODECS[codec]], cold=tag_dir if cache == "cold" else None)
                 rows.setdefault(f"{cache} {codec} wall", []).append(run["wall"])
                 rows.setdefault(f"{cache} {codec} written", []).append(du(out))
                 rows.setdefault(f"{cache} {codec} load", []).append(maxtext_load(out / "0" / "items", cache == "cold"))
@@ -88,7 +91,8 @@ def main() -> None:
                       f"MaxText load {rows[f'{cache} {codec} load'][-1]:.1f} s", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     median = {key: statistics.median(values) for key, values in rows.items()}
-    print(f"\nto-maxtext by codec, {args.layers}-layer Llama (hidden {args.hidden}), {args.rounds} rounds, medians\n")
+    print(f"\nto-maxtext by storage choice, {args.layers}-layer Llama (hidden {args.hidden}), {args.rounds} rounds, "
+          "medians\n")
     print("| cache | codec | to-maxtext s | written GiB | GB written/s | vs cp per byte written | MaxText load s |")
     print("|---|---|---|---|---|---|---|")
     for cache in args.cache:

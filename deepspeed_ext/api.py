@@ -64,8 +64,9 @@ def convert(source: CheckpointSource | str | Path,
     :func:`open_checkpoint` when ``source`` is a path (``family`` also picks the MaxText family written).
     ``options``: the writer's options, e.g. ``overwrite``, ``progress``, ``check_finite`` for every format,
     ``dtype`` and ``max_shard_size`` for ``hf``, ``scan_layers``, ``dtype``, ``mesh``, ``with_optimizer``,
-    ``compression`` for ``maxtext``, ``distributed`` for ``universal`` (see the ``*Options`` classes). Returns the
-    written checkpoint: the universal directory, the HF directory, or MaxText's ``OUT/0/items``.
+    ``compression``, ``ocdbt`` for ``maxtext``, ``distributed`` for ``universal`` (see the ``*Options``
+    classes). Returns the written checkpoint: the universal directory, the HF directory, or MaxText's
+    ``OUT/0/items``.
 
     The output is built aside and published only when complete; it may not be, contain or lie inside the
     source.

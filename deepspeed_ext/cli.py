@@ -148,7 +148,7 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
     source = _open(args.source, args.tag, args.config, args.family, libraries=import_orbax, mtp=args.mtp)
     items = _write(source, args.output, "maxtext", args, family=args.family, scan_layers=args.scan_layers,
                    dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
-                   with_optimizer=args.with_optimizer, compression=args.compression)
+                   with_optimizer=args.with_optimizer, compression=args.compression, ocdbt=args.ocdbt)
     if not args.quiet:
         from deepspeed_ext.checkpoint.families import get_family, infer_family
         family = get_family(args.family) if args.family else infer_family(source.info.model_config)
@@ -421,6 +421,9 @@ def _add_to_maxtext(sub: Any, family_help: str) -> None:
     p.add_argument("--compression", choices=["zstd", "none"], default="zstd",
                    help="each storage chunk's codec: zstd (default, as MaxText writes its own) or none (larger "
                    "files, written and restored without (de)compressing: docs/maxtext.md)")
+    p.add_argument("--ocdbt", action=argparse.BooleanOptionalAction, default=True,
+                   help="all arrays in one OCDBT store, as MaxText writes (default); --no-ocdbt: each array a "
+                   "directory of chunk files, which with --compression none is the fastest write (docs/maxtext.md)")
     p.add_argument("--config", help=_CONFIG_HELP)
     _mtp_option(p)
     _writer_options(p)

@@ -22,21 +22,26 @@ fails loudly instead of writing silently different chunks.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from deepspeed_ext.checkpoint import durable
+from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
 from deepspeed_ext.errors import CheckpointError
 
 TESTED_ORBAX = "0.12.8"
 #: Slab writes a lazy leaf keeps in flight (each holds its block until tensorstore has written it).
 WRITES_IN_FLIGHT = 2
+#: Threads writing a leaf's chunk files where deepspeed-ext writes them itself (outside OCDBT, uncompressed).
+CHUNK_FILE_WRITERS = 2
 #: Orbax's step metadata file (``<step>/_CHECKPOINT_METADATA``, JSON) and its entry holding the custom metadata
 #: given to ``CheckpointManager.save``.
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -165,6 +170,24 @@ def add_step_custom_metadata(step_dir: Path, key: str, entries: Mapping[str, Any
     durable.replace_file(path, json.dumps(data))
 
 
+async def write_chunk_files(files: ChunkFiles, slabs: Iterator[tuple[tuple[int | slice, ...], np.ndarray]]) -> None:
+    """Write each slab's chunk files on :data:`CHUNK_FILE_WRITERS` threads, up to :data:`WRITES_IN_FLIGHT` slabs at
+    once, while the next slab is produced; a failed write (a full disk) is raised once every write in flight ends,
+    so no thread still writes into the staging directory when it is removed."""
+    loop = asyncio.get_running_loop()
+    pending: list[asyncio.Future[int]] = []
+    with ThreadPoolExecutor(CHUNK_FILE_WRITERS, thread_name_prefix="chunk-files") as pool:
+        try:
+            for index, piece in slabs:
+                pending.append(loop.run_in_executor(pool, files.write_slab, index, piece))
+                if len(pending) >= WRITES_IN_FLIGHT:
+                    await pending.pop(0)
+            while pending:
+                await pending.pop(0)
+        finally:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
 def lazy_leaf_handler() -> Any:
     """A numpy handler that materialises each lazy leaf only when writing it, one leaf at a time, slab by slab
     where the leaf has ``slabs`` (a scanned stack a layer at a time, a large tensor a block of rows at a time),
@@ -205,6 +228,11 @@ def lazy_leaf_handler() -> Any:
                 # two are ever in memory. Up to WRITES_IN_FLIGHT slabs are compressed and written by
                 # tensorstore's threads while the next is produced.
                 store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+                files = None if info.is_ocdbt_checkpoint else ChunkFiles.of(store.spec().to_json(),
+                                                                            store.dtype.numpy_dtype)
+                if files is not None:  # outside OCDBT, uncompressed: each chunk's file written by us
+                    await write_chunk_files(files, slabs())
+                    continue
                 pending: list[Any] = []
                 for index, piece in slabs():
                     pending.append(store[index].write(piece, can_reference_source_data_indefinitely=True))

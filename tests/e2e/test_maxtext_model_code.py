@@ -61,3 +61,26 @@ def test_negative_controls_fail_the_kl_bar(tmp_path, mistake):
     kl = max_kl(torch_logits(model), maxtext_logits(items, model, family, True, tmp_path))
     print(f"{mistake}: max per-token KL {kl:.2e}")
     assert kl > 1e-3
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_maxtext_loads_chunk_files_outside_ocdbt(tmp_path, compression):
+    """--no-ocdbt (each array a directory of chunk files; uncompressed, deepspeed-ext writes the files itself):
+    MaxText's own loader, configured as for any checkpoint, restores it onto its 4-device sharding and its forward
+    gives transformers' logits on the weights the checkpoint holds."""
+    from deepspeed_ext.checkpoint.families import get_family
+    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
+    model = hf_model("qwen3")
+    items, _ = convert(model, "qwen3", tmp_path / "maxtext", dtype="bfloat16", mesh={"fsdp": 2, "tensor": 2},
+                       ocdbt=False, compression=compression)
+    assert not list(items.rglob("manifest.ocdbt")) and list(items.glob("*/c/0/*"))
+    logits = maxtext_logits(items, model, "qwen3", True, tmp_path, sharded=True)
+    stored = MaxTextCheckpoint(items, get_family("qwen3"), stored_model_info(items)["model_config"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.from_numpy(stored.hf_tensor(name)))
+    reference = torch_logits(model)
+    kl = max_kl(reference, logits)
+    print(f"qwen3 --no-ocdbt --compression {compression}: max per-token KL {kl:.2e}")
+    assert kl <= KL["bfloat16"]
+    assert (reference.argmax(-1).numpy() == logits.argmax(-1)).all()

@@ -20,7 +20,8 @@ def sources(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("command, source, extra", [
-    ("to-hf", "hf", []), ("to-maxtext", "hf", []), ("from-hf", "hf", []),
+    ("to-hf", "hf", []), ("to-maxtext", "hf", []), ("to-maxtext", "hf", ["--no-ocdbt", "--compression", "none"]),
+    ("from-hf", "hf", []),
     ("from-maxtext", "maxtext", []), ("reshard-orbax", "maxtext", ["--mesh", "tensor=2"])])
 def test_a_full_disk_is_one_line_and_leaves_no_output(sources, tmp_path, command, source, extra):
     """RLIMIT_FSIZE (a full disk) while the bridges write: one line naming what could not be written, exit 2,

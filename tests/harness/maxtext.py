@@ -70,9 +70,9 @@ def reference_config(model: torch.nn.Module, family: str, scan_layers: bool) -> 
                            num_experts_per_tok=getattr(c, "num_experts_per_tok", 0) if family == "qwen3-moe" else 0)
 
 
-def convert(model, family, out, scan_layers=True, dtype="float32", mesh=None):
+def convert(model, family, out, scan_layers=True, dtype="float32", mesh=None, **writer):
     """HF parameters (deduplicated, as a universal checkpoint holds them) and persistent buffers -> MaxText, as
-    to-maxtext does."""
+    to-maxtext does; ``writer``: more of write_maxtext's options (``ocdbt``, ``compression``)."""
     params = {name: p.detach().float().numpy() for name, p in model.named_parameters()}
     params.update((name, b.detach().float().numpy()) for name, b in persistent_buffers(model).items())
     config = json.loads(model.config.to_json_string(use_diff=False))
@@ -80,7 +80,8 @@ def convert(model, family, out, scan_layers=True, dtype="float32", mesh=None):
     dims = ModelDims.from_config(config)
     shapes = {name: array.shape for name, array in params.items()}
     items = write_maxtext(lambda name, state="fp32": params[name], shapes, family, dims, out,
-                          scan_layers=scan_layers, dtype=dtype, progress=False, model_config=config, mesh=mesh)
+                          scan_layers=scan_layers, dtype=dtype, progress=False, model_config=config, mesh=mesh,
+                          **writer)
     return items, plan_leaves(family, dims, shapes, scan_layers)
 
 

@@ -8,6 +8,7 @@ Layout written (what MaxText loads with ``load_parameters_path=<out>/0/items``):
     <out>/0/items/_METADATA          the Orbax PyTree's metadata (OCDBT + zarr3, as MaxText writes it):
         {"step": N, "params": {"params": <MaxText parameter tree>},
          "opt_state": {} or optax adamw's [{"count", "mu", "nu"}, None, {"count"}]}
+    <out>/0/items/<a.b.c>/           with --no-ocdbt, each array's own zarr3 directory (``zarr.json``, ``c/...``)
 """
 
 from __future__ import annotations

@@ -74,19 +74,20 @@ def import_orbax() -> None:
 
 
 def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, Any],
-               finish: Callable[[], None] | None = None, compression: bool = True) -> None:
+               finish: Callable[[], None] | None = None, compression: bool = True, ocdbt: bool = True) -> None:
     """Save ``tree`` (lazy leaves allowed) into the staging directory ``out`` as step 0, item ``items``, the
     way MaxText's own writers do, then its manifest; ``finish`` runs after the save (it may refuse it).
-    ``compression``: zstd on each storage chunk (Orbax's default), or none."""
+    ``compression``: zstd on each storage chunk (Orbax's default), or none. ``ocdbt``: every array in one OCDBT
+    store (MaxText's default, ``checkpoint_storage_use_ocdbt``), or each array a directory of chunk files."""
     import orbax.checkpoint as ocp
     _register_lazy_leaf()
     try:
-        # MaxText's own storage choice: OCDBT + zarr3. Orbax writes the step into a temporary directory
-        # and renames it when complete, so an interrupted run leaves no "0/" that looks finished.
+        # MaxText's own storage choice: OCDBT + zarr3 (unless asked otherwise). Orbax writes the step into a
+        # temporary directory and renames it when complete, so an interrupted run leaves no "0/" that looks finished.
         manager = ocp.CheckpointManager(
             out,
             item_names=(ITEM, ),
-            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True,
+            item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=True,
                                                              use_compression=compression)},
             options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
         manager.save(int(STEP_DIR), args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),

@@ -57,7 +57,9 @@ class MaxTextOptions(WriteOptions):
     decoder layers as MaxText's ``scan_layers=true`` expects; ``dtype`` of the weights; ``mesh``: the target
     mesh the storage chunks are cut for (``{"fsdp": 16}`` or ``"fsdp=16"``); ``with_optimizer``: also write
     the Adam moments as optax adamw's state; ``compression``: ``zstd`` (Orbax's default, as MaxText writes) or
-    ``none`` (each chunk's bytes as they are: larger, written and read without (de)compressing);
+    ``none`` (each chunk's bytes as they are: larger, written and read without (de)compressing); ``ocdbt``: all
+    arrays in one OCDBT store, as MaxText writes (default), or each array a directory of chunk files (which
+    deepspeed-ext writes itself when uncompressed: the fastest write);
     ``module_weights``: for bf16 weights, read a DeepSpeed checkpoint's own bf16 module weights where it recorded
     their fingerprints (the same bits as the masters' cast, from half the bytes); False reads the fp32 masters."""
 
@@ -67,6 +69,7 @@ class MaxTextOptions(WriteOptions):
     mesh: Mapping[str, int] | str | None = None
     with_optimizer: bool = False
     compression: str = "zstd"
+    ocdbt: bool = True
     module_weights: bool = True
 
 
@@ -98,7 +101,9 @@ class WriterOptions:
     published. ``before_publish``: the source's own checks (its files' checksums), run last before publishing.
     ``protect``: the source's paths, which the output may not touch; the output is built aside and published
     whole (:mod:`deepspeed_ext.checkpoint.output`). ``source``: the source's name in errors. ``compression``:
-    each storage chunk's codec, one of :data:`COMPRESSIONS`.
+    each storage chunk's codec, one of :data:`COMPRESSIONS`. ``ocdbt``: every array in one OCDBT store (MaxText's
+    own choice), or each array a directory of chunk files (written by :mod:`~deepspeed_ext.checkpoint.zarr3_shards`
+    where uncompressed).
     """
 
     scan_layers: bool = True
@@ -119,6 +124,7 @@ class WriterOptions:
     block_bytes: int | None = None
     before_publish: Callable[[], None] | None = None
     compression: str = "zstd"
+    ocdbt: bool = True
     #: What a bf16 leaf may read in place of the fp32 masters (:class:`ModuleWeights`; None: the masters).
     module_weights: ModuleWeights | None = None
 
@@ -165,7 +171,8 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                                            finite=finite_check(source, options), recorded=record_check(info),
                                            fit=fit, protect=protected_paths(source, options), load_rows=load_rows,
                                            before_publish=source.raise_if_damaged,
-                                           compression=options.compression, module_weights=module_weights))
+                                           compression=options.compression, ocdbt=options.ocdbt,
+                                           module_weights=module_weights))
 
 
 def _module_weights(tensors: Mapping[str, LogicalTensor], info: SourceInfo, load_rows: LoadRows
@@ -287,7 +294,7 @@ def write_maxtext(load: Load,
     try:
         with output.staged(out) as partial:
             save_items(partial, tree, custom, finish=lambda: _finish(partial, options, arrays.read_back),
-                       compression=options.compression != "none")
+                       compression=options.compression != "none", ocdbt=options.ocdbt)
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
