@@ -14,7 +14,10 @@ command itself read and wrote per extra second as the block layer counts them (a
 almost none). Three floors (bench/maxtext_floor.py: every bf16 weight of the model-states files transposed as
 MaxText lays it out and written with tensorstore, or written as it lies, or transposed and written as plain zarr3
 files by two threads of ours without tensorstore or OCDBT; nothing checked, merged or recorded) show what any
-writer of MaxText's layout pays per byte on this machine, and what leaving tensorstore would save.
+writer of MaxText's layout pays per byte on this machine, and what leaving tensorstore would save. A second copy
+floor, ``cp`` of the model-states files alone, writes as many bytes as to-maxtext does (``cp -r`` writes seven
+times as many). Besides the medians, each command's output per extra second is printed against cp's in the same
+round (paired), and cp's own extra seconds per round: the spread of the floor.
 
     python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
     python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -40,9 +44,14 @@ from maxtext_rss import model_arguments  # noqa: E402
 FLOOR_TRANSPOSED = "floor: transpose + write"
 FLOOR_COPY = "floor: write as laid out"
 FLOOR_FILES = "floor: transpose + plain files"
+#: A second copy floor, as large as to-maxtext's output: ``cp`` of the model-states files alone (the bf16 weights
+#: to-maxtext reads). ``cp -r`` of a whole tag writes 7x to-maxtext's bytes into the page cache or a tmpfs, and on
+#: a VM the time to find that much fresh memory moved cp's margin 2x from round to round; this floor writes as
+#: many bytes as the command it is set beside.
+FLOOR_CP_WEIGHTS = "cp model states"
 COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)",
             "to-maxtext --compression none", "to-maxtext --no-ocdbt --compression none", FLOOR_TRANSPOSED, FLOOR_COPY,
-            FLOOR_FILES)
+            FLOOR_FILES, FLOOR_CP_WEIGHTS)
 
 
 def checkpoint(args: argparse.Namespace, layers: int) -> Path:
@@ -52,8 +61,10 @@ def checkpoint(args: argparse.Namespace, layers: int) -> Path:
 def marginal_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> dict[str, list[str]]:
     """bench/convert.py's commands and the three floors."""
     floor = [sys.executable, str(Path(__file__).with_name("maxtext_floor.py")), str(tag_dir), str(out)]
+    weights = " ".join(shlex.quote(str(path)) for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")))
     return {**conversion_commands(args, tag_dir, out), FLOOR_TRANSPOSED: floor, FLOOR_COPY: [*floor, "--no-transpose"],
-            FLOOR_FILES: [*floor, "--files"]}
+            FLOOR_FILES: [*floor, "--files"],
+            FLOOR_CP_WEIGHTS: ["sh", "-c", f"mkdir -p {shlex.quote(str(out))} && cp {weights} {shlex.quote(str(out))}"]}
 
 
 def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> dict[tuple[str, int], dict]:
@@ -82,6 +93,17 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
                                                          for layers, walls in cp.items())
           + f"; its extra s per round {', '.join(f'{e:.2f}' for e in extra)} (spread {min(extra):.2f}-"
           f"{max(extra):.2f})", flush=True)
+    small, large = tag_dirs
+    for name in [name for name in args.commands if name != "cp -r"]:
+        # Paired: each round's output bytes per extra second against cp's in the same round (the same state of
+        # the machine's memory and cache), so a floor that drifts between rounds moves both sides of a ratio.
+        ratios = [((b["output"] - a["output"]) / max(b["wall"] - a["wall"], 1e-3))
+                  / ((d["output"] - c["output"]) / max(d["wall"] - c["wall"], 1e-3))
+                  for a, b, c, d in zip(runs[(name, small)], runs[(name, large)], runs[("cp -r", small)],
+                                        runs[("cp -r", large)], strict=True)]
+        extras = [b["wall"] - a["wall"] for a, b in zip(runs[(name, small)], runs[(name, large)], strict=True)]
+        print(f"{cache}: {name}: extra s per round {', '.join(f'{e:.2f}' for e in extras)}; output per extra second "
+              f"against cp's in the same round {', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
     return {key: {field: statistics.median(r[field] for r in results) for field in results[0]}
             for key, results in runs.items()}
 
