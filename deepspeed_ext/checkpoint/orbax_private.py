@@ -29,13 +29,15 @@ import json
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from deepspeed_ext.checkpoint import durable
-from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
 from deepspeed_ext.errors import CheckpointError
+
+if TYPE_CHECKING:  # imported where the writer runs: this guard also runs in MaxText's environment (no google-crc32c)
+    from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
 
 TESTED_ORBAX = "0.12.8"
 #: Slab writes a lazy leaf keeps in flight (each holds its block until tensorstore has written it).
@@ -193,6 +195,8 @@ def lazy_leaf_handler() -> Any:
     where the leaf has ``slabs`` (a scanned stack a layer at a time, a large tensor a block of rows at a time),
     with the storage chunk (zarr3 chunk) set to the leaf's ``write_shape``."""
     import tensorstore as ts
+
+    from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
     check_orbax_internals()
     parts = _internals()
     ts_utils, ocdbt_utils = parts["ts_utils"], parts["ocdbt_utils"]

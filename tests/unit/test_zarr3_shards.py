@@ -103,3 +103,17 @@ def test_a_slab_that_cuts_a_chunk_is_refused(tmp_path):
         files.write_slab((slice(2, 6), slice(None)), np.zeros((4, 4), np.float32))
     with pytest.raises(CheckpointError, match="a slab of float64"):
         files.write_slab((slice(0, 4), slice(None)), np.zeros((4, 4), np.float64))
+
+
+def test_each_chunk_file_and_its_directory_are_synced(tmp_path, monkeypatch):
+    """As tensorstore's file store syncs every file it writes (file_io_sync), so do we: a chunk on the disk is whole
+    before the checkpoint is published."""
+    import os
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    store = open_array(tmp_path / "a", (4, 4), (2, 4), "float32")
+    files = ChunkFiles.of(store.spec().to_json(), store.dtype.numpy_dtype)
+    files.write_slab((slice(None), slice(None)), np.ones((4, 4), np.float32))
+    chunks = [str(tmp_path / "a" / "c" / str(i) / "0") for i in (0, 1)]
+    assert sorted(synced) == sorted(chunks + [str(tmp_path / "a" / "c" / str(i)) for i in (0, 1)])
