@@ -423,7 +423,8 @@ def _add_to_maxtext(sub: Any, family_help: str) -> None:
                    "files, written and restored without (de)compressing: docs/maxtext.md)")
     p.add_argument("--ocdbt", action=argparse.BooleanOptionalAction, default=True,
                    help="all arrays in one OCDBT store, as MaxText writes (default); --no-ocdbt: each array a "
-                   "directory of chunk files, which with --compression none is the fastest write (docs/maxtext.md)")
+                   "directory of chunk files, written by deepspeed-ext itself with --compression none "
+                   "(docs/maxtext.md)")
     p.add_argument("--config", help=_CONFIG_HELP)
     _mtp_option(p)
     _writer_options(p)

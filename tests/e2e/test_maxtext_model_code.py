@@ -32,7 +32,13 @@ def test_maxtext_forward_on_our_output_matches_transformers(family, scan_layers,
     items, _ = convert(model, family, tmp_path / "maxtext", scan_layers=scan_layers, dtype=dtype,
                        mesh={"fsdp": 2, "tensor": 2} if sharded else None)
     logits = maxtext_logits(items, model, family, scan_layers, tmp_path, sharded=sharded)
-    if dtype == "bfloat16":  # against the weights the checkpoint holds, read back into transformers' model
+    assert_matches_transformers(model, family, items, logits, dtype, f"{family} scan_layers={scan_layers} {dtype}")
+
+
+def assert_matches_transformers(model, family: str, items, logits, dtype: str, label: str) -> None:
+    """MaxText's ``logits`` within the KL bar of ``dtype`` of transformers' on the same tokens, argmax equal; for bf16
+    against the weights the checkpoint holds, read back into transformers' model."""
+    if dtype == "bfloat16":
         from deepspeed_ext.checkpoint.families import get_family
         from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
         stored = MaxTextCheckpoint(items, get_family(base_family(family)), stored_model_info(items)["model_config"])
@@ -41,7 +47,7 @@ def test_maxtext_forward_on_our_output_matches_transformers(family, scan_layers,
                 param.copy_(torch.from_numpy(stored.hf_tensor(name)))
     reference = torch_logits(model)
     kl = max_kl(reference, logits)
-    print(f"{family} scan_layers={scan_layers} {dtype}: max per-token KL {kl:.2e}")
+    print(f"{label}: max per-token KL {kl:.2e}")
     assert kl <= KL[dtype]
     assert (reference.argmax(-1).numpy() == logits.argmax(-1)).all()
 
@@ -68,19 +74,10 @@ def test_maxtext_loads_chunk_files_outside_ocdbt(tmp_path, compression):
     """--no-ocdbt (each array a directory of chunk files; uncompressed, deepspeed-ext writes the files itself):
     MaxText's own loader, configured as for any checkpoint, restores it onto its 4-device sharding and its forward
     gives transformers' logits on the weights the checkpoint holds."""
-    from deepspeed_ext.checkpoint.families import get_family
-    from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
     model = hf_model("qwen3")
     items, _ = convert(model, "qwen3", tmp_path / "maxtext", dtype="bfloat16", mesh={"fsdp": 2, "tensor": 2},
                        ocdbt=False, compression=compression)
     assert not list(items.rglob("manifest.ocdbt")) and list(items.glob("*/c/0/*"))
     logits = maxtext_logits(items, model, "qwen3", True, tmp_path, sharded=True)
-    stored = MaxTextCheckpoint(items, get_family("qwen3"), stored_model_info(items)["model_config"])
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(torch.from_numpy(stored.hf_tensor(name)))
-    reference = torch_logits(model)
-    kl = max_kl(reference, logits)
-    print(f"qwen3 --no-ocdbt --compression {compression}: max per-token KL {kl:.2e}")
-    assert kl <= KL["bfloat16"]
-    assert (reference.argmax(-1).numpy() == logits.argmax(-1)).all()
+    assert_matches_transformers(model, "qwen3", items, logits, "bfloat16",
+                                f"qwen3 --no-ocdbt --compression {compression}")

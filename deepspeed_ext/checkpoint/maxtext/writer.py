@@ -59,7 +59,7 @@ class MaxTextOptions(WriteOptions):
     the Adam moments as optax adamw's state; ``compression``: ``zstd`` (Orbax's default, as MaxText writes) or
     ``none`` (each chunk's bytes as they are: larger, written and read without (de)compressing); ``ocdbt``: all
     arrays in one OCDBT store, as MaxText writes (default), or each array a directory of chunk files (which
-    deepspeed-ext writes itself when uncompressed: the fastest write);
+    deepspeed-ext writes itself when uncompressed);
     ``module_weights``: for bf16 weights, read a DeepSpeed checkpoint's own bf16 module weights where it recorded
     their fingerprints (the same bits as the masters' cast, from half the bytes); False reads the fp32 masters."""
 
