@@ -23,10 +23,12 @@ fails loudly instead of writing silently different chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,6 +174,38 @@ def add_step_custom_metadata(step_dir: Path, key: str, entries: Mapping[str, Any
     durable.replace_file(path, json.dumps(data))
 
 
+#: Saves in progress whose chunk files deepspeed-ext writes: each one's staging directory and what it is told of
+#: every chunk file written under it (:func:`chunk_files_reported`).
+_CHUNK_FILE_REPORTS: dict[Path, Callable[[str, str, int, str], None]] = {}
+_REPORTS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def chunk_files_reported(root: Path, report: Callable[[str, str, int, str], None]) -> Iterator[None]:
+    """While a save into ``root`` runs, ``report(array, relative, size, crc32c)`` is called for each chunk file
+    deepspeed-ext writes under it (outside OCDBT, uncompressed): the name of the array's directory, the file's path
+    in it, its size, and the CRC-32C of its bytes summed as they were written, so that the output's manifest need
+    not read every file back."""
+    root = Path(root).absolute()
+    with _REPORTS_LOCK:
+        _CHUNK_FILE_REPORTS[root] = report
+    try:
+        yield
+    finally:
+        with _REPORTS_LOCK:
+            _CHUNK_FILE_REPORTS.pop(root, None)
+
+
+def _chunk_file_report(directory: Path) -> Callable[[str, int, str], None] | None:
+    """What the chunk files of the array in ``directory`` report to (None: no save asked for it)."""
+    with _REPORTS_LOCK:
+        report = next((report for root, report in _CHUNK_FILE_REPORTS.items() if directory.is_relative_to(root)),
+                      None)
+    if report is None:
+        return None
+    return lambda relative, size, checksum: report(directory.name, relative, size, checksum)
+
+
 async def write_chunk_files(files: ChunkFiles, slabs: Iterator[tuple[tuple[int | slice, ...], np.ndarray]]) -> None:
     """Write each slab's chunk files on :data:`CHUNK_FILE_WRITERS` threads, up to :data:`WRITES_IN_FLIGHT` slabs at
     once, while the next slab is produced; a failed write (a full disk) is raised once every write in flight ends,
@@ -234,6 +268,8 @@ def lazy_leaf_handler() -> Any:
                 store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
                 files = None if info.is_ocdbt_checkpoint else ChunkFiles.of(store.spec().to_json(),
                                                                             store.dtype.numpy_dtype)
+                if files is not None:
+                    files = dataclasses.replace(files, written=_chunk_file_report(files.directory))
                 if files is not None:  # outside OCDBT, uncompressed: each chunk's file written by us
                     await write_chunk_files(files, slabs())
                     continue

@@ -17,7 +17,9 @@ is never written wrongly. The copy of each chunk into its file is the only pass 
 (layout and write, nothing checked) that halved tensorstore's cost at the margin on a 2-core VM, but inside
 to-maxtext, whose other per-byte work dominates, it gained 0.3 s of 1.5 warm and nothing cold (docs/performance.md,
 round three). As tensorstore's file store does with each file it writes, each chunk file and its directory are
-fsynced once written, so a chunk on the disk is whole before the checkpoint is published.
+fsynced once written, so a chunk on the disk is whole before the checkpoint is published. Each file's CRC-32C is
+summed from the bytes as they are written and reported (:attr:`ChunkFiles.written`): the output's manifest takes
+it instead of reading every file back once the save is done.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +51,13 @@ class ChunkFiles:
     shape: tuple[int, ...]
     chunk: tuple[int, ...]
     dtype: np.dtype
+    #: Told of each chunk file once it is written and synced: its path relative to :attr:`directory`, its size and
+    #: the CRC-32C of its bytes as 8 hex digits (a manifest's entry, summed as the file was written).
+    written: Callable[[str, int, str], None] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, spec: Mapping[str, Any], dtype: np.dtype) -> ChunkFiles | None:
+    def of(cls, spec: Mapping[str, Any], dtype: np.dtype, written: Callable[[str, int, str], None] | None = None
+           ) -> ChunkFiles | None:
         """The files of the array tensorstore opened with ``spec`` (its resolved JSON spec, ``store.spec().to_json()``)
         and ``dtype``, or None where its layout is not the one this module writes: another driver or store, a
         compressed or transposed chunk, several inner chunks per file, other chunk keys, a big-endian host."""
@@ -76,7 +82,7 @@ class ChunkFiles:
         shape = tuple(metadata.get("shape") or ())
         if len(shape) != len(chunk) or not all(chunk) or not all(shape):
             return None
-        return cls(Path(kvstore["path"]), shape, chunk, np.dtype(dtype))
+        return cls(Path(kvstore["path"]), shape, chunk, np.dtype(dtype), written)
 
     def write_slab(self, index: tuple[int | slice, ...], piece: np.ndarray) -> int:
         """Write ``piece``, the array's elements at ``index`` (an int or a slice per axis, as numpy indexes), which
@@ -120,10 +126,12 @@ class ChunkFiles:
             padded[tuple(slice(0, n) for n in part.shape)] = part
             part = padded
         # No copy where the part is laid out already (bytes, since a buffer cannot carry ml_dtypes' bfloat16).
-        data = np.ascontiguousarray(part).reshape(-1).view(np.uint8).data
+        elements = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+        data = elements.data
         index = struct.pack("<QQ", 0, data.nbytes)
         tail = index + struct.pack("<I", google_crc32c.value(index))
-        target = self.directory.joinpath("c", *map(str, grid))
+        relative = "/".join(("c", *map(str, grid)))
+        target = self.directory / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -135,6 +143,9 @@ class ChunkFiles:
         finally:
             os.close(fd)
         durable.fsync_dir(target.parent)
+        if self.written is not None:  # the bytes just written, summed while they are in the CPU's cache
+            self.written(relative, data.nbytes + len(tail),
+                         f"{google_crc32c.extend(google_crc32c.value(elements), tail):08x}")
         return data.nbytes + len(tail)
 
 

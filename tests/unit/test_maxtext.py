@@ -488,8 +488,9 @@ def test_uncompressed_chunks_hold_the_same_arrays(tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_stored_blocks_copied_by_torch_have_numpys_bits(dtype):
     """The writer lays out (and casts) each block through torch: the bits are those numpy's own cast gives, for
-    the views the transforms make (transposed, split per head, every other column, reversed) and for values
-    across float32's range (zeros of both signs, subnormals, bf16 ties, infinities)."""
+    the views the transforms make (transposed, split per head, every other column, reversed, with axes of size 1)
+    and for values across float32's range (zeros of both signs, subnormals, bf16 ties, infinities); bf16 blocks
+    (the module's weights) are moved bit for bit."""
     import ml_dtypes
 
     from deepspeed_ext.checkpoint.maxtext.writer import _contiguous_as
@@ -500,13 +501,107 @@ def test_stored_blocks_copied_by_torch_have_numpys_bits(dtype):
     block[0, :6] = [np.inf, -np.inf, 0.0, -0.0, 1e-45, -3e-39]
     block.view(np.uint32)[1, :8] = 0x3F808000 + np.arange(8, dtype=np.uint32)  # bf16 ties and their neighbours
     views = [block, block.T, block.T.reshape(70, 6, 16), block[:, 1::2], block[::-1], block.T[:, 0::3],
-             block[:0], block.astype(np.float64)]
+             block[:0], block.astype(np.float64), block.T.reshape(70, 1, 6, 16),
+             block.reshape(96, 7, 10).transpose(1, 2, 0), block[:1].T]
+    if dtype == "bfloat16":  # the module's weights: bf16 already, moved only
+        halves = block.astype(target)
+        views += [halves, halves.T, halves.T.reshape(70, 6, 16), halves.T.reshape(70, 1, 6, 16), halves[:, 1::2],
+                  halves.reshape(96, 7, 10).transpose(2, 0, 1)]
     for view in views:
         stored = _contiguous_as(view, target)
         expected = np.ascontiguousarray(view, dtype=target)
         assert stored.flags.c_contiguous and stored.dtype == target and stored.shape == view.shape
         bits = np.uint16 if dtype == "bfloat16" else np.uint32
         assert np.array_equal(stored.view(bits), expected.view(bits)), view.strides
+
+
+def test_coalesced_views_keep_their_elements_in_order():
+    """A per-head view of a transposed matrix is the 2-D transpose it is (torch copies that in tiles, the 3-D view
+    element by element); any view keeps its elements and their order, size-1 axes dropped."""
+    from deepspeed_ext.checkpoint.maxtext.writer import _coalesced
+
+    matrix = np.arange(96 * 70, dtype=np.float32).reshape(96, 70)
+    per_head = matrix.T.reshape(70, 6, 16)
+    assert _coalesced(per_head).shape == (70, 96)
+    assert _coalesced(matrix).shape == (96 * 70,) and _coalesced(matrix[:1, :1]).shape == (1,)
+    for view in (per_head, matrix, matrix.T, matrix[:, 1::2], matrix.T.reshape(70, 1, 6, 16), matrix[:1].T,
+                 matrix.reshape(96, 7, 10).transpose(1, 2, 0), matrix[::2, ::5]):
+        merged = _coalesced(view)
+        assert np.shares_memory(merged, view) and merged.size == view.size
+        assert np.array_equal(np.ascontiguousarray(merged).reshape(view.shape), view)
+
+
+def test_slabs_are_produced_in_order_and_left_cleanly():
+    """Slabs are produced PRODUCERS at a time and handed over in order; a failed one is raised in its place, and a
+    consumer that stops early (a failed write) returns only once no producer still runs."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepspeed_ext.checkpoint.maxtext.writer import PRODUCERS, _in_order
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def produce(item: int) -> int:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.002 * (item % 3))
+        with lock:
+            running[0] -= 1
+        if item == 13:
+            raise ValueError("block 13")
+        return item * item
+
+    with ThreadPoolExecutor(PRODUCERS) as pool:
+        assert list(_in_order(pool, range(12), produce)) == [i * i for i in range(12)]
+        assert 1 <= peak[0] <= PRODUCERS
+        got = []
+        with pytest.raises(ValueError, match="block 13"):
+            for value in _in_order(pool, range(20), produce):
+                got.append(value)
+        assert got == [i * i for i in range(13)]
+        slabs = _in_order(pool, range(20), produce)
+        next(slabs)
+        slabs.close()  # the consumer leaves early
+        assert running[0] == 0
+
+
+def test_whole_tensor_rows_from_two_producers():
+    """A source that cannot read ranges is loaded whole once per tensor, by either producer, and each producer's
+    rows are its tensor's whatever the other reads meanwhile."""
+    import threading
+
+    from deepspeed_ext.checkpoint.maxtext.writer import _source_loaders
+    from deepspeed_ext.checkpoint.tensor import LogicalTensor
+    from deepspeed_ext.module_inject.layout import TPLayout
+
+    full = {f"w{i}": torch.randn(64, 33) for i in range(4)}
+    loads: list[str] = []
+
+    def tensor(name: str) -> LogicalTensor:
+        def loader(state: str) -> torch.Tensor:
+            loads.append(name)
+            return full[name]
+
+        return LogicalTensor(name=name, shape=(64, 33), layout=TPLayout.replicated((64, 33), 1), states=("fp32",),
+                             loader=loader)
+
+    _, load_rows = _source_loaders({name: tensor(name) for name in full})
+    wrong: list[tuple[str, int]] = []
+
+    def read(names: list[str]) -> None:
+        for name in names:
+            for first in range(0, 64, 4):
+                if not torch.equal(load_rows(name, "fp32", first, first + 4), full[name][first:first + 4].reshape(-1)):
+                    wrong.append((name, first))
+
+    threads = [threading.Thread(target=read, args=(names,)) for names in (["w0", "w1"], ["w2", "w3"])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong and sorted(loads) == sorted(full)
 
 
 def test_source_rows_are_read_in_one_range_per_block():
@@ -598,7 +693,7 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
     slab of every streamed leaf is written by deepspeed-ext itself (zarr3_shards; counted here), compressed by
     tensorstore. Restored, parameters and Adam moments equal the OCDBT checkpoint's bit for bit; the read-back
     fingerprints agree; verify, inspect and from-maxtext read it; verify fails on a damaged chunk file."""
-    from deepspeed_ext.checkpoint import zarr3_shards
+    from deepspeed_ext.checkpoint import manifest, zarr3_shards
     from deepspeed_ext.checkpoint.formats import open_checkpoint
     from deepspeed_ext.cli import main
     model = hf_model("qwen3", head_dim=8)
@@ -615,6 +710,9 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
     write_slab = zarr3_shards.ChunkFiles.write_slab
     monkeypatch.setattr(zarr3_shards.ChunkFiles, "write_slab",
                         lambda self, index, piece: slabs.append(self.directory) or write_slab(self, index, piece))
+    summed = []  # the files the manifest sums from the disk: those not summed as they were written
+    file_checksum = manifest.file_checksum
+    monkeypatch.setattr(manifest, "file_checksum", lambda path: summed.append(path) or file_checksum(path))
     written = {}
     for label, ocdbt, compression in (("ocdbt", True, "none"), ("files", False, "none"), ("zstd", False, "zstd")):
         written[label] = write_maxtext(load, shapes, get_family("qwen3"), ModelDims.from_config(config),
@@ -625,6 +723,15 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
             leaves = plan_leaves(get_family("qwen3"), ModelDims.from_config(config), shapes, True)
             assert len(set(slabs)) == 3 * len(leaves) and len(slabs) > 6 * len(leaves)  # weights, mu, nu
             seen = len(slabs)
+            # Our chunk files' manifest entries are their CRC-32C summed as written (none read back), and are the
+            # files' own.
+            root = written[label].parent.parent
+            entries = json.loads((root / manifest.MANIFEST_FILE).read_text())["files"]
+            ours = [path for path in written[label].glob("*/c/**/*") if path.is_file()]
+            assert ours and not set(ours) & set(summed) and len(entries) == len(set(summed)) + len(ours)
+            for path in ours:
+                assert entries[path.relative_to(root).as_posix()]["crc32c"] == file_checksum(path)
+        summed.clear()
     assert len(slabs) == seen, "compressed chunks are tensorstore's to write"
     for label in ("files", "zstd"):
         assert not list(written[label].rglob("manifest.ocdbt")) and list(written[label].glob("*/c/0/*"))

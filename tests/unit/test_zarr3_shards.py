@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from deepspeed_ext.checkpoint.manifest import file_checksum
 from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
 from deepspeed_ext.errors import CheckpointError
 
@@ -58,12 +59,17 @@ def test_chunk_files_are_tensorstores_own_bytes(tmp_path, shape, chunk, slabs, d
     for index in slabs:
         theirs[index].write(data[index]).result()
     ours_store = open_array(tmp_path / "ours", shape, chunk, dtype)
-    files = ChunkFiles.of(ours_store.spec().to_json(), ours_store.dtype.numpy_dtype)
+    reported = {}
+    files = ChunkFiles.of(ours_store.spec().to_json(), ours_store.dtype.numpy_dtype,
+                          written=lambda relative, size, crc: reported.setdefault(relative, (size, crc)))
     assert files is not None
     written = sum(files.write_slab(index, np.ascontiguousarray(data[index])) for index in slabs)
     ours, reference = chunk_files(tmp_path / "ours"), chunk_files(tmp_path / "tensorstore")
     assert ours == reference  # zarr.json and every chunk file
     assert written == sum(len(v) for k, v in ours.items() if k != "zarr.json")
+    # Each file's size and CRC-32C, summed as it was written, are a manifest's entry for it as it lies on the disk.
+    assert reported == {relative: (len(data), file_checksum(tmp_path / "ours" / relative))
+                        for relative, data in ours.items() if relative != "zarr.json"}
     read = open_array(tmp_path / "ours", shape, chunk, dtype).read().result()
     assert np.array_equal(read.view(np.uint8), data.view(np.uint8))
 

@@ -80,7 +80,10 @@ def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, An
     ``compression``: zstd on each storage chunk (Orbax's default), or none. ``ocdbt``: every array in one OCDBT
     store (MaxText's default, ``checkpoint_storage_use_ocdbt``), or each array a directory of chunk files."""
     import orbax.checkpoint as ocp
+
+    from deepspeed_ext.checkpoint.orbax_private import chunk_files_reported
     _register_lazy_leaf()
+    chunk_files: list[tuple[str, str, int, str]] = []  # the chunk files written by us, with their CRC-32C
     try:
         # MaxText's own storage choice: OCDBT + zarr3 (unless asked otherwise). Orbax writes the step into a
         # temporary directory and renames it when complete, so an interrupted run leaves no "0/" that looks finished.
@@ -90,14 +93,22 @@ def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, An
             item_handlers={ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=True,
                                                              use_compression=compression)},
             options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False))
-        manager.save(int(STEP_DIR), args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
-                     custom_metadata=dict(custom_metadata))
-        manager.wait_until_finished()
+        with chunk_files_reported(out, lambda *chunk_file: chunk_files.append(chunk_file)):
+            manager.save(int(STEP_DIR), args=ocp.args.Composite(**{ITEM: ocp.args.PyTreeSave(tree)}),
+                         custom_metadata=dict(custom_metadata))
+            manager.wait_until_finished()
         manager.close()
         if finish is not None:
             finish()
         from deepspeed_ext.checkpoint.manifest import ManifestRecorder
-        ManifestRecorder(out).write()
+        manifest = ManifestRecorder(out)
+        # Orbax renames the step's and the item's directories once written; each array's keeps its name. A file
+        # not found where that puts it, or of another size, is summed from the disk like every other file.
+        for array, relative, size, checksum in chunk_files:
+            path = out / STEP_DIR / ITEM / array / relative
+            if path.is_file() and path.stat().st_size == size:
+                manifest.add(path, checksum)
+        manifest.write()
     except (ValueError, OSError) as exc:  # tensorstore reports failed writes (disk full) as ValueError
         raise CheckpointError(f"{out}: cannot write the Orbax checkpoint: {first_line(exc)}") from exc
 
