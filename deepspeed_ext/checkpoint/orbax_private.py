@@ -268,9 +268,8 @@ def lazy_leaf_handler() -> Any:
                 store = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
                 files = None if info.is_ocdbt_checkpoint else ChunkFiles.of(store.spec().to_json(),
                                                                             store.dtype.numpy_dtype)
-                if files is not None:
-                    files = dataclasses.replace(files, written=_chunk_file_report(files.directory))
                 if files is not None:  # outside OCDBT, uncompressed: each chunk's file written by us
+                    files = dataclasses.replace(files, written=_chunk_file_report(files.directory))
                     await write_chunk_files(files, slabs())
                     continue
                 pending: list[Any] = []

@@ -143,7 +143,7 @@ class ChunkFiles:
         finally:
             os.close(fd)
         durable.fsync_dir(target.parent)
-        if self.written is not None:  # the bytes just written, summed while they are in the CPU's cache
+        if self.written is not None:  # the bytes just written, summed from the same buffer (no read back)
             self.written(relative, data.nbytes + len(tail),
                          f"{google_crc32c.extend(google_crc32c.value(elements), tail):08x}")
         return data.nbytes + len(tail)
