@@ -56,8 +56,7 @@ class ChunkFiles:
     written: Callable[[str, int, str], None] | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, spec: Mapping[str, Any], dtype: np.dtype, written: Callable[[str, int, str], None] | None = None
-           ) -> ChunkFiles | None:
+    def of(cls, spec: Mapping[str, Any], dtype: np.dtype) -> ChunkFiles | None:
         """The files of the array tensorstore opened with ``spec`` (its resolved JSON spec, ``store.spec().to_json()``)
         and ``dtype``, or None where its layout is not the one this module writes: another driver or store, a
         compressed or transposed chunk, several inner chunks per file, other chunk keys, a big-endian host."""
@@ -82,7 +81,7 @@ class ChunkFiles:
         shape = tuple(metadata.get("shape") or ())
         if len(shape) != len(chunk) or not all(chunk) or not all(shape):
             return None
-        return cls(Path(kvstore["path"]), shape, chunk, np.dtype(dtype), written)
+        return cls(Path(kvstore["path"]), shape, chunk, np.dtype(dtype))
 
     def write_slab(self, index: tuple[int | slice, ...], piece: np.ndarray) -> int:
         """Write ``piece``, the array's elements at ``index`` (an int or a slice per axis, as numpy indexes), which

@@ -4,6 +4,7 @@ reads them back; any other layout is left to tensorstore."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -60,16 +61,16 @@ def test_chunk_files_are_tensorstores_own_bytes(tmp_path, shape, chunk, slabs, d
         theirs[index].write(data[index]).result()
     ours_store = open_array(tmp_path / "ours", shape, chunk, dtype)
     reported = {}
-    files = ChunkFiles.of(ours_store.spec().to_json(), ours_store.dtype.numpy_dtype,
-                          written=lambda relative, size, crc: reported.setdefault(relative, (size, crc)))
+    files = ChunkFiles.of(ours_store.spec().to_json(), ours_store.dtype.numpy_dtype)
     assert files is not None
+    files = dataclasses.replace(files, written=lambda relative, size, crc: reported.setdefault(relative, (size, crc)))
     written = sum(files.write_slab(index, np.ascontiguousarray(data[index])) for index in slabs)
     ours, reference = chunk_files(tmp_path / "ours"), chunk_files(tmp_path / "tensorstore")
     assert ours == reference  # zarr.json and every chunk file
     assert written == sum(len(v) for k, v in ours.items() if k != "zarr.json")
     # Each file's size and CRC-32C, summed as it was written, are a manifest's entry for it as it lies on the disk.
-    assert reported == {relative: (len(data), file_checksum(tmp_path / "ours" / relative))
-                        for relative, data in ours.items() if relative != "zarr.json"}
+    assert reported == {relative: (len(content), file_checksum(tmp_path / "ours" / relative))
+                        for relative, content in ours.items() if relative != "zarr.json"}
     read = open_array(tmp_path / "ours", shape, chunk, dtype).read().result()
     assert np.array_equal(read.view(np.uint8), data.view(np.uint8))
 
