@@ -29,23 +29,17 @@ import inspect
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from deepspeed_ext.checkpoint import durable
 from deepspeed_ext.errors import CheckpointError
 
-if TYPE_CHECKING:  # imported where the writer runs: this guard also runs in MaxText's environment (no google-crc32c)
-    from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
-
 TESTED_ORBAX = "0.12.8"
 #: Slab writes a lazy leaf keeps in flight (each holds its block until tensorstore has written it).
 WRITES_IN_FLIGHT = 2
-#: Threads writing a leaf's chunk files where deepspeed-ext writes them itself (outside OCDBT, uncompressed).
-CHUNK_FILE_WRITERS = 2
 #: Orbax's step metadata file (``<step>/_CHECKPOINT_METADATA``, JSON) and its entry holding the custom metadata
 #: given to ``CheckpointManager.save``.
 STEP_METADATA = "_CHECKPOINT_METADATA"
@@ -206,22 +200,10 @@ def _chunk_file_report(directory: Path) -> Callable[[str, int, str], None] | Non
     return lambda relative, size, checksum: report(directory.name, relative, size, checksum)
 
 
-async def write_chunk_files(files: ChunkFiles, slabs: Iterator[tuple[tuple[int | slice, ...], np.ndarray]]) -> None:
-    """Write each slab's chunk files on :data:`CHUNK_FILE_WRITERS` threads, up to :data:`WRITES_IN_FLIGHT` slabs at
-    once, while the next slab is produced; a failed write (a full disk) is raised once every write in flight ends,
-    so no thread still writes into the staging directory when it is removed."""
-    loop = asyncio.get_running_loop()
-    pending: list[asyncio.Future[int]] = []
-    with ThreadPoolExecutor(CHUNK_FILE_WRITERS, thread_name_prefix="chunk-files") as pool:
-        try:
-            for index, piece in slabs:
-                pending.append(loop.run_in_executor(pool, files.write_slab, index, piece))
-                if len(pending) >= WRITES_IN_FLIGHT:
-                    await pending.pop(0)
-            while pending:
-                await pending.pop(0)
-        finally:
-            await asyncio.gather(*pending, return_exceptions=True)
+def _drain(items: Iterator[Any]) -> None:
+    """Run ``items`` to its end (each item a slab written)."""
+    for _ in items:
+        pass
 
 
 def lazy_leaf_handler() -> Any:
@@ -270,7 +252,9 @@ def lazy_leaf_handler() -> Any:
                                                                             store.dtype.numpy_dtype)
                 if files is not None:  # outside OCDBT, uncompressed: each chunk's file written by us
                     files = dataclasses.replace(files, written=_chunk_file_report(files.directory))
-                    await write_chunk_files(files, slabs())
+                    # Each slab written by the thread that produced it: the files need no order, and a thread of
+                    # their own only added hand-offs (a third fewer context switches without it).
+                    await asyncio.to_thread(_drain, value.write_slabs(files.write_slab))
                     continue
                 pending: list[Any] = []
                 for index, piece in slabs():

@@ -28,7 +28,7 @@ def test_sums_are_float64_and_independent_of_chunking(monkeypatch):
 
 
 def test_narrow_tensors_are_widened_chunk_by_chunk_to_the_same_sums(monkeypatch):
-    """bf16/fp16 are widened to float32 a few rows at a time (a small buffer malloc reuses); the rows are the
+    """bf16/fp16 are widened to float32 a few rows at a time (into a buffer each thread keeps); the rows are the
     float32 tensor's, so the sums are its sums."""
     assert fingerprint.CONVERT_ELEMENTS % fingerprint.ROW_ELEMENTS == 0
     x = _tensor(3, shape=(1000, 70))
@@ -41,6 +41,18 @@ def test_narrow_tensors_are_widened_chunk_by_chunk_to_the_same_sums(monkeypatch)
         assert chunked.numel == whole.numel and chunked.agrees(whole)
         assert chunked.total == pytest.approx(whole.total, rel=1e-12, abs=1e-9)
         assert chunked.total_sq == pytest.approx(whole.total_sq, rel=1e-12)
+
+
+def test_threads_widening_at_once_each_get_their_own_sums():
+    """Each thread widens into a buffer of its own: sums taken on four threads at once, many times over, are
+    each tensor's own, bit for bit."""
+    from concurrent.futures import ThreadPoolExecutor
+    tensors = [_tensor(seed, shape=(900, 70)).to(torch.bfloat16) for seed in range(8)]
+    expected = [fingerprint.partial_sums(t) for t in tensors]
+    assert expected == [fingerprint.partial_sums(t.float()) for t in tensors]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert list(pool.map(fingerprint.partial_sums, tensors)) == expected
 
 
 def test_slices_summed_in_any_split_agree_with_the_whole():

@@ -692,7 +692,10 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
     """``ocdbt=False`` (--no-ocdbt): each array a directory of chunk files and no OCDBT store. Uncompressed, every
     slab of every streamed leaf is written by deepspeed-ext itself (zarr3_shards; counted here), compressed by
     tensorstore. Restored, parameters and Adam moments equal the OCDBT checkpoint's bit for bit; the read-back
-    fingerprints agree; verify, inspect and from-maxtext read it; verify fails on a damaged chunk file."""
+    fingerprints agree; verify, inspect and from-maxtext read it; verify fails on a damaged chunk file. Each slab
+    is written by the producer thread that made it (no hand-off to a writer thread)."""
+    import threading
+
     from deepspeed_ext.checkpoint import manifest, zarr3_shards
     from deepspeed_ext.checkpoint.formats import open_checkpoint
     from deepspeed_ext.cli import main
@@ -706,10 +709,15 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
         tensor = params[name] if state == "fp32" else optimizer.state[params[name]][state]
         return tensor.detach().numpy().copy()
 
-    slabs = []
+    slabs, writers = [], set()
     write_slab = zarr3_shards.ChunkFiles.write_slab
-    monkeypatch.setattr(zarr3_shards.ChunkFiles, "write_slab",
-                        lambda self, index, piece: slabs.append(self.directory) or write_slab(self, index, piece))
+
+    def counted_write_slab(self, index, piece):
+        slabs.append(self.directory)
+        writers.add(threading.current_thread().name.rsplit("_", 1)[0])
+        return write_slab(self, index, piece)
+
+    monkeypatch.setattr(zarr3_shards.ChunkFiles, "write_slab", counted_write_slab)
     summed = []  # the files the manifest sums from the disk: those not summed as they were written
     file_checksum = manifest.file_checksum
     monkeypatch.setattr(manifest, "file_checksum", lambda path: summed.append(path) or file_checksum(path))
@@ -722,6 +730,7 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
         if label == "files":
             leaves = plan_leaves(get_family("qwen3"), ModelDims.from_config(config), shapes, True)
             assert len(set(slabs)) == 3 * len(leaves) and len(slabs) > 6 * len(leaves)  # weights, mu, nu
+            assert writers == {"deepspeed-ext-maxtext-blocks"}, writers
             seen = len(slabs)
             # Our chunk files' manifest entries are their CRC-32C summed as written (none read back), and are the
             # files' own.
@@ -759,3 +768,17 @@ def test_chunk_files_outside_ocdbt_hold_the_same_arrays(tmp_path, monkeypatch, c
     assert main(["verify", str(out)]) != 0
     report = capsys.readouterr().out
     assert "FAILED" in report and chunk.parent.parent.parent.parent.name + "/c/0/0/0" in report, report
+
+
+def test_a_lazy_leaf_of_slabs_writes_each_slab_in_order():
+    """A lazy leaf given only ``slabs`` still offers ``write_slabs``: each slab handed to the writer in order,
+    what each write returns yielded; a leaf produced whole has neither."""
+    from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf
+
+    pieces = [((slice(0, 2), slice(None)), np.full((2, 3), 1.0)), ((slice(2, 4), slice(None)), np.full((2, 3), 2.0))]
+    leaf = LazyLeaf((4, 3), np.dtype(np.float64), None, (2, 3), slabs=lambda: iter(pieces))
+    seen = []
+    assert list(leaf.write_slabs(lambda index, piece: seen.append((index, piece)) or piece.nbytes)) == [48, 48]
+    assert [index for index, _ in seen] == [index for index, _ in pieces]
+    assert np.array_equal(np.asarray(leaf), np.repeat([1.0, 2.0], 6).reshape(4, 3))
+    assert LazyLeaf((2,), np.dtype(np.float32), lambda: np.zeros(2, np.float32)).write_slabs is None

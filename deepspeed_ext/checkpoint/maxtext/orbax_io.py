@@ -5,6 +5,7 @@ through a partial restore. Orbax's internals (the handler that writes lazy leave
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -14,6 +15,16 @@ import numpy as np
 
 from deepspeed_ext.checkpoint.maxtext.names import ITEM, STEP_DIR
 from deepspeed_ext.errors import CheckpointError, first_line
+
+
+#: ``write(index, array)``: writes one slab (as :attr:`LazyLeaf.slabs` yields them); returns the bytes written.
+SlabWriter = Callable[[tuple[int | slice, ...], np.ndarray], int]
+
+
+def _write_each(slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]],
+                write: SlabWriter) -> Iterator[int]:
+    for index, piece in slabs():
+        yield write(index, piece)
 
 
 class LazyLeaf:
@@ -27,12 +38,18 @@ class LazyLeaf:
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray] | None,
                  write_shape: tuple[int, ...] | None = None,
-                 slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]] | None = None):
+                 slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]] | None = None,
+                 write_slabs: Callable[[SlabWriter], Iterator[int]] | None = None):
         if (produce is None) == (slabs is None):
             raise CheckpointError("internal: a lazy leaf needs exactly one of `produce` and `slabs`")
         self.shape = tuple(shape)
         self.write_shape = tuple(write_shape) if write_shape else None
         self.slabs = slabs
+        #: The same slabs, each handed to ``write`` (on the thread that produced it, where the leaf's producer says
+        #: so: a writer that needs no order and no thread of its own, the chunk files deepspeed-ext writes itself);
+        #: yields what each write returns, in order.
+        self.write_slabs: Callable[[SlabWriter], Iterator[int]] | None = write_slabs or (
+            None if slabs is None else functools.partial(_write_each, slabs))
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)

@@ -29,7 +29,7 @@ from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, FAMILY_KEY, FINGE
                                                     MODEL_AUX_KEY, MODEL_AUX_MODEL, MODEL_CONFIG_KEY, MU_KEY, NU_KEY,
                                                     OPT_STATE_KEY, PARAMS_COLLECTION, PARAMS_KEY, SCAN_LAYERS_KEY,
                                                     STEP_DIR, STEP_KEY)
-from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, import_orbax, save_items
+from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, SlabWriter, import_orbax, save_items
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf, plan_leaves
 from deepspeed_ext.checkpoint.maxtext.sharding import parse_mesh, shard_shape, storage_chunk
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
@@ -441,7 +441,14 @@ class _LeafArrays:
             yield from _in_order(self.producers, blocks(), slab)
             self.bar.update(1)
 
-        return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=slabs)
+        def write_slabs(write: SlabWriter) -> Iterator[int]:
+            def produce_and_write(block: tuple[tuple[int | slice, ...], str, int, int]) -> int:
+                return write(*slab(block))
+
+            yield from _in_order(self.producers, blocks(), produce_and_write)
+            self.bar.update(1)
+
+        return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=slabs, write_slabs=write_slabs)
 
     def _whole_stack(self, leaf: Leaf, rule: Rule, names: list[str], state: str, leaf_dtype: np.dtype) -> LazyLeaf:
         """A stack on an axis other than 1 (small non-parameter variables, on axis 0), produced whole."""
@@ -543,13 +550,15 @@ class _LeafArrays:
 
 def _in_order(pool: ThreadPoolExecutor, items: Iterable[_Item], produce: Callable[[_Item], _Produced]
               ) -> Iterator[_Produced]:
-    """``map(produce, items)`` run on ``pool``, :data:`PRODUCERS` items at a time, in order. Left early (a failed
-    write), it cancels what has not started and waits for what has, so nothing still reads the source after."""
+    """``map(produce, items)`` run on ``pool``, in order, with :data:`PRODUCERS` items still queued or running
+    while the consumer holds the one yielded (one more is submitted before an item is yielded: with only
+    PRODUCERS in flight, a producer idled each time the consumer was busy). Left early (a failed write), it
+    cancels what has not started and waits for what has, so nothing still reads the source after."""
     pending: list[Future[_Produced]] = []
     try:
         for item in items:
             pending.append(pool.submit(produce, item))
-            if len(pending) >= PRODUCERS:
+            if len(pending) > PRODUCERS:
                 yield pending.pop(0).result()
         while pending:
             yield pending.pop(0).result()
