@@ -28,7 +28,7 @@ import dataclasses
 import inspect
 import json
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +200,27 @@ def _chunk_file_report(directory: Path) -> Callable[[str, int, str], None] | Non
     return lambda relative, size, checksum: report(directory.name, relative, size, checksum)
 
 
-def _drain(items: Iterator[Any]) -> None:
-    """Run ``items`` to its end (each item a slab written)."""
-    for _ in items:
-        pass
+async def write_on_a_thread(writes: Generator[Any, None, None]) -> None:
+    """Run ``writes`` (each item a slab written) to its end on a thread. Cancelled, it lets the thread stop after
+    the write in hand, closes ``writes`` there (which ends the writes in flight) and only then lets the
+    cancellation through: no thread still writes into the staging directory when it is removed."""
+    stop = threading.Event()
+
+    def drain() -> None:
+        try:
+            for _ in writes:
+                if stop.is_set():
+                    break
+        finally:
+            writes.close()
+
+    done = asyncio.get_running_loop().run_in_executor(None, drain)
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        stop.set()
+        await asyncio.wait([done])
+        raise
 
 
 def lazy_leaf_handler() -> Any:
@@ -254,7 +271,7 @@ def lazy_leaf_handler() -> Any:
                     files = dataclasses.replace(files, written=_chunk_file_report(files.directory))
                     # Each slab written by the thread that produced it: the files need no order, and a thread of
                     # their own only added hand-offs (a third fewer context switches without it).
-                    await asyncio.to_thread(_drain, value.write_slabs(files.write_slab))
+                    await write_on_a_thread(value.write_slabs(files.write_slab))
                     continue
                 pending: list[Any] = []
                 for index, piece in slabs():

@@ -569,7 +569,7 @@ def test_slabs_are_produced_in_order_and_left_cleanly():
 
 def test_whole_tensor_rows_from_two_producers():
     """A source that cannot read ranges is loaded whole once per tensor, by either producer, and each producer's
-    rows are its tensor's whatever the other reads meanwhile."""
+    rows are its tensor's whatever the other reads meanwhile, however far ahead the other runs."""
     import threading
 
     from deepspeed_ext.checkpoint.maxtext.writer import _source_loaders
@@ -602,6 +602,37 @@ def test_whole_tensor_rows_from_two_producers():
     for thread in threads:
         thread.join()
     assert not wrong and sorted(loads) == sorted(full)
+
+    # One producer stays on a tensor while the other moves through two more: the tensor still being read is kept
+    # (dropping the oldest loaded it again). Two producers taking turns on one tensor's blocks load it once.
+    _, load_rows = _source_loaders({name: tensor(name) for name in full})
+    loads.clear()
+    started, moved_on = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        load_rows("w2", "fp32", 0, 4)
+        started.set()
+        moved_on.wait()
+        read(["w2"])
+
+    def fast() -> None:
+        started.wait()
+        read(["w0", "w1"])
+        moved_on.set()
+
+    threads = [threading.Thread(target=slow), threading.Thread(target=fast)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong and sorted(loads) == ["w0", "w1", "w2"]
+    loads.clear()
+    threads = [threading.Thread(target=read, args=(["w3"],)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong and loads == ["w3"]
 
 
 def test_source_rows_are_read_in_one_range_per_block():

@@ -56,3 +56,64 @@ def test_leaf_restores_parse_the_tree_metadata_once(tmp_path):
     finally:
         type(impl)._read_metadata_file = parse
     assert len(parsed) == 1, parsed
+
+
+def test_writes_on_a_thread_end_before_a_cancellation_gets_through():
+    """``write_on_a_thread``: every write runs, a failed one is raised; cancelled while writing, it returns only
+    once the thread has stopped and the writes were closed (nothing still writes into a staging directory that the
+    caller then removes)."""
+    import asyncio
+    import threading
+    import time
+
+    from deepspeed_ext.checkpoint.orbax_private import write_on_a_thread
+
+    state = {"running": 0, "done": 0, "closed": False}
+    lock = threading.Lock()
+    first_started = threading.Event()
+
+    def writes(count: int, fail_at: int | None = None):
+        try:
+            for i in range(count):
+                with lock:
+                    state["running"] += 1
+                first_started.set()
+                time.sleep(0.02)
+                with lock:
+                    state["running"] -= 1
+                if i == fail_at:
+                    raise OSError(28, "No space left on device")
+                state["done"] += 1
+                yield i
+        finally:
+            state["closed"] = True
+
+    asyncio.run(write_on_a_thread(writes(5)))
+    assert state == {"running": 0, "done": 5, "closed": True}
+
+    state.update(done=0, closed=False)
+    try:
+        asyncio.run(write_on_a_thread(writes(5, fail_at=2)))
+    except OSError as exc:
+        assert exc.errno == 28
+    else:
+        raise AssertionError("the failed write was not raised")
+    assert state == {"running": 0, "done": 2, "closed": True}
+
+    async def cancelled_while_writing() -> None:
+        task = asyncio.ensure_future(write_on_a_thread(writes(50)))
+        while not first_started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            with lock:
+                assert state["running"] == 0 and state["closed"]
+        else:
+            raise AssertionError("the cancellation did not get through")
+
+    state.update(done=0, closed=False)
+    first_started.clear()
+    asyncio.run(cancelled_while_writing())
+    assert state["done"] < 50

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ SlabWriter = Callable[[tuple[int | slice, ...], np.ndarray], int]
 
 
 def _write_each(slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]],
-                write: SlabWriter) -> Iterator[int]:
+                write: SlabWriter) -> Generator[int, None, None]:
     for index, piece in slabs():
         yield write(index, piece)
 
@@ -39,7 +39,7 @@ class LazyLeaf:
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype, produce: Callable[[], np.ndarray] | None,
                  write_shape: tuple[int, ...] | None = None,
                  slabs: Callable[[], Iterator[tuple[tuple[int | slice, ...], np.ndarray]]] | None = None,
-                 write_slabs: Callable[[SlabWriter], Iterator[int]] | None = None):
+                 write_slabs: Callable[[SlabWriter], Generator[int, None, None]] | None = None):
         if (produce is None) == (slabs is None):
             raise CheckpointError("internal: a lazy leaf needs exactly one of `produce` and `slabs`")
         self.shape = tuple(shape)
@@ -48,7 +48,7 @@ class LazyLeaf:
         #: The same slabs, each handed to ``write`` (on the thread that produced it, where the leaf's producer says
         #: so: a writer that needs no order and no thread of its own, the chunk files deepspeed-ext writes itself);
         #: yields what each write returns, in order.
-        self.write_slabs: Callable[[SlabWriter], Iterator[int]] | None = write_slabs or (
+        self.write_slabs: Callable[[SlabWriter], Generator[int, None, None]] | None = write_slabs or (
             None if slabs is None else functools.partial(_write_each, slabs))
         self.dtype = np.dtype(dtype)
         self.ndim = len(self.shape)

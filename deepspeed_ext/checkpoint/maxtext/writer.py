@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,9 +236,33 @@ def _optimizer_step(tensors: Mapping[str, LogicalTensor], label: str) -> int:
 
 def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRows]:
     """``load`` and ``load_rows`` (:class:`WriterOptions`) reading the source's tensors."""
-    #: The last tensors loaded whole, one per producer (:data:`PRODUCERS` threads read blocks at once).
-    last_whole: dict[tuple[str, str], Any] = {}
+    #: Tensors loaded whole (sources that cannot read ranges), each kept while some thread still reads its rows:
+    #: the tensor each thread asked for last. A producer that moves on to its next tensor never drops the one
+    #: another producer is still reading (dropping the oldest did, and that tensor was loaded again), and two
+    #: producers reading one tensor's blocks load it once.
+    whole: dict[tuple[str, str], Future[Any]] = {}
+    reading: dict[int, tuple[str, str]] = {}
     whole_lock = threading.Lock()
+
+    def load_whole(name: str, state: str) -> Any:
+        key = (name, state)
+        with whole_lock:
+            reading[threading.get_ident()] = key
+            loaded = whole.get(key)
+            loads = loaded is None
+            if loaded is None:
+                loaded = whole[key] = Future()
+            kept = set(reading.values())
+            for other in [other for other in whole if other not in kept]:
+                del whole[other]
+        if loads:
+            try:
+                loaded.set_result(tensors[name].load_tensor(state).detach().float().reshape(-1))
+            except BaseException as exc:
+                with whole_lock:
+                    whole.pop(key, None)
+                loaded.set_exception(exc)
+        return loaded.result()
 
     def load(name: str, state: str = MASTER_WEIGHTS) -> np.ndarray:
         return tensors[name].load_tensor(state).detach().float().numpy()
@@ -250,15 +274,7 @@ def _source_loaders(tensors: Mapping[str, LogicalTensor]) -> tuple[Load, LoadRow
         tensor = tensors[name]
         row = math.prod(tensor.shape[1:])
         if tensor.range_loader is None:
-            with whole_lock:
-                whole = last_whole.get((name, state))
-            if whole is None:
-                whole = tensor.load_tensor(state).detach().float().reshape(-1)
-                with whole_lock:
-                    while len(last_whole) >= PRODUCERS:
-                        del last_whole[next(iter(last_whole))]
-                    last_whole[(name, state)] = whole
-            return whole[first * row:last * row]
+            return load_whole(name, state)[first * row:last * row]
         # One read for the writer's whole block (its size bounds the memory): the source merges the TP shards of
         # the rows into a tensor of their own, with no second copy into this one's. A view of a mapped file
         # (a replicated tensor's rows) is consumed before this thread reads again; its pages are released then,
@@ -441,7 +457,7 @@ class _LeafArrays:
             yield from _in_order(self.producers, blocks(), slab)
             self.bar.update(1)
 
-        def write_slabs(write: SlabWriter) -> Iterator[int]:
+        def write_slabs(write: SlabWriter) -> Generator[int, None, None]:
             def produce_and_write(block: tuple[tuple[int | slice, ...], str, int, int]) -> int:
                 return write(*slab(block))
 
