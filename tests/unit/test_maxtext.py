@@ -813,3 +813,27 @@ def test_a_lazy_leaf_of_slabs_writes_each_slab_in_order():
     assert [index for index, _ in seen] == [index for index, _ in pieces]
     assert np.array_equal(np.asarray(leaf), np.repeat([1.0, 2.0], 6).reshape(4, 3))
     assert LazyLeaf((2,), np.dtype(np.float32), lambda: np.zeros(2, np.float32)).write_slabs is None
+
+
+def test_below_finds_nonzero_weights_under_a_power_of_two_from_their_bits():
+    """``_below``: whether any nonzero bf16 element is smaller in magnitude than the limit, either sign, zeros
+    and -0.0 never, NaN and Inf never; the same answer as comparing the values themselves."""
+    from deepspeed_ext.checkpoint.maxtext.writer import _below
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(600):
+        count = int(torch.randint(1, 40, (1,), generator=generator))
+        bits = torch.randint(-32768, 32768, (count,), generator=generator, dtype=torch.int32).to(torch.int16)
+        if trial % 3 == 0:  # mostly tiny magnitudes, zeros and -0.0 among them
+            bits = torch.where(bits.abs() > 1500, torch.zeros_like(bits), bits)
+        values = bits.view(torch.bfloat16)
+        wide = values.float().abs()
+        for exponent in (-126, -125, -120, -60, 0, 40, 127):
+            limit = 2.0 ** exponent
+            expected = bool(((wide > 0) & (wide < limit)).any())  # NaN compares false
+            assert _below(values.clone(), limit) == expected, (trial, exponent)
+    assert not _below(torch.tensor([], dtype=torch.bfloat16), 1.0)
+    assert not _below(torch.tensor([0.0, -0.0, float("nan"), float("inf")], dtype=torch.bfloat16), 2.0 ** 100)
+    assert _below(torch.tensor([-(2.0 ** -126)], dtype=torch.bfloat16), 2.0 ** -125)
+    values = torch.tensor([1.5, -3.0], dtype=torch.bfloat16)
+    assert not _below(values, 1.0) and _below(values, 2.0) and torch.equal(values, torch.tensor([1.5, -3.0]).bfloat16())
