@@ -596,11 +596,14 @@ def test_whole_tensor_rows_from_two_producers():
                 if not torch.equal(load_rows(name, "fp32", first, first + 4), full[name][first:first + 4].reshape(-1)):
                     wrong.append((name, first))
 
-    threads = [threading.Thread(target=read, args=(names,)) for names in (["w0", "w1"], ["w2", "w3"])]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    def run(*targets) -> None:
+        threads = [threading.Thread(target=target) for target in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    run(lambda: read(["w0", "w1"]), lambda: read(["w2", "w3"]))
     assert not wrong and sorted(loads) == sorted(full)
 
     # One producer stays on a tensor while the other moves through two more: the tensor still being read is kept
@@ -620,18 +623,10 @@ def test_whole_tensor_rows_from_two_producers():
         read(["w0", "w1"])
         moved_on.set()
 
-    threads = [threading.Thread(target=slow), threading.Thread(target=fast)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run(slow, fast)
     assert not wrong and sorted(loads) == ["w0", "w1", "w2"]
     loads.clear()
-    threads = [threading.Thread(target=read, args=(["w3"],)) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run(lambda: read(["w3"]), lambda: read(["w3"]))
     assert not wrong and loads == ["w3"]
 
 

@@ -453,18 +453,16 @@ class _LeafArrays:
             index, name, first, last = block
             return index, self.stored_block(rule, name, state, leaf_dtype, plan, first, last)
 
-        def slabs() -> Iterator[tuple[tuple[int | slice, ...], np.ndarray]]:
-            yield from _in_order(self.producers, blocks(), slab)
+        def produced(produce: Callable[[tuple[tuple[int | slice, ...], str, int, int]], _Produced]
+                     ) -> Generator[_Produced, None, None]:
+            yield from _in_order(self.producers, blocks(), produce)
             self.bar.update(1)
 
         def write_slabs(write: SlabWriter) -> Generator[int, None, None]:
-            def produce_and_write(block: tuple[tuple[int | slice, ...], str, int, int]) -> int:
-                return write(*slab(block))
+            return produced(lambda block: write(*slab(block)))  # written on the producer's thread
 
-            yield from _in_order(self.producers, blocks(), produce_and_write)
-            self.bar.update(1)
-
-        return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=slabs, write_slabs=write_slabs)
+        return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=lambda: produced(slab),
+                        write_slabs=write_slabs)
 
     def _whole_stack(self, leaf: Leaf, rule: Rule, names: list[str], state: str, leaf_dtype: np.dtype) -> LazyLeaf:
         """A stack on an axis other than 1 (small non-parameter variables, on axis 0), produced whole."""
