@@ -44,6 +44,10 @@ READ_BELOW = 64 << 10
 #: both checked 3.5 GB/s from a warm page cache on one thread of a 2-core EPYC VM; zlib and a fresh 8 MiB
 #: ``pread`` per block, 1.5 GB/s). Callers may pass ``block_bytes``.
 BLOCK_BYTES = 2 << 20
+#: Bytes summed per call where a record is read through a mapping (``mapped``): each block's pages are handed
+#: back (``madvise(MADV_DONTNEED)``, which only drops this mapping's view of them) once summed, so the check's
+#: memory stays flat.
+MAPPED_BLOCK_BYTES = 8 << 20
 
 _LOCAL_HEADER = b"PK\x03\x04"
 _DESCRIPTOR = b"PK\x07\x08"
@@ -173,11 +177,17 @@ def _advise(fd: int, advice_name: str) -> None:
             pass
 
 
-def _crc_of_range(fd: int, start: int, stop: int, crc: int, path: Path, block_bytes: int = BLOCK_BYTES) -> int:
+def _crc_of_range(fd: int, start: int, stop: int, crc: int, path: Path, block_bytes: int = BLOCK_BYTES,
+                  mapped: bool = False) -> int:
     """``crc`` continued over the file's bytes ``[start, stop)``, read in blocks into one buffer (the sum releases
-    the GIL, so other files can be read on other threads meanwhile)."""
+    the GIL, so other files can be read on other threads meanwhile). ``mapped``: summed where they lie in the page
+    cache, through a mapping of the range, with no copy (see :func:`check_zip`)."""
     if start >= stop:
         return crc
+    if mapped:
+        summed = _crc_of_mapped_range(fd, start, stop, crc)
+        if summed is not None:
+            return summed
     buffer = memoryview(bytearray(min(block_bytes, stop - start)))
     position = start
     while position < stop:
@@ -192,6 +202,32 @@ def _crc_of_range(fd: int, start: int, stop: int, crc: int, path: Path, block_by
             raise ZipCheckError(f"{path}: ends at byte {position}, before byte {stop} (changed while it was read?)")
         crc = crc32(block, crc)
         position += got
+    return crc
+
+
+def _crc_of_mapped_range(fd: int, start: int, stop: int, crc: int) -> int | None:
+    """:func:`_crc_of_range` through a read-only mapping of ``[start, stop)`` (within the file's size, which the
+    caller checked), or None where the file cannot be mapped (the caller reads it instead)."""
+    import mmap
+    offset = start - start % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapping = mmap.mmap(fd, stop - offset, prot=mmap.PROT_READ, offset=offset)
+    except (OSError, ValueError, AttributeError):  # a file system without mmap, or a platform without PROT_READ
+        return None
+    page = mmap.PAGESIZE
+    with mapping:
+        view = memoryview(mapping)
+        try:
+            released = 0
+            for low in range(start - offset, stop - offset, MAPPED_BLOCK_BYTES):
+                high = min(low + MAPPED_BLOCK_BYTES, stop - offset)
+                crc = crc32(view[low:high], crc)
+                done = high - high % page
+                if done > released and hasattr(mapping, "madvise"):
+                    mapping.madvise(mmap.MADV_DONTNEED, released, done - released)
+                    released = done
+        finally:
+            view.release()
     return crc
 
 
@@ -286,7 +322,8 @@ ReadData = Callable[[zipfile.ZipInfo], bool]
 
 
 def _check_record(handle: Any, archive: zipfile.ZipFile, info: zipfile.ZipInfo, size: int, path: Path,
-                  block_bytes: int, report: ZipReport, read_data: ReadData | None = None) -> str | None:
+                  block_bytes: int, report: ZipReport, read_data: ReadData | None = None,
+                  mapped: bool = False) -> str | None:
     """The problem with one record, if any: no local header, data past the end, a CRC-32 mismatch (where
     ``read_data`` lets its data be read), a data descriptor that disagrees with the central directory."""
     name = info.filename
@@ -299,7 +336,7 @@ def _check_record(handle: Any, archive: zipfile.ZipFile, info: zipfile.ZipInfo, 
     # A record whose data read_data leaves out is checked for its place in the file only.
     if not report.without_crc and info.compress_size and (read_data is None or read_data(info)):
         if info.compress_type == zipfile.ZIP_STORED:
-            crc = _crc_of_range(handle.fileno(), start, stop, 0, path, block_bytes)
+            crc = _crc_of_range(handle.fileno(), start, stop, 0, path, block_bytes, mapped=mapped)
             report.bytes_checked += info.compress_size
             if crc != info.CRC:
                 return f"{path}: record {name} fails its CRC-32 {_TORN}"
@@ -323,7 +360,7 @@ def _check_record(handle: Any, archive: zipfile.ZipFile, info: zipfile.ZipInfo, 
 
 
 def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES,
-              read_data: ReadData | None = None) -> ZipReport:
+              read_data: ReadData | None = None, mapped: bool = False) -> ZipReport:
     """Read every record of a zip file (a torch.save file) and compare it with its CRC-32; report what is wrong,
     one line per problem: not a zip, cut short, a record without its local header, past the end, or failing its
     CRC-32 (a hole of zeros left by a killed writer, or damage). ``torch.load`` would not notice most of these:
@@ -331,7 +368,13 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES,
     caller can check many files and list every bad one. A file written with CRC-32 off gets ``without_crc`` and
     only its structure is checked. Reads go in blocks of ``block_bytes``; the sum releases the GIL, so files may
     be checked on several threads (:func:`check_zips`). ``read_data``: which records' data to read (the rest are
-    checked for their place in the file only); default every record's."""
+    checked for their place in the file only); default every record's.
+
+    ``mapped``: each record's data are summed through a mapping of the file instead of copied out of it first
+    (``preadv``, 6 against 15 GB/s of a warm page cache on one core of a 2-core EPYC VM). A read error there is
+    a SIGBUS that ends the process instead of a line naming the file, so only a caller that reads the same bytes
+    through a mapping anyway (a conversion: ``torch.load(mmap=True)``) asks for it; the records' places are
+    checked against the file's size first either way, so a file cut short is reported, not mapped past its end."""
     path = Path(path)
     report = ZipReport()
     try:
@@ -351,7 +394,8 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES,
                 report.without_crc = bool(with_data) and all(info.CRC == 0 for info in with_data)
                 for info in records:
                     try:
-                        problem = _check_record(handle, archive, info, size, path, block_bytes, report, read_data)
+                        problem = _check_record(handle, archive, info, size, path, block_bytes, report, read_data,
+                                                mapped)
                     except OSError as exc:  # an I/O error (a bad sector) is that record's problem: go on
                         problem = f"{path}: record {info.filename} cannot be read: {exc.strerror or first_line(exc)}"
                     if problem is not None:
@@ -364,15 +408,16 @@ def check_zip(path: str | os.PathLike[str], *, block_bytes: int = BLOCK_BYTES,
 
 
 def check_zips(paths: Iterable[str | os.PathLike[str]], threads: int = 2,
-               read_data: Mapping[Path, ReadData] | None = None) -> dict[Path, ZipReport]:
+               read_data: Mapping[Path, ReadData] | None = None, mapped: bool = False) -> dict[Path, ZipReport]:
     """:func:`check_zip` of each file, ``threads`` at a time (reads and the sums release the GIL: two threads
     keep a disk or the page cache busier than one), in the order given; ``read_data``: per file, which records'
-    data to read (a file not in it: every record's)."""
+    data to read (a file not in it: every record's); ``mapped`` as for :func:`check_zip`."""
     from concurrent.futures import ThreadPoolExecutor
     files = [Path(path) for path in paths]
     chosen = read_data or {}
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="deepspeed-ext-zipcheck") as pool:
-        return dict(zip(files, pool.map(lambda path: check_zip(path, read_data=chosen.get(path)), files),
+        return dict(zip(files, pool.map(lambda path: check_zip(path, read_data=chosen.get(path), mapped=mapped),
+                                              files),
                         strict=True))
 
 

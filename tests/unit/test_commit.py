@@ -218,11 +218,13 @@ def _zero_inside(path: Path, tensor: torch.Tensor) -> None:
         handle.write(b"\0" * 64)
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read", "mapped"])
 @pytest.mark.parametrize("marked", [True, False], ids=["committed", "no-marker"])
-def test_a_lazy_content_check_reads_only_the_records_read_and_finds_damage_there(tmp_path, marked):
+def test_a_lazy_content_check_reads_only_the_records_read_and_finds_damage_there(tmp_path, marked, mapped):
     """The conversions' check (``ContentCheck`` with the optimizer files lazy): a hole in a moment no one reads
     passes, the same hole in the master that was read is named, and the whole check (``verify``'s) names both.
-    Everything of the file but its unread records' data is checked all the same (a cut-short file is named)."""
+    Everything of the file but its unread records' data is checked all the same (a cut-short file is named).
+    ``mapped`` (a conversion's: the records summed through a mapping) finds the same."""
     if marked:
         commit.prepare_staging(tmp_path / "save", "t")
         directory = commit.staging_root(tmp_path / "save", "t") / "t"
@@ -237,7 +239,7 @@ def test_a_lazy_content_check_reads_only_the_records_read_and_finds_damage_there
     _zero_inside(optim, states["exp_avg"])
 
     def lazy_check(*read: str) -> tuple[str, list[str]]:
-        check = commit.ContentCheck(tag_dir, lazy=[optim])
+        check = commit.ContentCheck(tag_dir, lazy=[optim], mapped=mapped)
         for state in read:
             location = serialization.mapped_location(states[state])
             assert location is not None
@@ -249,10 +251,10 @@ def test_a_lazy_content_check_reads_only_the_records_read_and_finds_damage_there
     assert "checked only where read (1 records, 400000 bytes)" in checked, checked
     _, problems = lazy_check("fp32", "exp_avg", "exp_avg")  # the second read of a record is not checked again
     assert len(problems) == 1 and str(optim) in problems[0], problems
-    _, problems = commit.check_contents(tag_dir)  # verify's: every byte
+    _, problems = commit.check_contents(tag_dir, mapped=mapped)  # every byte (verify's, not mapped)
     assert problems and all(str(optim) in problem for problem in problems), problems
 
-    check = commit.ContentCheck(tag_dir, lazy=[optim])
+    check = commit.ContentCheck(tag_dir, lazy=[optim], mapped=mapped)
     check.result()
     check.note_read(optim, None)  # read after the verdict, somewhere unknown: the whole file, at once
     with pytest.raises(CheckpointError, match=f"{optim}.*nothing was written"):
@@ -262,3 +264,33 @@ def test_a_lazy_content_check_reads_only_the_records_read_and_finds_damage_there
         handle.truncate(optim.stat().st_size - 100)
     _, problems = lazy_check()
     assert problems and str(optim) in problems[0], problems
+
+
+def test_a_conversion_sums_its_records_through_a_mapping_and_a_full_check_reads_them(tmp_path):
+    """A conversion's check (``tensors()``) sums the records where they lie, as the conversion maps them itself;
+    the check of every byte (``verify``'s) reads them (a read error is then a line naming the file, not a
+    SIGBUS). Both find a hole in a model-states record the conversion reads."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import synth_checkpoint
+
+    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+    config = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    plan = synth_checkpoint.make_plan(synth_checkpoint.llama_config_dict(config), tp=2)
+    tag = synth_checkpoint.write_checkpoint(plan, tmp_path / "ckpt", log=False)
+    source = DeepSpeedCheckpoint(tmp_path / "ckpt")
+    list(source.tensors())
+    assert source._content_check is not None and source._content_check.mapped
+    source.raise_if_damaged()
+    assert source.contents_checked()[1] == []
+    assert not source._content_check.mapped
+
+    states = serialization.load(tag / "mp_rank_01_model_states.pt")
+    name, weights = max(states["module"].items(), key=lambda item: item[1].numel())
+    _zero_inside(tag / "mp_rank_01_model_states.pt", weights)
+    for full in (False, True):
+        damaged = DeepSpeedCheckpoint(tmp_path / "ckpt")
+        list(damaged.tensors())
+        problems = damaged.contents_checked()[1] if full else damaged._content_check.result()[1]
+        assert any("mp_rank_01_model_states.pt" in problem for problem in problems), problems

@@ -109,6 +109,39 @@ def test_isal_is_used_where_it_is_installed():
     assert zipcheck.crc32 is not zlib.crc32  # the base install brings isal on this platform
 
 
+@settings(max_examples=40, deadline=None)
+@given(start=st.integers(min_value=0, max_value=3 * 4096 + 17), length=st.integers(min_value=1, max_value=40_000),
+       seed=st.integers(min_value=0, max_value=0xFFFFFFFF))
+def test_a_mapped_range_sums_as_a_read_one(tmp_path_factory, start, length, seed):
+    """Any start (the mapping begins on the page below it), any length across several mapped blocks (each handed
+    back once summed), any seed: the CRC-32 of a read."""
+    path = tmp_path_factory.getbasetemp() / "mapped-range.bin"
+    if not path.exists():
+        path.write_bytes(os.urandom(60_000))
+    data = path.read_bytes()
+    stop = min(start + length, len(data))
+    with open(path, "rb") as handle, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(zipcheck, "MAPPED_BLOCK_BYTES", 5000)  # several blocks, not on page boundaries
+        fd = handle.fileno()
+        mapped = zipcheck._crc_of_range(fd, start, stop, seed, path, mapped=True)
+        read = zipcheck._crc_of_range(fd, start, stop, seed, path)
+    assert mapped == read == zlib.crc32(data[start:stop], seed)
+
+
+def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
+    import mmap
+    path = tmp_path / "unmappable.bin"
+    path.write_bytes(os.urandom(70_000))
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    with open(path, "rb") as handle:
+        summed = zipcheck._crc_of_range(handle.fileno(), 3, 70_000, 0, path, mapped=True)
+    assert summed == zlib.crc32(path.read_bytes()[3:])
+
+
 def test_file_crc32_without_preadv(tmp_path, monkeypatch):
     big = tmp_path / "legacy.bin"
     big.write_bytes(os.urandom(zipcheck.BLOCK_BYTES * 2 + 5))
@@ -213,9 +246,10 @@ def test_a_compressed_record_is_refused_by_zip_file_crc32_but_checked(tmp_path):
 
 
 # --------------------------------------------------------------------------- check_zip
+@pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("name", list(_objects()))
-def test_check_zip_passes_a_sound_file(files, name):
-    report = check_zip(files[name])
+def test_check_zip_passes_a_sound_file(files, name, mapped):
+    report = check_zip(files[name], mapped=mapped)
     records = _records(files[name])
     assert report.problems == []
     assert report.records == len(records)
@@ -223,13 +257,14 @@ def test_check_zip_passes_a_sound_file(files, name):
     assert not report.without_crc
 
 
-@pytest.mark.parametrize("block_bytes", [zipcheck.BLOCK_BYTES, 4096])
-def test_a_hole_names_exactly_its_record(files, tmp_path, block_bytes):
+@pytest.mark.parametrize(("block_bytes", "mapped"), [(zipcheck.BLOCK_BYTES, False), (4096, False),
+                                                     (zipcheck.BLOCK_BYTES, True)])
+def test_a_hole_names_exactly_its_record(files, tmp_path, block_bytes, mapped):
     path = _copy(files["dtypes"], tmp_path)
     name, offset, size = _biggest(path)
     assert size > 1 << 20
     _zero(path, offset + size // 2 // 4096 * 4096, 64 << 10)
-    report = check_zip(path, block_bytes=block_bytes)
+    report = check_zip(path, block_bytes=block_bytes, mapped=mapped)
     assert report.problems == [f"{path}: record {name} fails its CRC-32 (damaged, or never written: a torn save)"]
     assert report.records == len(_records(path))
     # The whole-file CRC-32 trusts the directory: only check_zip can tell.
@@ -261,19 +296,22 @@ def test_a_zeroed_local_header_is_named(files, tmp_path):
                                f"(damaged, or never written: a torn save)"]
 
 
+@pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("cut", ["half", "last 10 bytes"])
-def test_a_truncated_file_is_cut_short(files, tmp_path, cut):
+def test_a_truncated_file_is_cut_short(files, tmp_path, cut, mapped):
     path = _copy(files["dtypes"], tmp_path)
     size = path.stat().st_size
     os.truncate(path, size // 2 if cut == "half" else size - 10)
-    report = check_zip(path)
+    report = check_zip(path, mapped=mapped)
     assert report.problems == [f"{path}: cut short: no zip central directory (the file was not completely written)"]
     assert report.records == 0 and report.bytes_checked == 0
 
 
-def test_a_record_past_the_end_of_the_file(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_record_past_the_end_of_the_file(tmp_path, mapped):
     """Central directory intact, data missing: a writer that wrote the directory before the data (as zipsave
-    does) and was killed, on a file system that kept the size but not the last blocks."""
+    does) and was killed, on a file system that kept the size but not the last blocks. Mapped, the record is
+    never mapped past the file's end (a SIGBUS would end the test process)."""
     path = tmp_path / "short.zip"
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr("a", os.urandom(300_000))
@@ -288,7 +326,7 @@ def test_a_record_past_the_end_of_the_file(tmp_path):
     end = new.rindex(b"PK\x05\x06")
     struct.pack_into("<I", new, end + 16, directory - cut)
     path.write_bytes(bytes(new))
-    report = check_zip(path)
+    report = check_zip(path, mapped=mapped)
     assert report.problems[0].startswith(f"{path}: record a runs past the end of the file"), report.problems
 
 
