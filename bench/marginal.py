@@ -6,18 +6,19 @@ of layers (by default 246M and 608M parameters: hidden 1024, MLP 2816, vocab 320
 ZeRO-1 bf16, trained one step by the real engine; 70 layers, 857M, would need more than 11 GiB per training
 rank, which a 24 GiB machine cannot give two ranks) and dividing the bytes difference by the time difference
 leaves the marginal rate, which fixed costs cannot hide. Each command runs with its input evicted from the page
-cache (cold) and read into it after a ``sync`` (warm), ``--rounds`` times in alternating order; rows are
-medians. Three marginal rates, each as a fraction of cp's: the extra checkpoint bytes per extra second (the same
-bytes for every command, so against cp it is cp's extra time over the command's), the extra bytes of output per
-extra second (what the command leaves behind, measured by its size: "per byte written"), and the extra bytes the
-command itself read and wrote per extra second as the block layer counts them (a warm cache and a tmpfs count
-almost none). Three floors (bench/maxtext_floor.py: every bf16 weight of the model-states files transposed as
-MaxText lays it out and written with tensorstore, or written as it lies, or transposed and written as plain zarr3
-files by two threads of ours without tensorstore or OCDBT; nothing checked, merged or recorded) show what any
-writer of MaxText's layout pays per byte on this machine, and what leaving tensorstore would save. A second copy
-floor, ``cp`` of the model-states files alone, writes as many bytes as to-maxtext does (``cp -r`` writes seven
-times as many). Besides the medians, each command's output per extra second is printed against cp's in the same
-round (paired), and cp's own extra seconds per round: the spread of the floor.
+cache (cold) and read into it after a ``sync`` (warm), ``--rounds`` times in alternating order; rows are medians;
+before each, the interpreter's shared libraries are read into the page cache too (a command that filled a tmpfs had
+evicted them, and the next one paid for reading them back). Three marginal rates, each as a fraction of cp's: the
+extra checkpoint bytes per extra second (the same bytes for every command, so against cp it is cp's extra time over
+the command's), the extra bytes of output per extra second (what the command leaves behind, measured by its size:
+"per byte written"), and the extra bytes the command itself read and wrote per extra second as the block layer
+counts them (a warm cache and a tmpfs count almost none). Three floors (bench/maxtext_floor.py: every bf16 weight
+of the model-states files transposed as MaxText lays it out and written with tensorstore, or written as it lies, or
+transposed and written as plain zarr3 files by two threads of ours without tensorstore or OCDBT; nothing checked,
+merged or recorded) show what any writer of MaxText's layout pays per byte on this machine, and what leaving
+tensorstore would save. A second copy floor, ``cp`` of the model-states files alone, writes as many bytes as
+to-maxtext does (``cp -r`` writes seven times as many). Besides the medians, each command's output per extra second
+is printed against cp's in the same round (paired), and cp's own extra seconds per round: the spread of the floor.
 
     python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
     python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
@@ -35,7 +36,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import build_checkpoint, checkpoint_workdir, conversion_commands, du, timed, warm  # noqa: E402
+from convert import (build_checkpoint, checkpoint_workdir, conversion_commands, du, timed, warm,  # noqa: E402
+                     warm_program)
 from maxtext_rss import model_arguments  # noqa: E402
 
 #: bench/maxtext_floor.py: the least a writer of MaxText's layout does (no checks, no TP merge), with and
@@ -78,6 +80,7 @@ def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> 
                         if name in args.commands}
             for name in (list(commands) if round_ % 2 == 0 else list(reversed(commands))):
                 shutil.rmtree(out, ignore_errors=True)
+                warm_program()  # cold or warm, the input alone is what differs
                 if cache == "warm":
                     warm(tag_dir)
                 result = timed(commands[name], cold=tag_dir if cache == "cold" else None)
