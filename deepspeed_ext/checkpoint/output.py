@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,13 +26,35 @@ from deepspeed_ext.errors import CheckpointError
 PARTIAL_SUFFIX = ".partial"
 
 #: Staging directories being built right now, and outputs published by this process: what an interrupt
-#: (Ctrl-C) removes and reports. Plain set/list operations are atomic under the GIL, so the signal handler,
-#: which runs between two bytecodes of the main thread, needs (and may take) no lock.
+#: (Ctrl-C) removes and reports. Plain set/list operations are atomic under the GIL.
 _in_flight: set[Path] = set()
 _published: list[Path] = []
 #: Publishing (renames, the pointer file) is never cut in half: an interrupt then waits for it to finish.
 _publishing = 0
 _interrupt_pending = False
+#: Taken to publish and to act on an interrupt, which may run on the interrupt's own thread while the main thread
+#: publishes; the interrupt that ends the process keeps it, so nothing is published after it began. Reentrant: the
+#: main thread's signal handler can run between two bytecodes of the main thread holding it.
+_interrupt_lock = threading.RLock()
+#: The interpreter the sweeper runs in (below): no site-packages, no user environment, only the standard library.
+_SWEEPER = """
+import fcntl, os, shutil, sys
+sys.stdin.buffer.read()  # end of file once the converter is gone, every one of its threads with it
+for path in sys.argv[1:]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        continue
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: another run's staging by now, not ours to remove
+        doomed = f"{path}.interrupted-{os.getpid()}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+"""
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -102,8 +125,12 @@ def staged(out: Path, pointer: tuple[Path, str] | None = None) -> Iterator[Path]
     uninterruptible step.
     """
     partial = staging_path(out)
-    lock = _claim(partial, out)
-    _in_flight.add(partial)
+    _in_flight.add(partial)  # before it exists: an interrupt in between removes nothing, or what _claim made
+    try:
+        lock = _claim(partial, out)
+    except BaseException:
+        _in_flight.discard(partial)
+        raise
     try:
         yield partial
         with _uninterruptible():
@@ -188,19 +215,23 @@ def _remove(path: Path) -> None:
 @contextmanager
 def _uninterruptible() -> Iterator[None]:
     global _publishing
-    _publishing += 1
+    with _interrupt_lock:  # waits for good where an interrupt is already ending the process
+        _publishing += 1
     try:
         yield
     finally:
-        _publishing -= 1
-        if not _publishing and _interrupt_pending:
-            _exit_interrupted()
+        with _interrupt_lock:
+            _publishing -= 1
+            if not _publishing and _interrupt_pending:
+                _exit_interrupted()
 
 
 def discard_in_flight() -> list[Path]:
     """Remove every staging directory still being built (after an interrupt); returns them.
 
-    Each is renamed first, so a worker thread that still writes by path fails instead of re-creating it."""
+    Each is renamed first, so a worker thread that still writes into it by path fails, or, where it creates the
+    file's directories first, re-creates the staging directory: :func:`_sweep_after_exit` removes that once the
+    process has ended."""
     paths = sorted(_in_flight)
     for path in paths:
         doomed = path.with_name(f"{path.name}.interrupted-{os.getpid()}")
@@ -218,24 +249,58 @@ def exit_on_interrupt() -> None:
     saying in one line what was (not) written; publishing in progress is finished first. For the CLI: a
     KeyboardInterrupt raised wherever the main thread happens to be (inside an import, a GC callback, a
     library that catches it) can be lost or turned into another error, and library threads would go on
-    writing while it unwinds."""
+    writing while it unwinds.
+
+    Python runs a signal handler on the main thread only, between two bytecodes. A main thread waiting in a
+    library's C code for a thread that will not finish, or in a lock while the kernel handed the signal to another
+    thread (a process-directed signal goes to any thread that does not block it), would never run it: Ctrl-C would
+    hang. So a thread of ours waits on the interpreter's wakeup descriptor, which the C-level handler writes on
+    whichever thread the signal lands, and acts at once; the handler on the main thread stays as the fallback."""
     import signal
-    import threading
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _on_interrupt)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, _on_interrupt)
+    try:
+        wakeups, wakeup_write = os.pipe()
+        os.set_blocking(wakeup_write, False)  # the C handler must never block
+        previous = signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
+    except (OSError, ValueError):
+        return
+    if previous != -1:  # someone else's (an event loop's): theirs stays, the main thread's handler serves us
+        signal.set_wakeup_fd(previous)
+        os.close(wakeups)
+        os.close(wakeup_write)
+        return
+    threading.Thread(target=_watch_interrupts, args=(wakeups, ), name="deepspeed-ext-interrupt", daemon=True).start()
+
+
+def _watch_interrupts(wakeups: int) -> None:
+    """The wakeup descriptor's reader: one byte per signal with a Python handler, its number."""
+    import signal
+    while True:
+        try:
+            received = os.read(wakeups, 64)
+        except OSError:
+            return
+        if not received:
+            return
+        if signal.SIGINT in received:
+            _on_interrupt(signal.SIGINT, None)
 
 
 def _on_interrupt(signum: int, frame: object) -> None:
     global _interrupt_pending
+    _interrupt_lock.acquire()  # kept when the process ends here
     if _publishing:
         _interrupt_pending = True
+        _interrupt_lock.release()
         return
     _exit_interrupted()
 
 
 def _exit_interrupted() -> None:
     import sys
-    discard_in_flight()
+    discarded = discard_in_flight()
     if _published:
         message = f"interrupted; already complete: {', '.join(map(str, _published))}; nothing else was written"
     else:
@@ -244,4 +309,27 @@ def _exit_interrupted() -> None:
         sys.stderr.write(f"deepspeed-ext: {message}\n")
         sys.stderr.flush()
     finally:
-        os._exit(130)
+        try:
+            _sweep_after_exit(discarded)
+        finally:
+            os._exit(130)
+
+
+def _sweep_after_exit(paths: list[Path]) -> None:
+    """Remove ``paths`` again once this process has ended. A library's own threads (tensorstore's, in C++) go on
+    writing by path until the process ends, and creating a file's directories re-creates a staging directory
+    just removed; only the end of the process stops them. A small process of the standard library waits for that
+    end (the pipe it reads closes with the last of our threads), then removes what came back, unless another
+    run holds it by then (its lock). It keeps our stderr, so a caller that reads it to its end also waits for
+    the sweep (milliseconds); it runs in a session of its own, beyond the reach of a second Ctrl-C."""
+    if not paths:
+        return
+    import subprocess
+    import sys
+    try:
+        until_exit, held_until_exit = os.pipe()  # ours stays open (not inherited) until os._exit
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", _SWEEPER, *map(str, paths)], stdin=until_exit,
+                         stdout=subprocess.DEVNULL, start_new_session=True)
+        os.close(until_exit)
+    except Exception:  # noqa: BLE001 - best effort: what we removed before stays removed
+        pass

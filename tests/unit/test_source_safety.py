@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from deepspeed_ext.demo.models import build_model
 from harness.cli import REFUSED, assert_refused_everywhere, digest, make_formats, run, universal_in
+from harness.runner import child_env
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +213,23 @@ def test_the_staging_directory_is_the_outputs_lock(tmp_path):
     with output.staged(tmp_path / "other") as partial:
         assert not (partial / "leftover").exists()
     assert (tmp_path / "other").is_dir() and not stale.exists()
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_ctrl_c_ends_the_run_and_what_writer_threads_recreate_is_swept(tmp_path, where):
+    """A SIGINT handled on whichever thread it lands, while the main thread waits in a lock for good ("thread":
+    Python's own handler would never run), and a writer thread that re-creates the staging directory by path
+    after it was removed: exit 130, one line, and once the process and its sweeper are gone (the caller read
+    stderr to its end), nothing left. Five runs each: the re-creation is a race the sweep must win every time."""
+    worker = Path(__file__).resolve().parents[1] / "harness" / "workers" / "interrupted_staging.py"
+    for attempt in range(5):
+        work = tmp_path / str(attempt)
+        work.mkdir()
+        proc = subprocess.run([sys.executable, str(worker), str(work / "out"), where], capture_output=True,
+                              text=True, timeout=60, env=child_env())
+        assert proc.returncode == 130 and proc.stderr == "deepspeed-ext: interrupted; nothing was written\n", \
+            (attempt, proc.returncode, proc.stderr[-2000:])
+        assert sorted(p.name for p in work.iterdir()) == [], attempt
 
 
 def test_optimizer_state_lists_are_read_as_dicts_and_other_shapes_refused(tmp_path):
