@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -255,8 +258,9 @@ def exit_on_interrupt() -> None:
     library's C code for a thread that will not finish, or in a lock while the kernel handed the signal to another
     thread (a process-directed signal goes to any thread that does not block it), would never run it: Ctrl-C would
     hang. So a thread of ours waits on the interpreter's wakeup descriptor, which the C-level handler writes on
-    whichever thread the signal lands, and acts at once; the handler on the main thread stays as the fallback."""
-    import signal
+    whichever thread the signal lands, and acts at once; the handler on the main thread stays as the fallback.
+    (What that thread needs is imported with this module: an import on the way out could wait for the main
+    thread, stopped in the handler.)"""
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGINT, _on_interrupt)
@@ -276,7 +280,6 @@ def exit_on_interrupt() -> None:
 
 def _watch_interrupts(wakeups: int) -> None:
     """The wakeup descriptor's reader: one byte per signal with a Python handler, its number."""
-    import signal
     while True:
         try:
             received = os.read(wakeups, 64)
@@ -299,15 +302,15 @@ def _on_interrupt(signum: int, frame: object) -> None:
 
 
 def _exit_interrupted() -> None:
-    import sys
     discarded = discard_in_flight()
     if _published:
         message = f"interrupted; already complete: {', '.join(map(str, _published))}; nothing else was written"
     else:
         message = "interrupted; nothing was written"
     try:
-        sys.stderr.write(f"deepspeed-ext: {message}\n")
-        sys.stderr.flush()
+        # Straight to the descriptor: sys.stderr's buffer has a lock, which the main thread may hold, stopped in
+        # the handler on its way into a write, while this runs on the interrupt thread.
+        os.write(2, f"deepspeed-ext: {message}\n".encode())
     finally:
         try:
             _sweep_after_exit(discarded)
@@ -324,8 +327,6 @@ def _sweep_after_exit(paths: list[Path]) -> None:
     the sweep (milliseconds); it runs in a session of its own, beyond the reach of a second Ctrl-C."""
     if not paths:
         return
-    import subprocess
-    import sys
     try:
         until_exit, held_until_exit = os.pipe()  # ours stays open (not inherited) until os._exit
         subprocess.Popen([sys.executable, "-I", "-S", "-c", _SWEEPER, *map(str, paths)], stdin=until_exit,
