@@ -87,7 +87,9 @@ class SumsPlan:
         if engine_private.module_weights_apart(engine):
             states = (*states, MODULE_WEIGHTS)
         whole = engine_private.muon_whole_offsets(engine)
-        params = [(name, param) for name, param in engine.module.named_parameters() if param.requires_grad]
+        # Frozen parameters too (no optimizer steps them, their weights alone are checkpointed state): a resume
+        # that left one out would train on with the wrong weights.
+        params = list(engine.module.named_parameters())
         stage0 = engine_private.stage0_slots(engine)
         base = engine_private.base_optimizer(engine)
         distributed = dist.is_available() and dist.is_initialized()
@@ -107,7 +109,9 @@ class SumsPlan:
             if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
                 continue
             for j, state in enumerate(states):
-                if state == MODULE_WEIGHTS:  # whole on every DP rank: DP rank 0 speaks for it
+                if not param.requires_grad:  # its weights, as fp32: what every checkpoint format holds of it
+                    local = engine_private.owned_frozen_weights(param, dp_rank) if state == MASTER_WEIGHTS else None
+                elif state == MODULE_WEIGHTS:  # whole on every DP rank: DP rank 0 speaks for it
                     local = param if dp_rank == 0 and param.dtype in engine_private.LOW_PRECISION else None
                 else:
                     local = engine_private.owned_state(param, state, stage0, base, dp_rank, whole)

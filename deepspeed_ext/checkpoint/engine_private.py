@@ -458,6 +458,24 @@ def zero3_partition_in_place(param: Any, state: str, size: int) -> torch.Tensor 
     return partition
 
 
+def frozen_weight_targets(param: Any) -> list[tuple[torch.Tensor, int]]:
+    """Where this rank keeps a frozen parameter's weights (no optimizer holds them): ``(1-D tensor, start)`` pairs
+    as :func:`state_targets` gives them. ZeRO-3: this rank's partition of the low-precision weights (``ds_tensor``,
+    its real part); else the parameter itself, whole on every DP rank."""
+    if is_zero3_param(param):
+        start, stop, _ = zero3_partition(param)
+        return [(param.ds_tensor.data.view(-1)[:stop - start], start)]
+    return [(param.data.view(-1), 0)]
+
+
+def owned_frozen_weights(param: Any, dp_rank: int) -> torch.Tensor | None:
+    """The part of a frozen parameter's weights this rank speaks for in the fingerprints: its ZeRO-3 partition
+    (the real part), else the whole tensor on DP rank 0."""
+    if is_zero3_param(param):
+        return frozen_weight_targets(param)[0][0]
+    return param.data if dp_rank == 0 else None
+
+
 def set_zero3_partition(param: Any, state: str, value: torch.Tensor) -> None:
     """Set this rank's whole ZeRO-3 partition of ``state`` through DeepSpeed's public setters (the path for
     swapped optimizer states, where :func:`zero3_partition_in_place` has nothing)."""

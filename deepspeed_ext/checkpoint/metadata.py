@@ -44,6 +44,8 @@ class UCInfo:
     #: The tag is committed by a marker written last (:mod:`deepspeed_ext.checkpoint.commit`): without one, the
     #: save did not finish.
     commit_marker: bool = False
+    #: The frozen parameters (weights only: no optimizer steps them), where the checkpoint holds any.
+    frozen: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,6 +60,7 @@ class UCInfo:
             **({"optimizer_param_names": self.optimizer_param_names} if self.optimizer_param_names else {}),
             **({FINGERPRINTS_KEY: self.fingerprints.to_json()} if self.fingerprints is not None else {}),
             **({COMMIT_KEY: COMMIT_FILE} if self.commit_marker else {}),
+            **({"frozen_params": self.frozen} if self.frozen else {}),
         }
 
     @classmethod
@@ -76,7 +79,8 @@ class UCInfo:
                    optimizer_param_names=data.get("optimizer_param_names"),
                    fingerprints=(Fingerprints.from_json(data[FINGERPRINTS_KEY], source)
                                  if data.get(FINGERPRINTS_KEY) is not None else None),
-                   commit_marker=bool(data.get(COMMIT_KEY)))
+                   commit_marker=bool(data.get(COMMIT_KEY)),
+                   frozen=[str(name) for name in data.get("frozen_params") or []])
 
 
 def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:

@@ -10,6 +10,7 @@ a rank reads the pages of its own ranges, not whole tensors and not its neighbou
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Protocol
@@ -141,6 +142,7 @@ def load_resharded(engine: Any,
     if missing:
         raise CheckpointError(f"{ckpt.path}: no saved tensors for {len(missing)} model parameters, e.g. "
                               f"{missing[:3]}")
+    _warn_of_frozen_left_out(ckpt, [name for name, p in params if not p.requires_grad and name not in available])
     # A universal checkpoint made from weights alone (HF, params-only MaxText) has no optimizer state: the
     # optimizer keeps its fresh state, as when training starts from pretrained weights.
     with_optimizer = load_optimizer_states and not load_module_only and ckpt.has_optimizer_states
@@ -151,7 +153,8 @@ def load_resharded(engine: Any,
         stage0 = engine_private.stage0_slots(engine)
         whole = engine_private.muon_whole_offsets(engine)
         entries = engine_private.StateEntries(engine, stage0) if with_optimizer else None
-        saved_params = [(name, param) for name, param in params if name in available]  # frozen: keep its value
+        # Every parameter the checkpoint holds, frozen ones too (their weights: no optimizer keeps them).
+        saved_params = [(name, param) for name, param in params if name in available]
         # A rank beyond the KV-head count holds none of the tensor: nothing of it to restore. DeepSpeed keeps such
         # empty parameters out of the optimizer; an optimizer that keeps state for them anyway (torch's Adagrad
         # creates it at construction) gets the saved step, so every rank counts alike.
@@ -166,6 +169,9 @@ def load_resharded(engine: Any,
         for name, param in restored:
             layout = getattr(param, LAYOUT_ATTR)
             rank = shard_rank(param, tp_rank)  # AutoEP experts: the EP rank
+            if not param.requires_grad:  # frozen: its weights where this rank keeps them (ZeRO-3: its partition)
+                _fill(engine_private.frozen_weight_targets(param), ckpt, name, MASTER_WEIGHTS, layout, rank)
+                continue
             for state in saved[param][0]:
                 if engine_private.is_zero3_param(param):  # ZeRO-3: read only this DP rank's partition of the TP slice
                     _set_zero3_partition(param, ckpt, name, state, layout, rank)
@@ -190,6 +196,16 @@ def load_resharded(engine: Any,
     return str(ckpt.path), client_state
 
 
+def _warn_of_frozen_left_out(ckpt: ReshardingSource, names: list[str]) -> None:
+    """Frozen parameters the checkpoint does not hold keep the values the model was built with: said once, on
+    rank 0 (a checkpoint written before deepspeed-ext carried frozen weights, or by a tool that drops them)."""
+    if not names or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    logging.getLogger("deepspeed_ext").warning(
+        "%s: %d frozen parameter(s) are not in the checkpoint and keep the values the model was built with, e.g. "
+        "%s", ckpt.path, len(names), names[:3])
+
+
 def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available: set[str], tp_size: int,
                      tp_rank: int) -> None:
     """The persistent buffers the checkpoint carries (DeepSeek-V3's router bias): whole on every rank."""
@@ -205,11 +221,13 @@ def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.Sta
     optimizer keeps other states for the parameter than the checkpoint holds: a checkpoint of another optimizer, or
     a parameter that changed sides in DeepSpeed's Muon (momentum for the matrices, ``use_muon``; Adam for the rest).
     """
-    if entries is None:  # the optimizer's states are not loaded
+    if entries is None or not param.requires_grad:  # the optimizer's states are not loaded, or it has none
         return (MASTER_WEIGHTS, ), ()
     tensors, scalars = ckpt.states_of(name)
     if len(tensors) == 1 and not scalars:
-        raise CheckpointError(f"{ckpt.path}: no saved optimizer state for {name!r}")
+        raise CheckpointError(f"{ckpt.path}: no saved optimizer state for {name!r}, which this run trains (frozen "
+                              "when it was saved?); load it without its optimizer state "
+                              "(load_optimizer_states=False) to start the optimizer fresh")
     group = entries.group(param)
     if group is None:  # this rank keeps none of its state
         return tensors, scalars

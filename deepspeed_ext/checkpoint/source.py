@@ -9,7 +9,7 @@ its optimizer's summary) the universal writer takes from a DeepSpeed source and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -64,6 +64,8 @@ class SourceInfo:
     #: The optimizer's settings as saved (:func:`~deepspeed_ext.checkpoint.states.optimizer_settings`): what another
     #: framework needs to continue the run. None where the checkpoint records none.
     optimizer_settings: Mapping[str, Any] | None = None
+    #: The frozen parameters (no optimizer steps them: their weights alone, ``fp32``, whatever the others have).
+    frozen: tuple[str, ...] = ()
 
     @property
     def has_optimizer(self) -> bool:
@@ -158,6 +160,16 @@ def check_against_record(info: SourceInfo, found: Fingerprints, names: list[str]
     checked, mismatches = compare(recorded.subset(names), found, check_step=False)
     if mismatches:
         raise CheckpointError(mismatch_message(str(info.given), mismatches, checked, SOURCE_WRONG))
+
+
+def frozen_summary(layouts: Mapping[str, TPLayout], frozen: Iterable[str]) -> dict[str, str]:
+    """What ``inspect`` says of a checkpoint's frozen parameters (nothing where it has none)."""
+    names = [name for name in frozen if name in layouts]
+    if not names:
+        return {}
+    return {"frozen_parameters": f"{len(names)} of {len(layouts)} parameters, "
+                                 f"{sum(layouts[name].numel for name in names)} elements (weights only: no optimizer "
+                                 "steps them)"}
 
 
 def required_model_config(info: SourceInfo) -> dict[str, Any]:

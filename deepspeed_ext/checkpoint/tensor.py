@@ -58,6 +58,9 @@ class LogicalTensor:
     #: like a state): a DeepSpeed ZeRO-0/1/2 checkpoint trained in bf16 or fp16. Not one of ``states``: no
     #: converter carries it, a writer may read it in place of the masters.
     module_weights: bool = False
+    #: Whether an optimizer steps it. A frozen parameter (``requires_grad=False``: a LoRA model's base, a frozen
+    #: embedding) has its weights alone (``fp32``), however many states the others have.
+    trainable: bool = True
 
     def _check_readable(self, state: str) -> None:
         if state not in self.states and not (state == MODULE_WEIGHTS and self.module_weights):

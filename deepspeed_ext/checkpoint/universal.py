@@ -43,8 +43,8 @@ from deepspeed_ext.checkpoint.manifest import ManifestRecorder
 from deepspeed_ext.checkpoint.metadata import METADATA_FILE as UC_INFO_FILE
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info, write_uc_info
 from deepspeed_ext.checkpoint.source import (CarriesDeepSpeedStates, CheckpointSource, OpenOptions, SourceInfo,
-                                             WriteOptions, check_against_record, finite_check, protected_paths,
-                                             required_model_config)
+                                             WriteOptions, check_against_record, finite_check, frozen_summary,
+                                             protected_paths, required_model_config)
 from deepspeed_ext.checkpoint.states import (ADAM_STATES, KNOWN_SCALARS, MASTER_WEIGHTS, MODULE_WEIGHTS,
                                              MUON_MOMENTUM, STEP, has_optimizer, optimizer_settings,
                                              optimizer_states_summary, ordered_states)
@@ -346,7 +346,8 @@ def _write_uc_info(source: CheckpointSource, partial: Path, written: Fingerprint
                model_class=info.model_class,
                versions=dict(info.versions),
                kind="universal",
-               fingerprints=written))
+               fingerprints=written,
+               frozen=list(info.frozen)))
 
 
 def write_fresh_model_states(directory: Path, global_steps: int) -> None:
@@ -462,6 +463,11 @@ class UniversalCheckpoint:
     @cached_property
     def uc_info(self) -> UCInfo | None:
         return read_uc_info(self.path)
+
+    @cached_property
+    def frozen(self) -> frozenset[str]:
+        """The frozen parameters our UC info lists: weights only (no moments, no step), as saved."""
+        return frozenset(self.uc_info.frozen) if self.uc_info is not None else frozenset()
 
     def file(self, name: str, state: str) -> Path:
         return self.zero / name / f"{state}.pt"
@@ -615,7 +621,8 @@ class UniversalCheckpoint:
                           metadata="deepspeed_ext" if recorded else "none",
                           fingerprints=recorded.fingerprints if recorded else None,
                           optimizer_settings=optimizer_settings(self.optimizer_state.get(keys.PARAM_GROUPS),
-                                                                states.get(keys.DS_CONFIG)))
+                                                                states.get(keys.DS_CONFIG)),
+                          frozen=tuple(name for name in self.names if name in self.frozen))
 
     @cached_property
     def _scalars(self) -> tuple[str, ...]:
@@ -639,7 +646,7 @@ class UniversalCheckpoint:
             states = self.param_states[name]
             # A torn conversion may lack one file of one parameter.
             missing = [state for state in self._expected_states(name, states) if state not in states]
-            if any_optimizer and not has_optimizer(states):
+            if any_optimizer and not has_optimizer(states) and name not in self.frozen:  # frozen: weights alone
                 missing.append(next(s for s in self.param_states.values() if has_optimizer(s))[1])
             if missing:
                 raise CheckpointError(f"{self.file(name, missing[0])}: missing ({name} has "
@@ -655,7 +662,7 @@ class UniversalCheckpoint:
 
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=states, loader=loader,
                                 dtype=self.model_dtype(name), range_loader=range_loader,
-                                scalars=tuple(s for s in states if s in scalars))
+                                scalars=tuple(s for s in states if s in scalars), trainable=name not in self.frozen)
 
     def raise_if_damaged(self) -> None:
         """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where
@@ -681,6 +688,7 @@ class UniversalCheckpoint:
             "deepspeed_version": str(states.get(keys.DS_VERSION)),
             "metadata": "deepspeed_ext" if self.uc_info else "none",
             "num_parameters": sum(t.numel() for t in master),
+            **frozen_summary(self.layouts, self.frozen),
         }
 
 

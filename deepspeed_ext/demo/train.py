@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--load-dir then restores through upstream DeepSpeed)")
     p.add_argument("--async-save", action="store_true",
                    help="save in the background (\"async_save\": true); the run waits for its last save at the end")
+    p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression "
+                   "(requires_grad=False: trained by no optimizer, as a LoRA model's base or a frozen embedding)")
+    p.add_argument("--init-seed", type=int, default=1234, help="the seed the model's initial weights are drawn with "
+                   "(a resume from another one relies on the checkpoint for every weight)")
     p.add_argument("--result", help="write losses (JSON) here")
     return p.parse_args(argv)
 
@@ -116,7 +120,12 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         from transformers import AutoConfig
         values = json.loads(Path(args.model_config).read_text())
         config = AutoConfig.for_model(values.pop("model_type"), **values)
-    model = build_model(args.family, config=config)
+    model = build_model(args.family, seed=args.init_seed, config=config)
+    if args.freeze:
+        import re
+        for name, param in model.named_parameters():
+            if re.search(args.freeze, name):
+                param.requires_grad_(False)
     config = ds_config(tp=args.tp,
                        dp=world // args.tp,
                        zero=args.zero,
@@ -135,8 +144,10 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        warmup_steps=args.warmup_steps,
                        async_save=args.async_save)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
-    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config,
-                           optimizer=client_optimizer(args.optimizer, model.parameters()))
+    # What an optimizer steps: the trainable parameters (as the HF Trainer and peft hand them over).
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    engine, _, _, _ = init(model=model, model_parameters=trainable, config=config,
+                           optimizer=client_optimizer(args.optimizer, trainable))
 
     from deepspeed_ext.checkpoint.engine_private import tp_group_info
     tp_size, tp_rank = tp_group_info()

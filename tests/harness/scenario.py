@@ -29,6 +29,11 @@ class Load:
     extra: tuple[str, ...] = ()
 
 
+#: A resumed run builds its model from other initial weights than the run that saved: the checkpoint must supply
+#: every weight (a frozen one left out would otherwise still hold the saved run's initial value).
+RESUMED_INIT = ["--init-seed", "4321"]
+
+
 @dataclass
 class Scenario:
     """Train (saving at ``save_at``, dumping the live engine's state) → convert → resume on demand."""
@@ -52,6 +57,7 @@ class Scenario:
     save_at: int = 3
     warmup_steps: int = 0  # DeepSpeed's WarmupLR over that many steps (0: a constant rate)
     save_also: tuple[int, ...] = ()  # more steps to save after (``tag_dir`` stays ``save_at``'s; convert=False)
+    freeze: str | None = None  # the demo's --freeze: a regular expression of parameter names trained by no optimizer
     baseline: dict[int, float] = field(default_factory=dict)
     resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
     #: fp16 loss scale per step: "baseline" for the uninterrupted run, else the resume's key.
@@ -88,7 +94,8 @@ class Scenario:
                             ["--allow-cpu-fp16"] if self.dtype == "fp16" else []) + (
                                 ["--ep", str(self.ep)] if self.ep else []) + (
                                     ["--optimizer", self.optimizer] if self.optimizer != "adam" else []) + (
-                                        ["--warmup-steps", str(self.warmup_steps)] if self.warmup_steps else [])
+                                        ["--warmup-steps", str(self.warmup_steps)] if self.warmup_steps else []) + (
+                                            ["--freeze", self.freeze] if self.freeze else [])
 
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",
@@ -130,7 +137,7 @@ class Scenario:
         if key not in self.resumed:
             name = f"resume_tp{tp}_dp{dp}" + ("_upstream" if upstream else "") + f"_{len(self.resumed)}"
             args = self.common(tp) + ["--load-dir", str(load_dir or self.save_dir), "--result",
-                                      str(self.root / f"{name}.json")]
+                                      str(self.root / f"{name}.json"), *RESUMED_INIT]
             if zero is not None:
                 args += ["--zero", str(zero)]
             torchrun_train(tp * dp,
@@ -161,7 +168,7 @@ class Scenario:
             runs = []
             for index in indices:
                 load, name = loads[index], names[index]
-                runs.append(self.common(tp) + list(load.extra) +
+                runs.append(self.common(tp) + list(load.extra) + RESUMED_INIT +
                             ["--load-dir", str(load.load_dir), "--dump-loaded", str(self.root / name), "--steps",
                              str(self.save_at + 1), "--result", str(self.root / f"{name}.json")] +
                             ([] if load.load_universal else ["--no-load-universal"]))

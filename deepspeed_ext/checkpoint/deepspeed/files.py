@@ -79,6 +79,7 @@ class TagFiles:
     optim_template: str = "zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
     _model_states: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False)
     _optim_states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
+    _grid_states: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def scan(cls, tag_dir: Path) -> TagFiles:
@@ -229,6 +230,15 @@ class TagFiles:
         if tp not in self._model_states:
             self._model_states[tp] = serialization.load(self.model_files[tp])
         return self._model_states[tp]
+
+    def grid_model_states(self, tp: int, dp: int) -> dict[str, Any]:
+        """ZeRO-3: the (TP, DP) rank's model states (DP rank 0's are :meth:`model_states`)."""
+        if dp == 0:
+            return self.model_states(tp)
+        key = (tp, dp)
+        if key not in self._grid_states:
+            self._grid_states[key] = serialization.load(self.model_grid[key])
+        return self._grid_states[key]
 
     def optimizer_file_state(self, tp: int, dp: int) -> dict[str, Any]:
         """The ``optimizer_state_dict`` payload of the (tp, dp) optimizer file."""

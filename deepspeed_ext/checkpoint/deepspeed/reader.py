@@ -23,10 +23,12 @@ from deepspeed_ext.checkpoint import output, ranges, serialization
 from deepspeed_ext.checkpoint.deepspeed import keys, reconcile
 from deepspeed_ext.checkpoint.deepspeed.experts import FOLDING, folded_onto_tp, read_expert_parallel
 from deepspeed_ext.checkpoint.deepspeed.files import TagFiles, resolve_tag_dir
+from deepspeed_ext.checkpoint.deepspeed.frozen import FrozenWeights, find_frozen
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment, OptimizerLayout, choose_layout
 from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.manifest import FilesChecked
-from deepspeed_ext.checkpoint.source import MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo
+from deepspeed_ext.checkpoint.source import (MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo,
+                                             frozen_summary)
 from deepspeed_ext.checkpoint.states import (MODULE_WEIGHTS, is_scalar_state, optimizer_settings,
                                              optimizer_state_keys, optimizer_states_summary, ordered_states)
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
@@ -183,7 +185,8 @@ class DeepSpeedCheckpoint:
                           versions=dict(recorded.versions) if recorded else {},
                           metadata=self.metadata_source,
                           fingerprints=recorded.fingerprints if recorded else None,
-                          optimizer_settings=self._optimizer_settings())
+                          optimizer_settings=self._optimizer_settings(),
+                          frozen=tuple(self.frozen.layouts))
 
     def _optimizer_settings(self) -> dict[str, Any] | None:
         """The torch optimizer's param-group settings and DeepSpeed's step settings, as saved."""
@@ -229,15 +232,15 @@ class DeepSpeedCheckpoint:
         if not self.has_optimizer_states:
             return {name: (MASTER_WEIGHTS, ) for name in self.layouts}
         by_entry: dict[tuple[int, int, int], tuple[str, ...]] = {}
-        found: dict[str, tuple[str, ...]] = {}
+        found: dict[str, tuple[str, ...]] = {name: (MASTER_WEIGHTS, ) for name in self.frozen.layouts}
         for name in self.layouts:
-            if name in self.buffers:
+            if name in self.buffers or name in self.frozen:
                 continue
             entry = self._first_entry(name)
             if entry not in by_entry:
                 by_entry[entry] = self._states_of_entry(*entry)
             found[name] = by_entry[entry]
-        every = [state for states in found.values() for state in states]
+        every = [state for name, states in found.items() if name not in self.frozen for state in states]
         buffer_states = ordered_states([s for s in every if s != STEP], [STEP] if STEP in every else [])
         return {name: found.get(name, buffer_states) for name in self.layouts}
 
@@ -316,9 +319,12 @@ class DeepSpeedCheckpoint:
                                 states=self.param_states[name],
                                 scalars=tuple(self._scalars),
                                 loader=loader,
-                                dtype=weights.dtype if torch.is_tensor(weights) else torch.float32,
+                                dtype=(self.frozen.dtypes[name] if name in self.frozen else
+                                       weights.dtype if torch.is_tensor(weights) else torch.float32),
                                 range_loader=range_loader,
-                                module_weights=name in self._module_shards)
+                                module_weights=name in self._module_shards or (
+                                    name in self.frozen and self.frozen.dtypes[name] in (torch.bfloat16, torch.float16)),
+                                trainable=name not in self.frozen)
 
     #: The check of every file's checksums, started by the first :meth:`tensors` (a conversion reads it all).
     _content_check: ContentCheck | None = None
@@ -466,12 +472,21 @@ class DeepSpeedCheckpoint:
         found = reconcile.layouts(self.uc_info, self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO),
                                   self._saved_shapes, self.tp_degree, self.files.model_files, self.tag_dir,
                                   self.buffers, HOW_TO_GET_METADATA)
-        if self.experts is None:
-            return found
-        # The stacked experts, split over the EP ranks (their shards are EP ranks', not TP ranks').
-        order = list(self._shapes_per_file[0])
-        layouts = {**found, **{name: param.layout for name, param in self.experts.params.items()}}
-        return {name: layouts[name] for name in [*order, *(n for n in layouts if n not in order)]}
+        if self.experts is not None:
+            # The stacked experts, split over the EP ranks (their shards are EP ranks', not TP ranks').
+            order = list(self._shapes_per_file[0])
+            layouts = {**found, **{name: param.layout for name, param in self.experts.params.items()}}
+            found = {name: layouts[name] for name in [*order, *(n for n in layouts if n not in order)]}
+        return {**found, **self.frozen.layouts}  # the frozen parameters last
+
+    @cached_property
+    def frozen(self) -> FrozenWeights:
+        """The frozen parameters (no optimizer holds them; the model states do): :mod:`.frozen`."""
+        trainable = {*self._saved_shapes, *(self.experts.params if self.experts is not None else {})}
+        return find_frozen(self.files.model_states, self.files.grid_model_states, self.files.model_files.__getitem__,
+                           self.mp_degree, self.tp_degree, self.dp_degree, self.files.partitioned_weights, trainable,
+                           self.uc_info.layouts if self.uc_info is not None else None,
+                           self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO))
 
     @cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -608,6 +623,9 @@ class DeepSpeedCheckpoint:
         if name in self.buffers:
             return target.slice(self.full_tensor(name, state), rank).reshape(-1)[low:high]
         try:
+            if name in self.frozen:
+                return self._frozen_as(name, self.frozen.resharded_range(name, target, rank, low, high), state,
+                                       copy=True)
             return ranges.resharded_range(self.layouts[name], target, rank, low, high,
                                           lambda src, start, stop: self._stored_pieces(name, src, state, start, stop))
         except LayoutError as exc:
@@ -624,6 +642,8 @@ class DeepSpeedCheckpoint:
             buffer = self.buffers[name].float()
             return buffer if state == MASTER_WEIGHTS else torch.zeros_like(buffer)
         layout = self.layouts[name]
+        if name in self.frozen:
+            return self.full_range(name, state, 0, layout.numel).view(layout.shape)
         # Replicated tensors are merged too: merge() refuses replicas that differ between TP ranks.
         shards = ([self._module_shards[name][tp].view(layout.local_shape(tp)) for tp in range(layout.tp_size)]
                   if state == MODULE_WEIGHTS else [self.local_tensor(name, tp, state) for tp in range(layout.tp_size)])
@@ -641,6 +661,11 @@ class DeepSpeedCheckpoint:
         if name in self.buffers:
             return self.full_tensor(name, state).reshape(-1)[low:high]
         layout = self.layouts[name]
+        if name in self.frozen:
+            try:
+                return self._frozen_as(name, self.frozen.full_range(name, low, high), state)
+            except LayoutError as exc:
+                raise CheckpointError(f"{self.tag_dir}: cannot merge frozen parameter {name!r}: {exc}") from exc
 
         def read(tp: int, start: int, stop: int) -> torch.Tensor:
             if state == MODULE_WEIGHTS:
@@ -658,6 +683,14 @@ class DeepSpeedCheckpoint:
             return layout.reshard_range(TPLayout.replicated(layout.shape, 1), 0, low, high, read)
         except LayoutError as exc:
             raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: {exc}") from exc
+
+    def _frozen_as(self, name: str, weights: torch.Tensor, state: str, copy: bool = False) -> torch.Tensor:
+        """A frozen parameter's saved weights as ``state`` asks: in their own dtype (``MODULE_WEIGHTS``), or widened
+        to fp32 (its master: no optimizer keeps another copy); ``copy``: in a tensor of its own, not a view of the
+        mapped file."""
+        if state not in (MASTER_WEIGHTS, MODULE_WEIGHTS):
+            raise CheckpointError(f"{self.tag_dir}: parameter {name!r} is frozen: no optimizer state {state!r}")
+        return weights.to(weights.dtype if state == MODULE_WEIGHTS else torch.float32, copy=copy)
 
     @property
     def _in_flight(self) -> list[tuple[Path, torch.Tensor]]:
@@ -729,6 +762,7 @@ class DeepSpeedCheckpoint:
             "metadata": self.metadata_source,
             "commit": self._commit_summary(),
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
+            **frozen_summary(self.layouts, self.frozen.layouts),
             **({"expert_parallel": self.experts.summary()} if self.experts is not None else {}),
             # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
             "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
@@ -739,3 +773,4 @@ class DeepSpeedCheckpoint:
                        "\"deepspeed_ext\" config section in the resuming run (load-time resharding), or convert it "
                        "with to-universal (docs/trainers.md)"),
         }
+

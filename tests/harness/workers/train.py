@@ -17,6 +17,7 @@ With ``--result``, the fp16 loss scale each step ended with is recorded under ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -131,7 +132,7 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
         base = engine.optimizer.optimizer
         state = {}
         for name, param in engine.module.named_parameters():
-            if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0:
+            if torch.Size(getattr(param, "ds_shape", param.shape)).numel() == 0 or not param.requires_grad:
                 continue
             fp32 = safe_get_full_fp32_param(param).clone()
             if not moments:  # a fresh optimizer (before its first step) has none yet: zeros
@@ -142,6 +143,11 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
                                             safe_get_full_optimizer_state(param, key).clone() for key in keys}}
     for name, param in engine.module.named_parameters():
         shape = tuple(getattr(param, "ds_shape", param.shape))
+        if not param.requires_grad and torch.Size(shape).numel():  # frozen: its weights alone (ZeRO-3: gathered)
+            import deepspeed
+            with deepspeed.zero.GatheredParameters([param]) if hasattr(param, "ds_id") else contextlib.nullcontext():
+                state[name] = {"fp32": param.data.float().clone()}
+            continue
         if torch.Size(shape).numel() == 0:
             # A rank beyond the KV-head count holds no attention shard; DeepSpeed leaves such empty
             # parameters out of the optimizer, so they have no fp32 master or moments to ask for (empty tensors
@@ -255,7 +261,6 @@ def serve(directory: Path) -> None:
     list of argument lists; ``log``: where this run's output goes); rank 0 writes ``N.done`` once every rank has
     finished it. A run that raises ends the pool: the rank prints the traceback into the run's log and exits, and
     torchrun stops the other ranks, which may be waiting for it in a collective."""
-    import contextlib
     import json
     import sys
     import traceback

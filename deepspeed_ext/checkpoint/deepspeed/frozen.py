@@ -1,0 +1,182 @@
+"""The frozen parameters of a DeepSpeed tag: weights no optimizer holds (``requires_grad=False``: a LoRA model's
+base, a frozen embedding or tower), which are in no optimizer file but are the model's all the same.
+
+Where DeepSpeed keeps them (0.19.8):
+
+* ZeRO-0/1/2: in each model-parallel rank's model states, ``module`` (the module's state dict, every parameter
+  in its low precision), beside the trainable ones. ZeRO-2 also fills ``frozen_param_fragments`` with the same
+  tensors; ZeRO-1 leaves it None.
+* ZeRO-3: ``module`` holds placeholders; each (TP, DP) rank's model states hold ``frozen_param_shapes`` (the TP-local
+  shape) and ``frozen_param_fragments`` (that DP rank's flat partition, padded to an equal size on every rank).
+
+They are read as the low-precision tensors DeepSpeed saved, each TP rank's slice from the files that hold it,
+memory-mapped; their TP layout is the one deepspeed-ext recorded (it tags every parameter), else the one
+upstream's ``universal_checkpoint_info`` gives, else one tensor held alike by every TP rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
+from deepspeed_ext.module_inject.layout import TPLayout
+from deepspeed_ext.module_inject.upstream import layouts_from_universal_checkpoint_info
+
+#: ``read(tp, low, high)``: elements ``[low, high)`` of TP rank ``tp``'s slice of one frozen parameter, flattened.
+SliceReader = Callable[[int, int, int], torch.Tensor]
+
+
+@dataclass
+class FrozenWeights:
+    """The frozen parameters of a tag: each one's TP layout, dtype and a reader of each TP rank's slice."""
+
+    layouts: dict[str, TPLayout] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    readers: dict[str, SliceReader] = field(default_factory=dict)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.layouts
+
+    def full_range(self, name: str, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of the full tensor, flattened, in the saved dtype (a view into the memory-mapped
+        file where one piece holds them). A replicated tensor is checked to be the same on every TP rank."""
+        layout, read = self.layouts[name], self.readers[name]
+        if layout.is_replicated:
+            block = read(0, low, high)
+            for tp in range(1, layout.tp_size):
+                if not torch.equal(read(tp, low, high), block):
+                    raise LayoutError(f"replicated tensor differs between TP rank 0 and TP rank {tp}")
+            return block
+        return layout.reshard_range(TPLayout.replicated(layout.shape, 1), 0, low, high, read)
+
+    def resharded_range(self, name: str, target: TPLayout, rank: int, low: int, high: int) -> torch.Tensor:
+        """Elements ``[low, high)`` of rank ``rank``'s shard under ``target``, flattened, in the saved dtype."""
+        return self.layouts[name].reshard_range(target, rank, low, high, self.readers[name])
+
+
+def find_frozen(model_states: Callable[[int], Mapping[str, Any]], grid_states: Callable[[int, int], Mapping[str, Any]],
+                model_files: Callable[[int], Path], mp_degree: int, tp_degree: int, dp_degree: int,
+                partitioned: bool, trainable: set[str], recorded: Mapping[str, TPLayout] | None,
+                upstream_info: Mapping[str, Any] | None) -> FrozenWeights:
+    """The frozen parameters of a tag: what its model states hold of the module beyond the ``trainable`` names
+    (every parameter an optimizer partition holds), its buffers and second names of one tensor (a tied weight).
+    ``model_states(mp)``: a model-parallel rank's model states (ZeRO-3: its DP rank 0's); ``grid_states(tp, dp)``:
+    ZeRO-3's per-rank ones. Pipeline stages hold their own layers: each parameter is read from the first stage
+    that holds it."""
+    found = FrozenWeights()
+    stages = mp_degree // tp_degree
+    shapes: dict[str, list[tuple[int, ...]]] = {}
+    for stage in range(stages):
+        per_tp = [_frozen_shapes(model_states(stage * tp_degree + tp), partitioned, trainable)
+                  for tp in range(tp_degree)]
+        for name, (shape, dtype) in per_tp[0].items():
+            if name in shapes:
+                continue
+            missing = next((tp for tp in range(tp_degree) if name not in per_tp[tp]), None)
+            if missing is not None:
+                raise CheckpointError(f"{model_files(stage * tp_degree + missing)}: frozen parameter {name!r} is "
+                                      f"missing (TP rank 0's files hold it)")
+            shapes[name] = [per_tp[tp][name][0] for tp in range(tp_degree)]
+            found.dtypes[name] = dtype
+            found.readers[name] = (_partition_reader(name, shape, grid_states, tp_degree, dp_degree, stage)
+                                   if partitioned else _module_reader(name, model_states, stage, tp_degree))
+    for name, saved in shapes.items():
+        found.layouts[name] = _layout(name, saved, recorded, upstream_info, found.readers[name], model_files(0))
+    return found
+
+
+def _frozen_shapes(states: Mapping[str, Any], partitioned: bool, trainable: set[str]
+                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (TP-local shape, dtype)}`` of the frozen parameters one rank's model states hold."""
+    if partitioned:
+        shapes = states.get(keys.FROZEN_PARAM_SHAPES) or {}
+        fragments = states.get(keys.FROZEN_PARAM_FRAGMENTS) or {}
+        return {name: (tuple(int(n) for n in shape), fragments[name].dtype) for name, shape in shapes.items()
+                if name in fragments and torch.is_tensor(fragments[name]) and name not in trainable}
+    module = states.get(keys.MODULE) or {}
+    buffers = set(states.get(keys.BUFFER_NAMES) or [])
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    for name, value in module.items():  # a tensor under two names (a tied weight) is one parameter
+        if name in trainable and torch.is_tensor(value):
+            seen.add(_identity(value))
+    found = {}
+    for name, value in module.items():
+        if (name in trainable or name in buffers or not torch.is_tensor(value) or not value.is_floating_point()
+                or _identity(value) in seen):
+            continue
+        seen.add(_identity(value))
+        found[name] = (tuple(value.shape), value.dtype)
+    return found
+
+
+def _identity(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """What makes two saved tensors one: the same bytes of the same storage, seen the same way."""
+    return (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape),
+            tuple(tensor.stride()))
+
+
+def _module_reader(name: str, model_states: Callable[[int], Mapping[str, Any]], stage: int,
+                   tp_degree: int) -> SliceReader:
+    def read(tp: int, low: int, high: int) -> torch.Tensor:
+        tensor: torch.Tensor = model_states(stage * tp_degree + tp)[keys.MODULE][name]
+        return tensor.reshape(-1)[low:high]
+    return read
+
+
+def _partition_reader(name: str, shape: tuple[int, ...], grid_states: Callable[[int, int], Mapping[str, Any]],
+                      tp_degree: int, dp_degree: int, stage: int) -> SliceReader:
+    """ZeRO-3: a TP rank's slice is its DP ranks' fragments one after another (rank ``d`` holds elements
+    ``[d * size, (d + 1) * size)``, the last ones padded past the end)."""
+    numel = math.prod(shape)
+
+    def fragment(tp: int, dp: int) -> torch.Tensor:
+        tensor: torch.Tensor = grid_states(stage * tp_degree + tp, dp)[keys.FROZEN_PARAM_FRAGMENTS][name]
+        return tensor.reshape(-1)
+
+    def read(tp: int, low: int, high: int) -> torch.Tensor:
+        size = fragment(tp, 0).numel()
+        if size * dp_degree < numel:
+            raise LayoutError(f"frozen parameter {name!r}: {dp_degree} DP fragments of {size} elements cannot hold "
+                              f"its {numel}")
+        pieces = [fragment(tp, dp)[max(low - dp * size, 0):min(high - dp * size, size)]
+                  for dp in range(low // size if size else 0, min(dp_degree, -(-high // size) if size else 0))]
+        if not pieces:
+            return fragment(tp, 0)[:0]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return read
+
+
+def _layout(name: str, saved: Sequence[tuple[int, ...]], recorded: Mapping[str, TPLayout] | None,
+            upstream_info: Mapping[str, Any] | None, read: SliceReader, reference: Path) -> TPLayout:
+    """A frozen parameter's TP layout, checked against the shape each TP rank saved."""
+    tp_degree = len(saved)
+    if recorded is not None and name in recorded:
+        layout = recorded[name]
+    elif tp_degree == 1 or _held_alike(saved, read):
+        layout = TPLayout.replicated(saved[0], tp_degree)
+    elif upstream_info:
+        layout = layouts_from_universal_checkpoint_info(upstream_info, {name: list(saved)}, str(reference))[name]
+    else:
+        raise MissingMetadataError(f"{reference}: frozen parameter {name!r} differs between the TP ranks and the "
+                                   "checkpoint has no tensor-parallel metadata to merge its slices by")
+    for tp, shape in enumerate(saved):
+        if layout.local_shape(tp) != shape:
+            raise CheckpointError(f"{reference}: frozen parameter {name!r} has shape {shape} on TP rank {tp} but its "
+                                  f"layout ({layout.describe()}) expects {layout.local_shape(tp)}")
+    return layout
+
+
+def _held_alike(saved: Sequence[tuple[int, ...]], read: SliceReader) -> bool:
+    """Whether every TP rank holds the same tensor (a frozen embedding AutoTP left whole)."""
+    numel = math.prod(saved[0])
+    if any(shape != saved[0] for shape in saved):
+        return False
+    first = read(0, 0, numel)
+    return all(torch.equal(read(tp, 0, numel), first) for tp in range(1, len(saved)))
