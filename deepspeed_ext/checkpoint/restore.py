@@ -160,7 +160,12 @@ def load_resharded(engine: Any,
         # creates it at construction) gets the saved step, so every rank counts alike.
         restored = [(name, param) for name, param in saved_params
                     if math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
-        saved = {param: _saved_states(ckpt, name, entries, param) for name, param in saved_params}
+        # Frozen: no optimizer holds it. A stage-0 wrapper of DeepSpeed 0.18.8 holds every parameter it was handed,
+        # frozen ones too (an fp32 master it copies into the weights at every step, Adam moments of zero gradients):
+        # those are restored as the others are, or the master left as built would undo the restore a step later.
+        frozen = {param for _, param in saved_params if not param.requires_grad and param not in stage0}
+        saved = {param: _saved_states(ckpt, name, None if param in frozen else entries, param)
+                 for name, param in saved_params}
         scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]}
                    for name, param in saved_params}
         if entries is not None:
@@ -169,7 +174,7 @@ def load_resharded(engine: Any,
         for name, param in restored:
             layout = getattr(param, LAYOUT_ATTR)
             rank = shard_rank(param, tp_rank)  # AutoEP experts: the EP rank
-            if not param.requires_grad:  # frozen: its weights where this rank keeps them (ZeRO-3: its partition)
+            if param in frozen:  # its weights where this rank keeps them (ZeRO-3: its partition)
                 _fill(engine_private.frozen_weight_targets(param), ckpt, name, MASTER_WEIGHTS, layout, rank)
                 continue
             for state in saved[param][0]:
@@ -221,7 +226,7 @@ def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.Sta
     optimizer keeps other states for the parameter than the checkpoint holds: a checkpoint of another optimizer, or
     a parameter that changed sides in DeepSpeed's Muon (momentum for the matrices, ``use_muon``; Adam for the rest).
     """
-    if entries is None or not param.requires_grad:  # the optimizer's states are not loaded, or it has none
+    if entries is None:  # the optimizer's states are not loaded, or it keeps none (a frozen parameter)
         return (MASTER_WEIGHTS, ), ()
     tensors, scalars = ckpt.states_of(name)
     if len(tensors) == 1 and not scalars:

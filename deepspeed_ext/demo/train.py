@@ -144,10 +144,10 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        warmup_steps=args.warmup_steps,
                        async_save=args.async_save)
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
-    # What an optimizer steps: the trainable parameters (as the HF Trainer and peft hand them over).
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    engine, _, _, _ = init(model=model, model_parameters=trainable, config=config,
-                           optimizer=client_optimizer(args.optimizer, trainable))
+    # Every parameter, frozen ones too, as DeepSpeed's examples hand them over: ZeRO leaves the frozen ones out of
+    # its partitions; a stage-0 wrapper keeps an fp32 master of each, which it copies back at every step.
+    engine, _, _, _ = init(model=model, model_parameters=model.parameters(), config=config,
+                           optimizer=client_optimizer(args.optimizer, model.parameters()))
 
     from deepspeed_ext.checkpoint.engine_private import tp_group_info
     tp_size, tp_rank = tp_group_info()

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from deepspeed_ext.checkpoint import serialization
+from harness.environments import REPO, unavailable
 from harness.runner import cli, torchrun_train
 from harness.scenario import RESUMED_INIT, Load
 
@@ -27,6 +29,7 @@ EMBEDDING = "model.embed_tokens.weight"
 SHARDED = r"embed_tokens|layers\.0\.self_attn\.q_proj|layers\.1\.mlp\.down_proj"
 #: The losses of a resume at another degree agree with the uninterrupted run's to bf16's summation-order noise.
 RTOL = 2e-4
+OLD_PYTHON = REPO / ".venv-deepspeed-0.18.8" / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +83,23 @@ def test_zero3_frozen_shards_resume_at_tp2_zero2(zero3):
              Load(2, 1, zero3.tag_dir, load_universal=False, extra=("--zero", "2"))]
     for (_, losses), load in zip(zero3.loaded_many(loads), loads, strict=True):
         assert losses and close(losses, zero3.baseline), (load, losses, zero3.baseline)
+
+
+@pytest.mark.parametrize("python", [sys.executable, str(OLD_PYTHON)], ids=["deepspeed-0.19.8", "deepspeed-0.18.8"])
+def test_zero0_frozen_masters_are_restored_too(scenarios, python):
+    """Without ZeRO, DeepSpeed 0.18.8's bf16 wrapper keeps an fp32 master of every parameter it was handed, frozen
+    ones too (0.19.8 leaves them out), steps it with a zero gradient (so it saves Adam moments for it) and copies
+    the masters into the weights at each step: a resume that set only the weights would have them back at the
+    model's initial values one step later, and the weights (bf16) are not what the master (fp32) holds. Two steps
+    after a resume at DP=1, from both forms, the losses are the uninterrupted run's."""
+    if not Path(python).exists():
+        unavailable(f"{python} (scripts/setup.sh builds it)")
+    zero0 = scenarios("frozen_dp2_zero0", tp=1, dp=2, zero=0, freeze=r"embed_tokens|layers\.1\.mlp", python=python)
+    info = json.loads((zero0.universal_dir / "deepspeed_ext.json").read_text())
+    assert len(info.get("frozen_params", [])) == (4 if python == sys.executable else 0)
+    for load_dir in (zero0.universal_dir, zero0.tag_dir):
+        resumed = zero0.resume(1, 1, load_dir=load_dir)
+        assert sorted(resumed) == [4, 5] and close(resumed, zero0.baseline), (load_dir, resumed, zero0.baseline)
 
 
 def test_a_frozen_weight_changed_on_disk_stops_the_resume_naming_it(zero1, tmp_path):

@@ -29,7 +29,7 @@ from deepspeed_ext.checkpoint.metadata import UCInfo, read_uc_info
 from deepspeed_ext.checkpoint.manifest import FilesChecked
 from deepspeed_ext.checkpoint.source import (MASTER_WEIGHTS, STEP, CheckpointSource, OpenOptions, SourceInfo,
                                              frozen_summary)
-from deepspeed_ext.checkpoint.states import (MODULE_WEIGHTS, is_scalar_state, optimizer_settings,
+from deepspeed_ext.checkpoint.states import (MODULE_WEIGHTS, has_optimizer, is_scalar_state, optimizer_settings,
                                              optimizer_state_keys, optimizer_states_summary, ordered_states)
 from deepspeed_ext.checkpoint.tensor import LogicalTensor
 from deepspeed_ext.errors import CheckpointError, LayoutError
@@ -186,7 +186,7 @@ class DeepSpeedCheckpoint:
                           metadata=self.metadata_source,
                           fingerprints=recorded.fingerprints if recorded else None,
                           optimizer_settings=self._optimizer_settings(),
-                          frozen=tuple(self.frozen.layouts))
+                          frozen=tuple(name for name in self.layouts if name in self.frozen_names))
 
     def _optimizer_settings(self) -> dict[str, Any] | None:
         """The torch optimizer's param-group settings and DeepSpeed's step settings, as saved."""
@@ -324,7 +324,7 @@ class DeepSpeedCheckpoint:
                                 range_loader=range_loader,
                                 module_weights=name in self._module_shards or (
                                     name in self.frozen and self.frozen.dtypes[name] in (torch.bfloat16, torch.float16)),
-                                trainable=name not in self.frozen)
+                                trainable=name not in self.frozen_names)
 
     #: The check of every file's checksums, started by the first :meth:`tensors` (a conversion reads it all).
     _content_check: ContentCheck | None = None
@@ -487,6 +487,15 @@ class DeepSpeedCheckpoint:
                            self.mp_degree, self.tp_degree, self.dp_degree, self.files.partitioned_weights, trainable,
                            self.uc_info.layouts if self.uc_info is not None else None,
                            self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO))
+
+    @cached_property
+    def frozen_names(self) -> frozenset[str]:
+        """Every parameter no optimizer steps: those only the model states hold (:attr:`frozen`), and those an
+        optimizer holds but never stepped while it stepped the others (a stage-0 wrapper of DeepSpeed 0.18.8 keeps
+        an fp32 master of every parameter it was handed, frozen ones too: their master is their weights)."""
+        stepped = self.has_optimizer_states
+        return frozenset([*self.frozen.layouts, *(name for name, states in self.param_states.items() if stepped
+                                                  and name not in self.buffers and not has_optimizer(states))])
 
     @cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -762,7 +771,7 @@ class DeepSpeedCheckpoint:
             "metadata": self.metadata_source,
             "commit": self._commit_summary(),
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
-            **frozen_summary(self.layouts, self.frozen.layouts),
+            **frozen_summary(self.layouts, self.frozen_names),
             **({"expert_parallel": self.experts.summary()} if self.experts is not None else {}),
             # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
             "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
