@@ -50,11 +50,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-dir")
     p.add_argument("--load-universal", action="store_true", help="set checkpoint.load_universal")
     p.add_argument("--plain", action="store_true", help="deepspeed.initialize without the deepspeed_ext section")
+    p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression")
+    p.add_argument("--init-seed", type=int, default=1234, help="the seed of the initial weights")
     p.add_argument("--result", help="write the losses (JSON) here")
     return p.parse_args(argv)
 
 
-def build(pp: int, tp: int, blocks: int = LAYERS) -> Any:
+def build(pp: int, tp: int, blocks: int = LAYERS, seed: int = 1234) -> Any:
     """The PipelineModule, the same initial weights at every degree."""
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -62,7 +64,7 @@ def build(pp: int, tp: int, blocks: int = LAYERS) -> Any:
     if world % (pp * tp):
         raise SystemExit(f"world size {world} is not a multiple of PP x TP = {pp * tp}")
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     layers = [LayerSpec(torch.nn.Embedding, VOCAB, HIDDEN), *[LayerSpec(Block) for _ in range(blocks)],
               LayerSpec(torch.nn.LayerNorm, HIDDEN), LayerSpec(torch.nn.Linear, HIDDEN, VOCAB)]
     return PipelineModule(layers=layers, topology=topology, loss_fn=lm_loss, partition_method="uniform")
@@ -76,7 +78,12 @@ def run(argv: list[str] | None = None) -> dict[int, float]:
     import deepspeed_ext
     from deepspeed_ext.demo.models import GLOBAL_BATCH, batch
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build(args.pp, args.tp, args.layers)
+    model = build(args.pp, args.tp, args.layers, args.init_seed)
+    if args.freeze:
+        import re
+        for name, param in model.named_parameters():
+            if re.search(args.freeze, name):
+                param.requires_grad_(False)
     world = dist.get_world_size()
     dp = world // (args.pp * args.tp)
     config: dict[str, Any] = {

@@ -120,7 +120,8 @@ def test_a_frozen_weight_changed_on_disk_stops_the_resume_naming_it(zero1, tmp_p
 
 def test_exporters_and_inspect_see_frozen_parameters(zero1, tmp_path):
     """to-hf writes the frozen embedding (it refused the checkpoint, blaming the config), verify checks it and
-    inspect counts it, for the DeepSpeed checkpoint and its universal form."""
+    inspect counts it, for the DeepSpeed checkpoint and its universal form; to-maxtext writes it too, and refuses
+    --with-optimizer in one line (MaxText's optimizer would train it)."""
     for source, name in ((zero1.tag_dir, "ds"), (zero1.universal_dir, "uni")):
         summary = json.loads(cli(["inspect", str(source), "--json"], tmp_path / f"inspect-{name}.log").stdout)
         assert summary["frozen_parameters"].startswith("1 of 21 parameters"), summary
@@ -131,6 +132,11 @@ def test_exporters_and_inspect_see_frozen_parameters(zero1, tmp_path):
         saved = zero1.live_state()[0][EMBEDDING]["fp32"]
         assert weights[EMBEDDING].dtype == torch.bfloat16 and torch.equal(weights[EMBEDDING].float(), saved)
         cli(["verify", str(source)], tmp_path / f"verify-{name}.log")
+    cli(["to-maxtext", str(zero1.tag_dir), "-o", str(tmp_path / "maxtext"), "-q"], tmp_path / "to-maxtext.log")
+    proc = cli(["to-maxtext", str(zero1.tag_dir), "-o", str(tmp_path / "maxtext-full"), "--with-optimizer", "-q"],
+               tmp_path / "to-maxtext-full.log", check=False)
+    assert proc.returncode == 2 and f"are frozen (e.g. {EMBEDDING})" in proc.stderr, proc.stderr
+    assert not (tmp_path / "maxtext-full").exists()
 
 
 def test_to_universal_records_what_upstream_leaves_out(zero1, tmp_path):

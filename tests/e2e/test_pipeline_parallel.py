@@ -101,3 +101,24 @@ def upstream_ds_to_universal_injected(tag_dir: Path, out: Path) -> Path:
                 "--inject_missing_state"], out.with_name(out.name + ".log"))
     return out
 
+
+
+def test_frozen_layers_of_a_pipeline_come_back_at_pp1(tmp_path):
+    """A pipeline engine keeps its module in layer files, not in the model states: the frozen layers (the embedding
+    and a block, in no optimizer partition) are read from them, carried by the universal form and restored at
+    PP=1 into a model built with other initial weights; the losses are the uninterrupted run's."""
+    frozen = r"^0\.|^3\."
+    pipeline(2, ["--pp", "2", "--freeze", frozen, "--steps", "5", "--save-dir", str(tmp_path / "ckpt"), "--save-at",
+                 "3", "--result", str(tmp_path / "baseline.json")], tmp_path / "train.log")
+    baseline = losses(tmp_path / "baseline.json")
+    summary = json.loads(cli(["inspect", str(tmp_path / "ckpt"), "--json"], tmp_path / "inspect.log").stdout)
+    assert summary["frozen_parameters"].startswith("7 of 35 parameters"), summary
+    cli(["to-universal", str(tmp_path / "ckpt"), "-o", str(tmp_path / "uni"), "--quiet"], tmp_path / "convert.log")
+    for source in ("ckpt", "uni"):
+        result = tmp_path / f"resumed-{source}.json"
+        pipeline(1, ["--pp", "1", "--freeze", frozen, "--init-seed", "77", "--steps", "5", "--load-universal",
+                     "--load-dir", str(tmp_path / source), "--result", str(result)], tmp_path / f"{source}.log")
+        resumed = losses(result)
+        assert sorted(resumed) == [4, 5], resumed
+        assert all(abs(loss - baseline[step]) <= TOLERANCE * abs(baseline[step]) for step, loss in resumed.items()), \
+            (source, resumed, baseline)

@@ -6,6 +6,8 @@ Where DeepSpeed keeps them (0.19.8):
 * ZeRO-0/1/2: in each model-parallel rank's model states, ``module`` (the module's state dict, every parameter
   in its low precision), beside the trainable ones. ZeRO-2 also fills ``frozen_param_fragments`` with the same
   tensors; ZeRO-1 leaves it None.
+* a pipeline engine (ZeRO-1): no ``module``; each layer's state dict in ``layer_<index>-model_<TP rank>-model_states
+  .pt``, its parameters named ``<index>.<name in the layer>`` in the engine.
 * ZeRO-3: ``module`` holds placeholders; each (TP, DP) rank's model states hold ``frozen_param_shapes`` (the TP-local
   shape) and ``frozen_param_fragments`` (that DP rank's flat partition, padded to an equal size on every rank).
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.errors import CheckpointError, LayoutError, MissingMetadataError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -64,7 +67,7 @@ class FrozenWeights:
 def find_frozen(model_states: Callable[[int], Mapping[str, Any]], grid_states: Callable[[int, int], Mapping[str, Any]],
                 model_files: Callable[[int], Path], mp_degree: int, tp_degree: int, dp_degree: int,
                 partitioned: bool, trainable: set[str], recorded: Mapping[str, TPLayout] | None,
-                upstream_info: Mapping[str, Any] | None) -> FrozenWeights:
+                upstream_info: Mapping[str, Any] | None, tag_dir: Path | None = None) -> FrozenWeights:
     """The frozen parameters of a tag: what its model states hold of the module beyond the ``trainable`` names
     (every parameter an optimizer partition holds), its buffers and second names of one tensor (a tied weight).
     ``model_states(mp)``: a model-parallel rank's model states (ZeRO-3: its DP rank 0's); ``grid_states(tp, dp)``:
@@ -72,6 +75,10 @@ def find_frozen(model_states: Callable[[int], Mapping[str, Any]], grid_states: C
     that holds it."""
     found = FrozenWeights()
     stages = mp_degree // tp_degree
+    if not partitioned and tag_dir is not None and model_states(0).get(keys.MODULE) is None:
+        layers = _layer_modules(tag_dir, tp_degree)
+        if layers is not None:  # a pipeline engine's layer files stand for the module of every stage
+            model_states, stages, mp_degree = (lambda tp: {keys.MODULE: layers[tp]}), 1, tp_degree
     shapes: dict[str, list[tuple[int, ...]]] = {}
     for stage in range(stages):
         per_tp = [_frozen_shapes(model_states(stage * tp_degree + tp), partitioned, trainable)
@@ -90,6 +97,27 @@ def find_frozen(model_states: Callable[[int], Mapping[str, Any]], grid_states: C
     for name, saved in shapes.items():
         found.layouts[name] = _layout(name, saved, recorded, upstream_info, found.readers[name], model_files(0))
     return found
+
+
+def _layer_modules(tag_dir: Path, tp_degree: int) -> list[dict[str, torch.Tensor]] | None:
+    """Per TP rank, a pipeline engine's module state dict put together from its layer files (memory-mapped),
+    under the engine's parameter names; None where the tag has no layer files."""
+    files: dict[int, list[tuple[int, Path]]] = {}
+    for path in sorted(tag_dir.iterdir()):
+        if m := keys.LAYER_MODEL_STATES_RE.match(path.name):
+            files.setdefault(int(m.group(2)), []).append((int(m.group(1)), path))
+    if not files:
+        return None
+    modules: list[dict[str, torch.Tensor]] = []
+    for tp in range(tp_degree):
+        module: dict[str, torch.Tensor] = {}
+        for index, path in sorted(files.get(tp, [])):
+            state = serialization.load(path)
+            if not isinstance(state, dict):
+                raise CheckpointError(f"{path}: a layer's state dict is a {type(state).__name__}, not a dict")
+            module.update({f"{index}.{key}": value for key, value in state.items()})
+        modules.append(module)
+    return modules
 
 
 def _frozen_shapes(states: Mapping[str, Any], partitioned: bool, trainable: set[str]

@@ -22,6 +22,9 @@ OPTIM_STATES_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?
 #: DeepSpeed's expert-parallel (MoE, AutoEP) files: one model-states file per expert and TP rank, and, without ZeRO,
 #: one optimizer file per EP rank.
 EXPERT_MODEL_STATES_RE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: A pipeline engine's module: one file per layer (its index in the PipelineModule) and TP rank, the layer's own
+#: state dict; the model-states files then hold no ``module``.
+LAYER_MODEL_STATES_RE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 EXPERT_OPTIM_STATES_RE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 # --------------------------------------------------------------------------- model states

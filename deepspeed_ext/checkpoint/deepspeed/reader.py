@@ -486,7 +486,7 @@ class DeepSpeedCheckpoint:
         return find_frozen(self.files.model_states, self.files.grid_model_states, self.files.model_files.__getitem__,
                            self.mp_degree, self.tp_degree, self.dp_degree, self.files.partitioned_weights, trainable,
                            self.uc_info.layouts if self.uc_info is not None else None,
-                           self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO))
+                           self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO), self.tag_dir)
 
     @cached_property
     def frozen_names(self) -> frozenset[str]:

@@ -208,6 +208,12 @@ def _refuse_other_optimizers(tensors: Mapping[str, LogicalTensor], label: str) -
                               "without its optimizer); --with-optimizer writes MaxText's full train state "
                               "(load_full_state_path) and needs the run's Adam moments: drop it to write the "
                               "parameters alone (load_parameters_path)")
+    frozen = [tensor.name for tensor in tensors.values() if not tensor.trainable]
+    if frozen:
+        raise CheckpointError(f"{label}: {len(frozen)} parameter(s) are frozen (e.g. {frozen[0]}): no optimizer "
+                              "steps them, and MaxText's optimizer steps every parameter, so a continuation from "
+                              "--with-optimizer would train them; write the weights alone (without "
+                              "--with-optimizer): the MaxText run then starts its optimizer fresh")
     other: dict[str, list[str]] = {}
     for tensor in tensors.values():
         kept = tuple(s for s in tensor.states if s not in tensor.scalars and s != MASTER_WEIGHTS)
