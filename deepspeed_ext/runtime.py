@@ -290,7 +290,8 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
                   layouts=layouts,
                   model_config=_model_config_dict(engine.module),
                   model_class=type(engine.module).__name__,
-                  versions=_versions())
+                  versions=_versions(),
+                  engine_settings=engine_private.step_settings(engine))
     setattr(engine, ENGINE_ATTR, info)
     stacked = unsharded_weights(layouts, min_ndim=3)
     if stacked and engine.global_rank == 0:
@@ -306,6 +307,7 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
                in_background=ext.async_save and _can_save_in_background(engine))
     _hook_load(engine, reshard=ext.universal_checkpoint.restore == "deepspeed_ext",
                fingerprints=ext.universal_checkpoint.fingerprints)
+    _wait_at_exit()
     return info
 
 
@@ -659,12 +661,28 @@ def _hook_steps_to_report_background_saves(engine: Any) -> None:
 
 
 def _wait_at_exit() -> None:
-    """:func:`finish_background_saves` at the process's exit (registered once)."""
+    """:func:`_at_exit` at the process's exit (registered once)."""
     global _EXIT_WAIT_INSTALLED
     if not _EXIT_WAIT_INSTALLED:
         import atexit
-        atexit.register(finish_background_saves)
+        atexit.register(_at_exit)
         _EXIT_WAIT_INSTALLED = True
+
+
+def _at_exit() -> None:
+    """What a training process leaves running is ended before the interpreter tears itself down: the saves still
+    being written in the background are waited for, then the default process group, if the script left it up, is
+    destroyed. Left to the interpreter's teardown, a process group's C++ threads can be destroyed while still
+    joinable, and the process aborts (SIGABRT, "terminate called without an active exception") after its work was
+    done and committed: a job script would see a failed run. (atexit runs this before the interpreter finalizes;
+    a script that destroys its process group itself is left as it is.)"""
+    finish_background_saves()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # at exit: say it, never raise
+            logger.warning("could not destroy the process group at exit: %s", exc)
 
 
 _EXIT_WAIT_INSTALLED = False

@@ -69,6 +69,11 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
         ("DeepSpeedEngine.zero_optimization_stage", "the ZeRO stage"),
         ("DeepSpeedEngine.zero_optimization_partition_weights", "ZeRO-3"),
         ("DeepSpeedEngine.train_batch_size", "the restored sample count"),
+        ("DeepSpeedEngine.gradient_clipping", "the gradient clipping the engine runs"),
+        ("DeepSpeedEngine.gradient_accumulation_steps", "the accumulation the engine runs"),
+        ("DeepSpeedEngine.train_micro_batch_size_per_gpu", "the micro batch the engine runs"),
+        ("DeepSpeedEngine.bfloat16_enabled", "the precision the engine runs"),
+        ("DeepSpeedEngine.fp16_enabled", "the precision the engine runs"),
         ("DeepSpeedEngine._copy_recovery_script", "a full disk while DeepSpeed copies its recovery scripts"),
     ),
     "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": (
@@ -204,6 +209,18 @@ def module_weights_apart(engine: Any) -> bool:
     if partitions_weights(engine) or engine_is_pipeline(engine) or autoep_layers(engine.module):
         return False
     return any(param.dtype in LOW_PRECISION for param in engine.module.parameters() if param.requires_grad)
+
+
+def step_settings(engine: Any) -> dict[str, Any]:
+    """What shapes a step of the engine, as it runs it (its config with DeepSpeed's defaults applied and the batch
+    sizes it derived), not as the user's dict spelled it: recorded with every save, read by what continues the run
+    elsewhere (to-maxtext's MaxText settings)."""
+    dtype = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return {"gradient_clipping": float(engine.gradient_clipping() or 0.0),
+            "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+            "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
+            "train_batch_size": int(engine.train_batch_size()),
+            "dtype": dtype}
 
 
 def data_parallel_group(engine: Any) -> Any:

@@ -46,6 +46,9 @@ class UCInfo:
     commit_marker: bool = False
     #: The frozen parameters (weights only: no optimizer steps them), where the checkpoint holds any.
     frozen: list[str] = field(default_factory=list)
+    #: What shapes a step as the engine ran it (:func:`~deepspeed_ext.checkpoint.engine_private.step_settings`:
+    #: gradient clipping, accumulation, micro batch, precision), DeepSpeed's defaults applied.
+    engine_settings: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +64,7 @@ class UCInfo:
             **({FINGERPRINTS_KEY: self.fingerprints.to_json()} if self.fingerprints is not None else {}),
             **({COMMIT_KEY: COMMIT_FILE} if self.commit_marker else {}),
             **({"frozen_params": self.frozen} if self.frozen else {}),
+            **({"engine_settings": self.engine_settings} if self.engine_settings else {}),
         }
 
     @classmethod
@@ -80,7 +84,8 @@ class UCInfo:
                    fingerprints=(Fingerprints.from_json(data[FINGERPRINTS_KEY], source)
                                  if data.get(FINGERPRINTS_KEY) is not None else None),
                    commit_marker=bool(data.get(COMMIT_KEY)),
-                   frozen=[str(name) for name in data.get("frozen_params") or []])
+                   frozen=[str(name) for name in data.get("frozen_params") or []],
+                   engine_settings=dict(data["engine_settings"]) if data.get("engine_settings") else None)
 
 
 def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:

@@ -66,6 +66,9 @@ class SourceInfo:
     optimizer_settings: Mapping[str, Any] | None = None
     #: The frozen parameters (no optimizer steps them: their weights alone, ``fp32``, whatever the others have).
     frozen: tuple[str, ...] = ()
+    #: What shapes a step as the engine that saved it ran it, where deepspeed-ext recorded it (gradient clipping,
+    #: accumulation, micro batch, precision: :func:`~deepspeed_ext.checkpoint.engine_private.step_settings`).
+    engine_settings: Mapping[str, Any] | None = None
 
     @property
     def has_optimizer(self) -> bool:

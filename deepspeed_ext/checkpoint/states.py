@@ -71,15 +71,13 @@ def optimizer_states_summary(param_states: Mapping[str, tuple[str, ...]]) -> dic
     return counts
 
 
-#: The DeepSpeed config sections that shape an optimizer step beside the torch optimizer's own settings.
-STEP_CONFIG_KEYS = ("optimizer", "scheduler", "gradient_clipping", "gradient_accumulation_steps",
-                    "train_micro_batch_size_per_gpu")
 
-
-def optimizer_settings(param_groups: Any, ds_config: Any) -> dict[str, Any] | None:
+def optimizer_settings(param_groups: Any, ds_config: Any, engine: Mapping[str, Any] | None = None,
+                       clip_grad: Any = None, ds_version: Any = None, dp_degree: int = 1) -> dict[str, Any] | None:
     """An optimizer's settings as a checkpoint saved them, for another framework to continue the run with: each
-    param group's settings (``lr`` as at save time, ``betas``, ``eps``, ``weight_decay``, ...; not its parameters)
-    and the DeepSpeed config's sections that shape a step (:data:`STEP_CONFIG_KEYS`). None: no param groups."""
+    param group's settings (``lr`` as at save time, ``betas``, ``eps``, ``weight_decay``, ...; not its parameters),
+    the DeepSpeed config's optimizer and scheduler sections, and what shapes a step as the engine ran it
+    (:func:`effective_step_settings`). None: no param groups."""
     plain = (int, float, str, bool, tuple, list, type(None))
     groups = [{key: value for key, value in group.items() if key != "params" and isinstance(value, plain)}
               for group in (param_groups if isinstance(param_groups, (list, tuple)) else [])
@@ -87,4 +85,51 @@ def optimizer_settings(param_groups: Any, ds_config: Any) -> dict[str, Any] | No
     if not groups:
         return None
     config = ds_config if isinstance(ds_config, Mapping) else {}
-    return {"param_groups": groups, **{key: config[key] for key in STEP_CONFIG_KEYS if key in config}}
+    return {"param_groups": groups, **{key: config[key] for key in ("optimizer", "scheduler") if key in config},
+            **effective_step_settings(config, engine, clip_grad, ds_version, dp_degree)}
+
+
+#: DeepSpeed's ``gradient_clipping`` where a config leaves it out: 0 (none) before 0.19.3, 1.0 from it on
+#: (``GRADIENT_CLIPPING_DEFAULT`` in ``deepspeed/runtime/constants.py``).
+CLIPPING_DEFAULT_SINCE = ((0, 19, 3), 1.0)
+
+
+def _release(version: Any) -> tuple[int, ...]:
+    import re
+    return tuple(int(part) for part in re.findall(r"\d+", str(version or ""))[:3])
+
+
+def effective_step_settings(config: Mapping[str, Any], engine: Mapping[str, Any] | None, clip_grad: Any,
+                            ds_version: Any, dp_degree: int) -> dict[str, Any]:
+    """Gradient clipping, accumulation, micro batch and precision as DeepSpeed ran them: what the engine recorded at
+    save time (deepspeed-ext's ``engine_settings``), else the optimizer's own record (``clip_grad``, which ZeRO-1/2,
+    BF16_Optimizer and the fused stage-0 wrapper save), else the config with the defaults of the DeepSpeed release
+    that saved it applied as DeepSpeed applies them (the batch sizes derived from ``train_batch_size``; the
+    precision from ``bf16``/``bfloat16`` and ``fp16``)."""
+    found: dict[str, Any] = dict(engine or {})
+    if "gradient_clipping" not in found:
+        if clip_grad is not None:
+            found["gradient_clipping"] = float(clip_grad)
+        elif config.get("gradient_clipping") is not None:
+            found["gradient_clipping"] = float(config["gradient_clipping"])
+        else:
+            since, value = CLIPPING_DEFAULT_SINCE
+            release = _release(ds_version)
+            found["gradient_clipping"] = value if release and release >= since else 0.0
+    if "gradient_accumulation_steps" not in found or "train_micro_batch_size_per_gpu" not in found:
+        total, micro, accumulation = (config.get(key) for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                                  "gradient_accumulation_steps"))
+        dp = max(int(dp_degree or 1), 1)
+        if micro is None and total is not None:
+            micro = int(total) // (int(accumulation or 1) * dp)
+        if accumulation is None:
+            accumulation = int(total) // (int(micro) * dp) if total is not None and micro else 1
+        found.setdefault("gradient_accumulation_steps", int(accumulation))
+        if micro is not None:
+            found.setdefault("train_micro_batch_size_per_gpu", int(micro))
+    if "dtype" not in found:
+        def enabled(section: str) -> bool:
+            value = config.get(section)
+            return bool(value.get("enabled", False)) if isinstance(value, Mapping) else False
+        found["dtype"] = "bf16" if enabled("bf16") or enabled("bfloat16") else "fp16" if enabled("fp16") else "fp32"
+    return found

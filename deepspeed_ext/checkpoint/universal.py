@@ -347,7 +347,8 @@ def _write_uc_info(source: CheckpointSource, partial: Path, written: Fingerprint
                versions=dict(info.versions),
                kind="universal",
                fingerprints=written,
-               frozen=list(info.frozen)))
+               frozen=list(info.frozen),
+               engine_settings=dict(info.engine_settings) if info.engine_settings else None))
 
 
 def write_fresh_model_states(directory: Path, global_steps: int) -> None:
@@ -620,8 +621,11 @@ class UniversalCheckpoint:
                           versions=dict(recorded.versions) if recorded else {},
                           metadata="deepspeed_ext" if recorded else "none",
                           fingerprints=recorded.fingerprints if recorded else None,
-                          optimizer_settings=optimizer_settings(self.optimizer_state.get(keys.PARAM_GROUPS),
-                                                                states.get(keys.DS_CONFIG)),
+                          optimizer_settings=optimizer_settings(
+                              self.optimizer_state.get(keys.PARAM_GROUPS), states.get(keys.DS_CONFIG),
+                              recorded.engine_settings if recorded else None, self.optimizer_state.get(keys.CLIP_GRAD),
+                              states.get(keys.DS_VERSION), int(states.get(keys.DP_WORLD_SIZE) or 1)),
+                          engine_settings=recorded.engine_settings if recorded else None,
                           frozen=tuple(name for name in self.names if name in self.frozen))
 
     @cached_property

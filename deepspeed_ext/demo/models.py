@@ -193,12 +193,14 @@ def ds_config(*,
               ep: int = 0,
               optimizer: str = "adam",
               warmup_steps: int = 0,
-              async_save: bool = False) -> dict[str, Any]:
+              async_save: bool = False,
+              gradient_clipping: float | None = 1.0) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
     ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`). ``ep``: train an MoE family with DeepSpeed
     AutoEP at that expert-parallel degree (0: AutoEP off). ``optimizer``: one of :data:`OPTIMIZERS`.
     ``warmup_steps``: DeepSpeed's WarmupLR, linear from 0 to ``lr`` over that many steps (0: a constant rate).
-    ``async_save``: saves written in the background (the section's ``async_save``)."""
+    ``async_save``: saves written in the background (the section's ``async_save``). ``gradient_clipping``: None
+    leaves it out of the config (DeepSpeed then applies its own default)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
         "gradient_accumulation_steps": grad_accum,
@@ -206,7 +208,7 @@ def ds_config(*,
         "zero_optimization": {"stage": zero},
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 12, "loss_scale_window": 2},
-        "gradient_clipping": 1.0,
+        **({"gradient_clipping": gradient_clipping} if gradient_clipping is not None else {}),
         "steps_per_print": 1000,
         "tensor_parallel": tensor_parallel_section(family, tp, kv_heads),
     }

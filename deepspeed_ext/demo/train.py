@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(requires_grad=False: trained by no optimizer, as a LoRA model's base or a frozen embedding)")
     p.add_argument("--init-seed", type=int, default=1234, help="the seed the model's initial weights are drawn with "
                    "(a resume from another one relies on the checkpoint for every weight)")
+    p.add_argument("--gradient-clipping", default="1.0", help="DeepSpeed's gradient_clipping (\"unset\": left out of "
+                   "the config, so DeepSpeed's default applies)")
     p.add_argument("--result", help="write losses (JSON) here")
     return p.parse_args(argv)
 
@@ -142,7 +144,8 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        ep=args.ep,
                        optimizer=args.optimizer,
                        warmup_steps=args.warmup_steps,
-                       async_save=args.async_save)
+                       async_save=args.async_save,
+                       gradient_clipping=None if args.gradient_clipping == "unset" else float(args.gradient_clipping))
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     # Every parameter, frozen ones too, as DeepSpeed's examples hand them over: ZeRO leaves the frozen ones out of
     # its partitions; a stage-0 wrapper keeps an fp32 master of each, which it copies back at every step.

@@ -148,10 +148,10 @@ def _continue_both_ways(scenarios, tmp_path, family: str, scan_layers: bool, res
     # MaxText runs with the settings to-maxtext printed: the model's, and the optimizer's read from the checkpoint.
     model, optimizer = _printed_settings(printed)
     assert model == settings_text(maxtext_settings(get_family(family), config, scan_layers)).split(" ")
-    assert optimizer == settings_text(adamw_settings(LR, gradient_clipping=1.0)).split(" ")
+    # The compute dtype too: bf16 activations over fp32 weights and moments, as DeepSpeed's bf16 with fp32 masters.
+    compute = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    assert optimizer == settings_text({**adamw_settings(LR, gradient_clipping=1.0), "dtype": compute}).split(" ")
     settings = model + optimizer + [f"steps={STEPS}", f"load_full_state_path={out / '0' / 'items'}"]
-    if dtype == "bf16":  # activations in bf16 over fp32 weights and moments, as DeepSpeed's bf16 with fp32 masters
-        settings.append("dtype=bfloat16")
     # The batches DeepSpeed trained steps 4, 5 and 6 on (one DP rank: the whole global batch).
     tokens = np.stack([batch(step, 0, 1).numpy() for step in (4, 5, 6)])
     result = maxtext_train(settings, tokens, tmp_path / "maxtext_run")
@@ -271,3 +271,36 @@ def test_another_maxtext_optimizers_state_is_named_not_carried(scenarios, tmp_pa
     proc = cli(["from-maxtext", sgd, "-o", str(tmp_path / "back"), "--config", str(tmp_path / "config.json")],
                tmp_path / "back.log")
     assert "its optimizer state is not" in proc.stderr and "fresh optimizer state" in proc.stdout
+
+
+@pytest.mark.parametrize("clipping, applied", [("unset", 1.0), ("0", 0.0)], ids=["config-omits-it", "set-to-0"])
+def test_maxtext_continues_with_the_clipping_deepspeed_ran(scenarios, tmp_path, clipping, applied):
+    """A config that leaves gradient_clipping out runs at DeepSpeed 0.19.8's default, 1.0 (to-maxtext once printed
+    0 for it, from the user's dict: MaxText's second step was then 1e-2 off), and one that sets 0 clips nothing.
+    to-maxtext prints what the engine ran, with the fp32 compute dtype, and MaxText's own training step with those
+    settings gives DeepSpeed's loss at steps 4 and 5 (qwen2: untied, no query pre-scaling, so nothing but the
+    clipping could tell them apart)."""
+    from deepspeed_ext.checkpoint.maxtext import adamw_settings, settings_text
+    from deepspeed_ext.demo.models import batch
+    from harness.maxtext import maxtext_train
+    from harness.runner import cli
+    run = scenarios(f"continue_qwen2_clip_{clipping}", convert=False, tp=2, dtype="fp32", family="qwen2", steps=5,
+                    save_at=3, gradient_clipping=clipping)
+    if clipping == "unset":
+        assert "gradient_clipping" not in _saved_config(run)
+    out = tmp_path / "maxtext"
+    printed = cli(["to-maxtext", str(run.tag_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer"],
+                  tmp_path / "to_maxtext.log").stdout
+    model, optimizer = _printed_settings(printed)
+    assert optimizer == settings_text({**adamw_settings(LR, gradient_clipping=applied), "dtype": "float32"}).split(" ")
+    tokens = np.stack([batch(step, 0, 1).numpy() for step in (4, 5)])
+    result = maxtext_train(model + optimizer + ["steps=5", f"load_full_state_path={out / '0' / 'items'}"], tokens,
+                           tmp_path / "maxtext_run")
+    assert result["start_step"] == 3
+    for step, loss in zip((4, 5), result["losses"], strict=True):
+        assert loss == pytest.approx(run.baseline[step], rel=1e-4), (step, loss, run.baseline[step])
+
+
+def _saved_config(run) -> dict:
+    from deepspeed_ext.checkpoint import serialization
+    return serialization.load(run.tag_dir / "mp_rank_00_model_states.pt")["ds_config"]

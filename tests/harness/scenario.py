@@ -58,6 +58,7 @@ class Scenario:
     warmup_steps: int = 0  # DeepSpeed's WarmupLR over that many steps (0: a constant rate)
     save_also: tuple[int, ...] = ()  # more steps to save after (``tag_dir`` stays ``save_at``'s; convert=False)
     freeze: str | None = None  # the demo's --freeze: a regular expression of parameter names trained by no optimizer
+    gradient_clipping: str | None = None  # the demo's --gradient-clipping (None: its default, 1.0; "unset": left out)
     baseline: dict[int, float] = field(default_factory=dict)
     resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
     #: fp16 loss scale per step: "baseline" for the uninterrupted run, else the resume's key.
@@ -95,7 +96,9 @@ class Scenario:
                                 ["--ep", str(self.ep)] if self.ep else []) + (
                                     ["--optimizer", self.optimizer] if self.optimizer != "adam" else []) + (
                                         ["--warmup-steps", str(self.warmup_steps)] if self.warmup_steps else []) + (
-                                            ["--freeze", self.freeze] if self.freeze else [])
+                                            ["--freeze", self.freeze] if self.freeze else []) + (
+                                                ["--gradient-clipping", self.gradient_clipping]
+                                                if self.gradient_clipping else [])
 
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",

@@ -420,7 +420,7 @@ def test_continuation_settings_say_what_maxtexts_adamw_cannot_express():
     assert saved is not None and "params" not in saved["param_groups"][0] and "zero_optimization" not in saved
     settings, notes = continuation_settings(saved, 100, dp_degree=2)
     assert settings == {**adamw_settings(3e-4, (0.9, 0.95), 1e-6, 0.1, gradient_clipping=1.0),
-                        "gradient_accumulation_steps": 2}
+                        "gradient_accumulation_steps": 2, "dtype": "float32"}
     assert len(notes) == 1 and "global batch 16 sequences" in notes[0]
     coupled = {**group, "decoupled_weight_decay": False, "amsgrad": True}
     _, notes = continuation_settings(optimizer_settings([coupled, {**group, "lr": 1e-3}],
@@ -436,6 +436,33 @@ def test_continuation_settings_say_what_maxtexts_adamw_cannot_express():
                                             model_config={"tie_word_embeddings": True})
     assert settings == {} and any("no optimizer settings" in n for n in notes)
     assert any("sqrt(head_dim)" in n for n in notes) and any("bf16" in n for n in notes)
+
+
+@pytest.mark.parametrize("config, engine, clip_grad, version, expected", [
+    ({}, None, None, "0.19.8", 1.0),  # left out: DeepSpeed >= 0.19.3 clips at 1.0
+    ({}, None, None, "0.18.8", 0.0),  # before 0.19.3: no clipping
+    ({"gradient_clipping": 0.0}, None, None, "0.19.8", 0.0),  # set to 0: none, whatever the default
+    ({}, None, 0.5, "0.19.8", 0.5),  # the optimizer's own record (ZeRO-1/2, BF16_Optimizer) over the default
+    ({"gradient_clipping": 2.0}, {"gradient_clipping": 0.3}, 2.0, "0.19.8", 0.3),  # what the engine ran, first
+], ids=["unset-0.19.8", "unset-0.18.8", "zero", "clip_grad", "engine"])
+def test_gradient_clipping_is_what_deepspeed_ran(config, engine, clip_grad, version, expected):
+    """The clipping to-maxtext carries into MaxText is the engine's: a config that leaves gradient_clipping out runs
+    at the saving release's default (0.19.8 clips at 1.0; the run that continued in MaxText was 1e-2 off at its
+    second step when 0 was printed)."""
+    from deepspeed_ext.checkpoint.maxtext import continuation_settings
+    from deepspeed_ext.checkpoint.states import optimizer_settings
+    saved = optimizer_settings([{"lr": 3e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+                                 "decoupled_weight_decay": True}], {"train_batch_size": 8, **config}, engine,
+                               clip_grad, version, dp_degree=2)
+    assert saved is not None and saved["gradient_clipping"] == expected
+    # The batch sizes DeepSpeed derives when only the global batch is given, and its precision (fp32: no bf16/fp16).
+    assert (saved["gradient_accumulation_steps"], saved["train_micro_batch_size_per_gpu"], saved["dtype"]) == \
+        (1, 4, "fp32")
+    settings, _ = continuation_settings(saved, 3, dp_degree=2)
+    assert settings["gradient_clipping_threshold"] == expected and settings["dtype"] == "float32"
+    bf16 = optimizer_settings([{"lr": 1.0}], {"bfloat16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2,
+                                              "gradient_accumulation_steps": 3})
+    assert bf16 is not None and (bf16["dtype"], bf16["gradient_accumulation_steps"]) == ("bf16", 3)
 
 
 def test_odd_depth_written_unscanned_reads_back_through_every_command(tmp_path, capsys):

@@ -186,15 +186,20 @@ class DeepSpeedCheckpoint:
                           metadata=self.metadata_source,
                           fingerprints=recorded.fingerprints if recorded else None,
                           optimizer_settings=self._optimizer_settings(),
-                          frozen=tuple(name for name in self.layouts if name in self.frozen_names))
+                          frozen=tuple(name for name in self.layouts if name in self.frozen_names),
+                          engine_settings=recorded.engine_settings if recorded else None)
 
     def _optimizer_settings(self) -> dict[str, Any] | None:
         """The torch optimizer's param-group settings and DeepSpeed's step settings, as saved."""
         try:
             groups = self.optimizer.base_state(0, 0).get(keys.PARAM_GROUPS)
+            clip_grad = self.optimizer.optimizer_state_for_universal().get(keys.CLIP_GRAD)
         except (CheckpointError, KeyError, TypeError, AttributeError, NotImplementedError):
             return None  # no optimizer saved (a weights-only tag)
-        return optimizer_settings(groups, self.model_states.get(keys.DS_CONFIG))
+        states = self.model_states
+        return optimizer_settings(groups, states.get(keys.DS_CONFIG),
+                                  self.uc_info.engine_settings if self.uc_info is not None else None, clip_grad,
+                                  states.get(keys.DS_VERSION), self.dp_degree)
 
     def _trainer_model_config(self) -> dict[str, Any] | None:
         """The model's ``config.json`` in the Hugging Face Trainer ``checkpoint-N`` folder that holds this tag

@@ -62,7 +62,7 @@ def adamw_settings(lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: fl
     learning rate ``lr``: the same betas and epsilon (outside the square root), decoupled weight decay on every
     parameter (MaxText's default ``adamw_mask`` is empty, as DeepSpeed decays every group it was given), no warmup
     and a final fraction of 1 (MaxText's schedule is then constant: the step count it restores selects the same
-    rate), and DeepSpeed's ``gradient_clipping`` (0: none). ``steps``: where the MaxText run stops. MaxText's own
+    rate), and DeepSpeed's ``gradient_clipping`` as the engine ran it (0: none). ``steps``: where the MaxText run stops. MaxText's own
     defaults differ: b2 0.95, weight decay 0.1, a warmup and a cosine decay."""
     settings: dict[str, Any] = {
         "opt_type": "adamw", "learning_rate": lr, "adam_b1": betas[0], "adam_b2": betas[1], "adam_eps": eps,
@@ -72,6 +72,10 @@ def adamw_settings(lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: fl
     if steps is not None:
         settings["steps"] = steps
     return settings
+
+
+#: DeepSpeed's precision -> MaxText's ``dtype`` (its activations' and compute's).
+MAXTEXT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def continuation_settings(saved: Mapping[str, Any] | None, global_step: int, dp_degree: int = 1,
@@ -124,6 +128,14 @@ def continuation_settings(saved: Mapping[str, Any] | None, global_step: int, dp_
     settings = adamw_settings(float(first.get("lr", 0.0)), (float(betas[0]), float(betas[1])),
                               float(first.get("eps", 1e-8)), weight_decay,
                               gradient_clipping=float(saved.get("gradient_clipping") or 0.0))
+    # The precision the run computed in: MaxText computes in bf16 unless told (its weights stay fp32 either way,
+    # as DeepSpeed's masters do).
+    dtype = saved.get("dtype")
+    if dtype in MAXTEXT_DTYPES:
+        settings["dtype"] = MAXTEXT_DTYPES[dtype]
+    elif dtype == "fp16":
+        notes.append("the run computed in fp16 with loss scaling, which MaxText does not do: dtype=bfloat16 (its "
+                     "default) or dtype=float32 changes the steps")
     accumulation = int(saved.get("gradient_accumulation_steps") or 1)
     if accumulation > 1:
         settings["gradient_accumulation_steps"] = accumulation
