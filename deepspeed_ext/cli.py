@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 from collections.abc import Callable, Sequence
@@ -256,16 +257,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     source = _open(args.checkpoint, args.tag, args.config, args.family, mtp=args.mtp)
     summary: dict[str, Any] = source.summary()
     layouts = source.info.layouts
+    from deepspeed_ext.checkpoint.formats import FORMATS
+    full_tensors = FORMATS[source.info.format].holds_full_tensors
     if args.json:
-        # Master weights and moments are fp32 in both formats; model dtypes are in the summary.
-        summary["parameters"] = {name: {"dtype": "float32", **layout.to_json()} for name, layout in layouts.items()}
+        # DeepSpeed and universal checkpoints: the fp32 masters (and moments; the module's dtypes are in the
+        # summary). A format of full tensors (HF, MaxText): each tensor's own dtype, from its metadata.
+        dtypes = ({tensor.name: str(tensor.dtype).removeprefix("torch.") for tensor in source.tensors()}
+                  if full_tensors else {})
+        summary["parameters"] = {name: {"dtype": dtypes.get(name, "float32"), **layout.to_json()}
+                                 for name, layout in layouts.items()}
         print(json.dumps(summary, indent=1))
         return 0
     for key, value in summary.items():
         print(f"{key:>18}: {value}")
     # HF and MaxText checkpoints hold full tensors: there is no TP layout to describe (not "replicated").
-    from deepspeed_ext.checkpoint.formats import FORMATS
-    full_tensors = FORMATS[source.info.format].holds_full_tensors
     width = max((len(n) for n in layouts), default=0)
     print(f"{'parameters':>18}:" + (" full tensors (the format has no tensor-parallel layout)" if full_tensors else ""))
     for name, layout in layouts.items():
@@ -626,7 +631,10 @@ def _idle_openmp_workers_sleep() -> None:
 
 def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    from deepspeed_ext.option_spelling import respelled, subcommand_parser
+    args, unknown = parser.parse_known_args(respelled(parser, sys.argv[1:] if argv is None else argv))
+    if unknown:  # said with the subcommand's usage, whose options the user was after
+        subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.version:
         from deepspeed_ext.extras import describe
         print("\n".join(describe()))
@@ -658,20 +666,30 @@ def _run(argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         return _interrupted()
     except (DeepSpeedExtError, ValueError, OSError) as exc:
-        if args.debug:
-            raise
-        _say_error(str(exc))
+        if args.debug:  # the traceback too, and the same exit status as without --debug
+            traceback.print_exc()
+        _say_error(_os_error_line(exc) if isinstance(exc, OSError) else str(exc))
         return 2
     except (KeyError, TypeError, AttributeError, IndexError, AssertionError) as exc:
         # A structure no reader check anticipated: still one line, naming the input, never a traceback.
         if args.debug:
-            raise
+            traceback.print_exc()
         inputs = [str(getattr(args, name)) for name in ("source", "checkpoint", "input_folder", "a", "b")
                   if getattr(args, name, None) is not None]
         where = ", ".join(dict.fromkeys(inputs)) or args.command
         print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}); the checkpoint is "
               "damaged or in a layout deepspeed-ext does not know (--debug shows where)", file=sys.stderr)
         return 2
+
+
+def _os_error_line(exc: OSError) -> str:
+    """An operating system's refusal as ``PATH: problem`` (an output in ``/proc``, a directory not writable), the
+    path as the user named it: a staging directory's name is the output's with ``.partial`` added."""
+    if exc.filename is None or not exc.strerror:
+        return str(exc)
+    path = str(exc.filename).removesuffix(".partial")
+    other = f" ({exc.filename2})" if exc.filename2 else ""
+    return f"{path}: {exc.strerror.lower()}{other}"
 
 
 def _say_error(message: str) -> None:

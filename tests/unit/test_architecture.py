@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("tools", ["checkpoint.formats", "checkpoint.verify", "checkpoint.compare"]),
     ("engine", ["checkpoint.engine_private", "checkpoint.engine_fingerprints", "checkpoint.restore",
                 "module_inject", "module_inject.autotp"]),
-    ("front", ["", "__main__", "runtime", "api", "cli", "presets", "demo", "demo.*"]),
+    ("front", ["", "__main__", "runtime", "api", "cli", "option_spelling", "presets", "demo", "demo.*"]),
 ]
 #: Imports allowed to climb, each with why (the issue that set the budget allows three; there are none).
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}

@@ -199,3 +199,47 @@ def test_the_program_sets_up_its_process_before_the_libraries_load(sources, tmp_
                           text=True, env={**env, "DS_ACCELERATOR": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == expected
+
+
+def test_every_long_option_takes_both_spellings(sources, tmp_path):
+    """``--max_shard_size`` as ``--max-shard-size``; upstream's ``--input_folder`` as ``--input-folder``."""
+    from deepspeed_ext.cli import build_parser
+    from deepspeed_ext.option_spelling import respelled
+    parser = build_parser()
+    assert respelled(parser, ["to-universal", "--input-folder", "a", "--output-folder=b", "--check_finite"]) == \
+        ["to-universal", "--input_folder", "a", "--output_folder=b", "--check-finite"]
+    assert respelled(parser, ["to-hf", "x", "--", "--max_shard_size"]) == ["to-hf", "x", "--", "--max_shard_size"]
+    result = cli_result("to-hf", str(sources / "hf"), "-o", str(tmp_path / "out"), "--max_shard_size", "20KB", "-q")
+    assert result.returncode == 0 and len(list((tmp_path / "out").glob("*.safetensors"))) > 1, result.stderr
+
+
+def test_an_unknown_option_shows_the_subcommands_usage(sources, tmp_path):
+    import contextlib
+    import io
+
+    from deepspeed_ext.cli import main
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(stderr):
+        main(["to-hf", str(sources / "hf"), "-o", str(tmp_path / "out"), "--bogus"])
+    err = stderr.getvalue()
+    assert stopped.value.code == 2 and "usage: deepspeed-ext to-hf" in err and "unrecognized arguments: --bogus" in err
+
+
+def test_an_output_the_system_refuses_is_one_line_naming_it_and_debug_keeps_the_exit_status(sources):
+    result = cli_result("to-hf", str(sources / "hf"), "-o", "/proc/deepspeed-ext-test", "-q")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "deepspeed-ext: error: /proc/deepspeed-ext-test: no such file or directory"], result.stderr
+    debug = cli_result("--debug", "inspect", "/nonexistent/checkpoint")
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    assert debug.stderr.strip().splitlines()[-1] == \
+        "deepspeed-ext: error: /nonexistent/checkpoint: no such checkpoint directory"
+
+
+def test_inspect_json_gives_each_hf_tensor_its_file_dtype(tmp_path):
+    import torch
+
+    from deepspeed_ext.demo.models import build_model
+    build_model("llama").to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    result = cli_result("inspect", str(tmp_path / "hf"), "--json")
+    dtypes = {entry["dtype"] for entry in json.loads(result.stdout)["parameters"].values()}
+    assert result.returncode == 0 and dtypes == {"bfloat16"}, result.stderr
