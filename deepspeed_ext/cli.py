@@ -332,7 +332,7 @@ def _command(sub: Any, name: str, summary: str, description: str, examples: str,
              ) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = sub.add_parser(
         name, help=summary, description=f"{summary[0].upper()}{summary[1:]}.\n\n{description}",
-        epilog="examples:\n" + "\n".join(f"  {line}" for line in examples.strip().splitlines()),
+        epilog="examples:\n" + "\n".join(f"  {line.strip()}" for line in examples.strip().splitlines()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _global_options(p, subcommand=True)
     p.set_defaults(extra=extra)

@@ -310,12 +310,23 @@ def _exit_interrupted() -> None:
     try:
         # Straight to the descriptor: sys.stderr's buffer has a lock, which the main thread may hold, stopped in
         # the handler on its way into a write, while this runs on the interrupt thread.
-        os.write(2, f"deepspeed-ext: {message}\n".encode())
+        os.write(2, f"{_line_break_after_a_bar()}deepspeed-ext: {message}\n".encode())
     finally:
         try:
             _sweep_after_exit(discarded)
         finally:
             os._exit(130)
+
+
+def _line_break_after_a_bar() -> str:
+    """A newline where a progress bar is on stderr's line (tqdm ends its updates with a carriage return, not a line
+    break), so the interrupt's line is a line of its own rather than the bar's tail."""
+    bars = sys.modules.get("tqdm")
+    live = getattr(getattr(bars, "tqdm", None), "_instances", None)
+    try:
+        return "\n" if live and any(not getattr(bar, "disable", True) for bar in list(live)) else ""
+    except Exception:  # noqa: BLE001 - a display nicety; the line itself must still be written
+        return ""
 
 
 def _sweep_after_exit(paths: list[Path]) -> None:

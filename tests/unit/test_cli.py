@@ -243,3 +243,9 @@ def test_inspect_json_gives_each_hf_tensor_its_file_dtype(tmp_path):
     result = cli_result("inspect", str(tmp_path / "hf"), "--json")
     dtypes = {entry["dtype"] for entry in json.loads(result.stdout)["parameters"].values()}
     assert result.returncode == 0 and dtypes == {"bfloat16"}, result.stderr
+
+
+def test_every_subcommands_examples_are_indented_alike():
+    for name, parser in _subparsers().items():
+        lines = parser.format_help().split("examples:\n", 1)[1].strip("\n").splitlines()
+        assert lines and all(line.startswith("  ") and not line.startswith("   ") for line in lines), (name, lines)

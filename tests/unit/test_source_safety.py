@@ -245,3 +245,21 @@ def test_optimizer_state_lists_are_read_as_dicts_and_other_shapes_refused(tmp_pa
         with pytest.raises(CheckpointError, match=says) as info:
             indexed_state(bad, path)
         assert str(path) in str(info.value)
+
+
+def test_the_interrupt_line_starts_a_line_of_its_own_after_a_progress_bar():
+    """tqdm ends its updates with a carriage return: the interrupt's line gets a line break first while a bar is
+    shown (it was appended to the bar's line), and none without one."""
+    import io
+
+    from tqdm import tqdm
+
+    from deepspeed_ext.checkpoint.output import _line_break_after_a_bar
+    assert _line_break_after_a_bar() == ""
+    bar = tqdm(total=3, file=io.StringIO())
+    try:
+        assert _line_break_after_a_bar() == "\n"
+    finally:
+        bar.close()
+    with tqdm(total=3, disable=True):
+        assert _line_break_after_a_bar() == ""
