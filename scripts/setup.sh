@@ -52,8 +52,10 @@ install() {
 # build_ops VENV OP...: JIT-build DeepSpeed's CPU ops into VENV's cache (about a minute each the first time,
 # a second or two once built).
 build_ops() {
-  local venv=$1; shift
-  say "building DeepSpeed ops in $venv: $* (first time: about a minute each)"
+  local venv=$1 stamp; shift
+  stamp="$venv/torch_extensions/.deepspeed_ext-ops-$(echo "$*" | tr ' ' '-')"
+  # Once built, loading them takes a second or two and says nothing.
+  [ -f "$stamp" ] || say "building DeepSpeed ops in $venv: $* (first time: about a minute each)"
   DS_ACCELERATOR=cpu "$venv/bin/python" - "$@" <<'PY' >/dev/null 2>"$venv/ops-build.log" || {
 import sys
 from deepspeed.accelerator import get_accelerator
@@ -61,7 +63,7 @@ for op in sys.argv[1:]:
     get_accelerator().create_op_builder(op).load()
 PY
     cat "$venv/ops-build.log" >&2; say "building DeepSpeed ops in $venv failed"; return 1; }
-  say "DeepSpeed ops ready in $venv"
+  [ -f "$stamp" ] || { say "DeepSpeed ops ready in $venv"; mkdir -p "$(dirname "$stamp")"; touch "$stamp"; }
 }
 
 # The package's bytecode, as a pip install writes it: an editable install writes none, and where

@@ -40,22 +40,23 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     marker.touch()
     save_dir, logs = workdir / "checkpoints", workdir / "logs"
-    common = ["--zero", "1", "--dtype", "bf16", "--steps", str(STEPS)]
+    common = ["--zero", "1", "--dtype", "bf16", "--steps", str(STEPS), "--progress"]
+    phases = 2 + len(TARGET_TPS)
 
     def say(text: str) -> None:
         print(text, flush=True)
 
     t0 = time.time()
-    say(f"[1/3] training a tiny Llama (GQA 16q/4kv, vocab 101) at TP={SOURCE_TP}, ZeRO-1, bf16; "
+    say(f"[1/{phases}] training a tiny Llama (GQA 16q/4kv, vocab 101) at TP={SOURCE_TP}, ZeRO-1, bf16; "
         f"saving at step {SAVE_AT} into {save_dir}")
     torchrun_train(SOURCE_TP, ["--tp", str(SOURCE_TP), *common, "--save-dir", str(save_dir), "--save-at",
                                str(SAVE_AT), "--result", str(workdir / "baseline.json")], logs / "train_tp2.log")
-    say(f"[2/3] deepspeed-ext to-universal {save_dir}")
+    say(f"[2/{phases}] deepspeed-ext to-universal {save_dir}")
     cli(["to-universal", str(save_dir), "--quiet"], logs / "convert.log")
     say(f"      -> {save_dir / f'global_step{SAVE_AT}_universal'}")
     losses = {f"TP={SOURCE_TP} uninterrupted": read_losses(workdir / "baseline.json")}
-    for tp in TARGET_TPS:
-        say(f"[3/3] resuming from the universal checkpoint at TP={tp}")
+    for phase, tp in enumerate(TARGET_TPS, start=3):
+        say(f"[{phase}/{phases}] resuming from the universal checkpoint at TP={tp}: steps {SAVE_AT + 1}-{STEPS}")
         result = workdir / f"resume_tp{tp}.json"
         torchrun_train(tp, ["--tp", str(tp), *common, "--load-dir", str(save_dir), "--result", str(result)],
                        logs / f"resume_tp{tp}.log")

@@ -17,15 +17,36 @@ def child_env() -> dict[str, str]:
     return env
 
 
+#: What the demo's training script prints of its progress (``--progress``): the demo shows those lines as they come.
+PROGRESS = "deepspeed-ext demo: "
+
+
 def run_logged(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
-    """Run ``cmd`` with its output in ``log``; on failure raise with the tail."""
+    """Run ``cmd`` with its output (stdout and stderr, as they come) in ``log``, showing its progress lines
+    (:data:`PROGRESS`) meanwhile; on failure raise with the tail."""
+    import threading
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    lines: list[str] = []
+    with open(log, "w") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(TIMEOUT_S, proc.kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                lines.append(line)
+                if line.startswith(PROGRESS):
+                    print(f"      {line[len(PROGRESS):].rstrip()}", flush=True)
+            proc.wait()
+        finally:
+            timer.cancel()
+    output = "".join(lines)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        tail = "\n".join(output.splitlines()[-40:])
         raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n{tail}")
-    return proc
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, "")
 
 
 def torchrun_train(nproc: int, args: list[str], log: Path) -> None:

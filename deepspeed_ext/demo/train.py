@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(a resume from another one relies on the checkpoint for every weight)")
     p.add_argument("--gradient-clipping", default="1.0", help="DeepSpeed's gradient_clipping (\"unset\": left out of "
                    "the config, so DeepSpeed's default applies)")
+    p.add_argument("--progress", action="store_true", help="print each step's loss as it is trained (rank 0)")
     p.add_argument("--result", help="write losses (JSON) here")
     return p.parse_args(argv)
 
@@ -187,6 +188,9 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
             value += loss.detach().float()
         dist.all_reduce(value)  # mean over micro-batches and DP (TP ranks hold the same loss)
         losses[step] = value.item() / dist.get_world_size() / args.grad_accum
+        if args.progress and dist.get_rank() == 0:
+            from deepspeed_ext.demo.runner import PROGRESS
+            print(f"{PROGRESS}step {step}/{args.steps}: loss {losses[step]:.4f}", flush=True)
         if hooks.after_step:
             probed[step] = hooks.after_step(engine, step)
         if "first_step_s" not in timing and args.load_dir:
