@@ -66,3 +66,12 @@ def pytest_xdist_node_collection_finished(node, ids):
             f"--dist loadgroup groups nothing with pytest {pytest.__version__} and pytest-xdist {xdist.__version__} "
             f"({len(lost)} of {len(ids)} node ids from {node.gateway.id} carry no @group, e.g. {lost[0]}): install "
             "requirements-dev.txt's versions (bash scripts/setup.sh), or run without --dist loadgroup")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The pooled torchrun workers end with the session, on every xdist worker, not only at its exit (an ended
+    worker runs no exit handlers; the ranks also leave by themselves once their test process is gone)."""
+    import sys
+    runner = sys.modules.get("harness.runner")
+    if runner is not None:
+        runner.close_pools()

@@ -96,6 +96,11 @@ def torchrun_train_runs(nproc: int, runs: list[list[str]], log: Path, python: st
                        python=python)
 
 
+#: The pid of the test process that owns a pool: its ranks leave once that process is gone, however it ended (an
+#: xdist worker killed at the end of a run never runs its exit handlers).
+OWNER_ENV = "DSX_TEST_POOL_OWNER"
+
+
 class _TrainPool:
     """``torchrun ... workers/train.py --serve DIR``: ``nproc`` ranks kept for runs at one TP degree (DeepSpeed
     sets its TP groups once a process), each run a fresh model and engine. Requests and answers are files in DIR
@@ -108,7 +113,8 @@ class _TrainPool:
         with open(self.directory / "pool.log", "w") as own_log:
             self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                           f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve",
-                                          str(self.directory)], env=child_env(), stdout=own_log,
+                                          str(self.directory)], env={**child_env(), OWNER_ENV: str(os.getpid())},
+                                         stdout=own_log,
                                          stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
@@ -184,7 +190,8 @@ def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _T
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """End this process's pools (at the end of the test session, and at exit whatever ended the session)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
 
