@@ -651,6 +651,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.extra is not None:  # before anything is read or written
             from deepspeed_ext.extras import require
             require(args.extra, args.command)
+        _refuse_the_output_early(args)
         if not args.quiet and sys.stderr.isatty() and args.func is not cmd_inspect:
             print(f"deepspeed-ext {args.command}: loading libraries...", file=sys.stderr, flush=True)
         code = args.func(args)
@@ -680,6 +681,17 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}); the checkpoint is "
               "damaged or in a layout deepspeed-ext does not know (--debug shows where)", file=sys.stderr)
         return 2
+
+
+def _refuse_the_output_early(args: argparse.Namespace) -> None:
+    """The refusals of an output that need no library (it exists, it is the source or lies in it): said before
+    torch and the rest load (seconds), as the writer would say them once it had."""
+    output = getattr(args, "output", None)
+    source = getattr(args, "source", None) or getattr(args, "checkpoint", None) or getattr(args, "input_folder", None)
+    if output is None or source is None or getattr(args, "distributed", False):
+        return
+    from deepspeed_ext.checkpoint.output import prepare
+    prepare(output, [source], overwrite=bool(getattr(args, "overwrite", False)))
 
 
 def _os_error_line(exc: OSError) -> str:

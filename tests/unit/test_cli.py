@@ -249,3 +249,19 @@ def test_every_subcommands_examples_are_indented_alike():
     for name, parser in _subparsers().items():
         lines = parser.format_help().split("examples:\n", 1)[1].strip("\n").splitlines()
         assert lines and all(line.startswith("  ") and not line.startswith("   ") for line in lines), (name, lines)
+
+
+def test_an_existing_output_is_refused_before_the_libraries_load(sources, tmp_path):
+    """The refusal needs only the names: it comes before torch is imported (it came after 4-5 s of imports)."""
+    import subprocess
+    import sys
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept").write_text("")
+    probe = ("import sys; from deepspeed_ext.cli import main; code = main(sys.argv[1:]); "
+             "print('torch' in sys.modules, code)")
+    proc = subprocess.run([sys.executable, "-c", probe, "to-hf", str(sources / "hf"), "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "2"], proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"deepspeed-ext: error: {tmp_path / 'out'}: output already exists; pass --overwrite " \
+        "to replace it"
+    assert (tmp_path / "out" / "kept").exists()
