@@ -291,7 +291,8 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
                   model_config=_model_config_dict(engine.module),
                   model_class=type(engine.module).__name__,
                   versions=_versions(),
-                  engine_settings=engine_private.step_settings(engine))
+                  engine_settings=engine_private.step_settings(engine),
+                  frozen=_frozen_over_every_stage(engine))
     setattr(engine, ENGINE_ATTR, info)
     stacked = unsharded_weights(layouts, min_ndim=3)
     if stacked and engine.global_rank == 0:
@@ -309,6 +310,19 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
                fingerprints=ext.universal_checkpoint.fingerprints)
     _wait_at_exit()
     return info
+
+
+def _frozen_over_every_stage(engine: Any) -> list[str]:
+    """The engine's frozen parameters (``requires_grad=False``; each tensor once, as ``named_parameters`` names it),
+    of every pipeline stage: what the checkpoints record, so that a reader never takes a second name of a trainable
+    tensor (AutoEP's router, reachable under two names) for a frozen one."""
+    frozen = [name for name, param in engine.module.named_parameters() if not param.requires_grad]
+    if not engine_private.engine_is_pipeline(engine):
+        return frozen
+    import torch.distributed as dist
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, frozen)
+    return list(dict.fromkeys(name for names in gathered for name in names))
 
 
 def _over_every_stage(engine: Any, layouts: dict[str, Any]) -> dict[str, Any]:

@@ -44,8 +44,9 @@ class UCInfo:
     #: The tag is committed by a marker written last (:mod:`deepspeed_ext.checkpoint.commit`): without one, the
     #: save did not finish.
     commit_marker: bool = False
-    #: The frozen parameters (weights only: no optimizer steps them), where the checkpoint holds any.
-    frozen: list[str] = field(default_factory=list)
+    #: The frozen parameters (weights only: no optimizer steps them): a tag's, as the engine had them (every
+    #: pipeline stage's); a universal checkpoint's, those it holds. None: not recorded (an older deepspeed-ext).
+    frozen: list[str] | None = None
     #: What shapes a step as the engine ran it (:func:`~deepspeed_ext.checkpoint.engine_private.step_settings`:
     #: gradient clipping, accumulation, micro batch, precision), DeepSpeed's defaults applied.
     engine_settings: dict[str, Any] | None = None
@@ -63,7 +64,7 @@ class UCInfo:
             **({"optimizer_param_names": self.optimizer_param_names} if self.optimizer_param_names else {}),
             **({FINGERPRINTS_KEY: self.fingerprints.to_json()} if self.fingerprints is not None else {}),
             **({COMMIT_KEY: COMMIT_FILE} if self.commit_marker else {}),
-            **({"frozen_params": self.frozen} if self.frozen else {}),
+            **({"frozen_params": self.frozen} if self.frozen is not None else {}),
             **({"engine_settings": self.engine_settings} if self.engine_settings else {}),
         }
 
@@ -84,7 +85,8 @@ class UCInfo:
                    fingerprints=(Fingerprints.from_json(data[FINGERPRINTS_KEY], source)
                                  if data.get(FINGERPRINTS_KEY) is not None else None),
                    commit_marker=bool(data.get(COMMIT_KEY)),
-                   frozen=[str(name) for name in data.get("frozen_params") or []],
+                   frozen=([str(name) for name in data["frozen_params"]]
+                           if data.get("frozen_params") is not None else None),
                    engine_settings=dict(data["engine_settings"]) if data.get("engine_settings") else None)
 
 

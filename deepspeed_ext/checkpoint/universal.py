@@ -468,7 +468,7 @@ class UniversalCheckpoint:
     @cached_property
     def frozen(self) -> frozenset[str]:
         """The frozen parameters our UC info lists: weights only (no moments, no step), as saved."""
-        return frozenset(self.uc_info.frozen) if self.uc_info is not None else frozenset()
+        return frozenset(self.uc_info.frozen or ()) if self.uc_info is not None else frozenset()
 
     def file(self, name: str, state: str) -> Path:
         return self.zero / name / f"{state}.pt"

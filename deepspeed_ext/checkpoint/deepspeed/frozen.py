@@ -67,13 +67,16 @@ class FrozenWeights:
 def find_frozen(model_states: Callable[[int], Mapping[str, Any]], grid_states: Callable[[int, int], Mapping[str, Any]],
                 model_files: Callable[[int], Path], mp_degree: int, tp_degree: int, dp_degree: int,
                 partitioned: bool, trainable: set[str], recorded: Mapping[str, TPLayout] | None,
-                upstream_info: Mapping[str, Any] | None, tag_dir: Path | None = None) -> FrozenWeights:
+                upstream_info: Mapping[str, Any] | None, tag_dir: Path | None = None,
+                recorded_frozen: Sequence[str] | None = None) -> FrozenWeights:
     """The frozen parameters of a tag: what its model states hold of the module beyond the ``trainable`` names
     (every parameter an optimizer partition holds), its buffers and second names of one tensor (a tied weight).
     ``model_states(mp)``: a model-parallel rank's model states (ZeRO-3: its DP rank 0's); ``grid_states(tp, dp)``:
     ZeRO-3's per-rank ones. Pipeline stages hold their own layers: each parameter is read from the first stage
     that holds it."""
     found = FrozenWeights()
+    if recorded_frozen is not None and not recorded_frozen:
+        return found  # the engine that saved it froze nothing
     stages = mp_degree // tp_degree
     if not partitioned and tag_dir is not None and model_states(0).get(keys.MODULE) is None:
         layers = _layer_modules(tag_dir, tp_degree)
@@ -81,7 +84,7 @@ def find_frozen(model_states: Callable[[int], Mapping[str, Any]], grid_states: C
             model_states, stages, mp_degree = (lambda tp: {keys.MODULE: layers[tp]}), 1, tp_degree
     shapes: dict[str, list[tuple[int, ...]]] = {}
     for stage in range(stages):
-        per_tp = [_frozen_shapes(model_states(stage * tp_degree + tp), partitioned, trainable)
+        per_tp = [_frozen_shapes(model_states(stage * tp_degree + tp), partitioned, trainable, recorded_frozen)
                   for tp in range(tp_degree)]
         for name, (shape, dtype) in per_tp[0].items():
             if name in shapes:
@@ -120,9 +123,19 @@ def _layer_modules(tag_dir: Path, tp_degree: int) -> list[dict[str, torch.Tensor
     return modules
 
 
-def _frozen_shapes(states: Mapping[str, Any], partitioned: bool, trainable: set[str]
-                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``{name: (TP-local shape, dtype)}`` of the frozen parameters one rank's model states hold."""
+def _frozen_shapes(states: Mapping[str, Any], partitioned: bool, trainable: set[str],
+                   recorded: Sequence[str] | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{name: (TP-local shape, dtype)}`` of the frozen parameters one rank's model states hold: those the saving
+    engine recorded (deepspeed-ext's ``frozen_params``), else those ZeRO-2/3 list (``frozen_param_shapes``), else
+    what the module holds beyond the trainable parameters and the buffers, a second name of a trainable tensor
+    left out (the same storage, or the same values in the same shape: AutoEP's router under two names)."""
+    if recorded is not None:
+        wanted = set(recorded)
+        if partitioned:
+            return {name: value for name, value in _frozen_shapes(states, True, trainable).items() if name in wanted}
+        module = states.get(keys.MODULE) or {}
+        return {name: (tuple(module[name].shape), module[name].dtype) for name in recorded
+                if torch.is_tensor(module.get(name)) and name not in trainable}  # held by an optimizer: trained
     if partitioned:
         shapes = states.get(keys.FROZEN_PARAM_SHAPES) or {}
         fragments = states.get(keys.FROZEN_PARAM_FRAGMENTS) or {}
@@ -134,11 +147,16 @@ def _frozen_shapes(states: Mapping[str, Any], partitioned: bool, trainable: set[
     for name, value in module.items():  # a tensor under two names (a tied weight) is one parameter
         if name in trainable and torch.is_tensor(value):
             seen.add(_identity(value))
+    listed = states.get(keys.FROZEN_PARAM_SHAPES)  # ZeRO-2 names them (ZeRO-1 leaves it None)
+    held = [value for name, value in module.items() if name in trainable and torch.is_tensor(value)]
     found = {}
     for name, value in module.items():
         if (name in trainable or name in buffers or not torch.is_tensor(value) or not value.is_floating_point()
-                or _identity(value) in seen):
+                or _identity(value) in seen or (listed is not None and name not in listed)):
             continue
+        if listed is None and any(other.shape == value.shape and other.dtype == value.dtype
+                                  and torch.equal(other, value) for other in held):
+            continue  # a second name of a trainable tensor, saved as a copy
         seen.add(_identity(value))
         found[name] = (tuple(value.shape), value.dtype)
     return found

@@ -491,7 +491,8 @@ class DeepSpeedCheckpoint:
         return find_frozen(self.files.model_states, self.files.grid_model_states, self.files.model_files.__getitem__,
                            self.mp_degree, self.tp_degree, self.dp_degree, self.files.partitioned_weights, trainable,
                            self.uc_info.layouts if self.uc_info is not None else None,
-                           self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO), self.tag_dir)
+                           self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO), self.tag_dir,
+                           recorded_frozen=self.uc_info.frozen if self.uc_info is not None else None)
 
     @cached_property
     def frozen_names(self) -> frozenset[str]:
