@@ -697,11 +697,9 @@ def _refuse_the_output_early(args: argparse.Namespace) -> None:
 def _os_error_line(exc: OSError) -> str:
     """An operating system's refusal as ``PATH: problem`` (an output in ``/proc``, a directory not writable), the
     path as the user named it: a staging directory's name is the output's with ``.partial`` added."""
-    if exc.filename is None or not exc.strerror:
-        return str(exc)
-    path = str(exc.filename).removesuffix(".partial")
-    other = f" ({exc.filename2})" if exc.filename2 else ""
-    return f"{path}: {exc.strerror.lower()}{other}"
+    if exc.filename is None or exc.filename2 is not None or not exc.strerror:
+        return str(exc)  # two paths (a copy): the message names both, in the system's words
+    return f"{str(exc.filename).removesuffix('.partial')}: {exc.strerror}"
 
 
 def _say_error(message: str) -> None:

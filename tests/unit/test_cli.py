@@ -228,7 +228,7 @@ def test_an_unknown_option_shows_the_subcommands_usage(sources, tmp_path):
 def test_an_output_the_system_refuses_is_one_line_naming_it_and_debug_keeps_the_exit_status(sources):
     result = cli_result("to-hf", str(sources / "hf"), "-o", "/proc/deepspeed-ext-test", "-q")
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "deepspeed-ext: error: /proc/deepspeed-ext-test: no such file or directory"], result.stderr
+        "deepspeed-ext: error: /proc/deepspeed-ext-test: No such file or directory"], result.stderr
     debug = cli_result("--debug", "inspect", "/nonexistent/checkpoint")
     assert debug.returncode == 2 and "Traceback" in debug.stderr
     assert debug.stderr.strip().splitlines()[-1] == \
