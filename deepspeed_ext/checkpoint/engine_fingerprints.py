@@ -109,9 +109,8 @@ class SumsPlan:
             if (layout is None or layout.is_replicated) and tp_rank != 0 and not over_tp:
                 continue
             for j, state in enumerate(states):
-                if not param.requires_grad and param not in stage0:
-                    # Frozen: its weights, as fp32, what every checkpoint format holds of it. (A stage-0 wrapper of
-                    # DeepSpeed 0.18.8 holds frozen parameters as it does the others: summed as they are.)
+                if engine_private.no_optimizer_holds(param, stage0):
+                    # Frozen: its weights, as fp32, what every checkpoint format holds of it.
                     local = engine_private.owned_frozen_weights(param, dp_rank) if state == MASTER_WEIGHTS else None
                 elif state == MODULE_WEIGHTS:  # whole on every DP rank: DP rank 0 speaks for it
                     local = param if dp_rank == 0 and param.dtype in engine_private.LOW_PRECISION else None

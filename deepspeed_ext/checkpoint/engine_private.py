@@ -475,6 +475,13 @@ def zero3_partition_in_place(param: Any, state: str, size: int) -> torch.Tensor 
     return partition
 
 
+def no_optimizer_holds(param: Any, stage0: Mapping[Any, LiveSlot]) -> bool:
+    """Whether ``param`` is frozen as a checkpoint keeps it (its weights alone): ``requires_grad=False`` and held by
+    no optimizer. A stage-0 wrapper of DeepSpeed 0.18.8 holds every parameter it was handed, frozen ones too (an
+    fp32 master it copies into the weights at each step, moments of zero gradients): such a one is as the others."""
+    return not param.requires_grad and param not in stage0
+
+
 def frozen_weight_targets(param: Any) -> list[tuple[torch.Tensor, int]]:
     """Where this rank keeps a frozen parameter's weights (no optimizer holds them): ``(1-D tensor, start)`` pairs
     as :func:`state_targets` gives them. ZeRO-3: this rank's partition of the low-precision weights (``ds_tensor``,

@@ -160,10 +160,9 @@ def load_resharded(engine: Any,
         # creates it at construction) gets the saved step, so every rank counts alike.
         restored = [(name, param) for name, param in saved_params
                     if math.prod(getattr(param, LAYOUT_ATTR).local_shape(shard_rank(param, tp_rank))) != 0]
-        # Frozen: no optimizer holds it. A stage-0 wrapper of DeepSpeed 0.18.8 holds every parameter it was handed,
-        # frozen ones too (an fp32 master it copies into the weights at every step, Adam moments of zero gradients):
-        # those are restored as the others are, or the master left as built would undo the restore a step later.
-        frozen = {param for _, param in saved_params if not param.requires_grad and param not in stage0}
+        # Frozen ones get their weights alone; one a stage-0 wrapper holds is restored as the others are, or the
+        # master left as built would undo the restore a step later.
+        frozen = {param for _, param in saved_params if engine_private.no_optimizer_holds(param, stage0)}
         saved = {param: _saved_states(ckpt, name, None if param in frozen else entries, param)
                  for name, param in saved_params}
         scalars = {param: {state: ckpt.scalar(name, state) for state in saved[param][1]}
