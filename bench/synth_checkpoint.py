@@ -444,7 +444,8 @@ def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, l
                   model_class=transformers.LlamaForCausalLM.__name__,
                   versions={"deepspeed_ext": deepspeed_ext.__version__, "deepspeed": deepspeed.__version__,
                             "torch": torch.__version__},
-                  fingerprints=fingerprints(plan, sums), commit_marker=True)
+                  fingerprints=fingerprints(plan, sums), commit_marker=True,
+                  frozen=[], engine_settings=engine_settings(plan))
     write_uc_info(tag_dir, info)
     # The engine copies DeepSpeed's recovery scripts beside the tags (the commit moves them out of the staging).
     utils = Path(deepspeed.__file__).parent / "utils"
@@ -455,6 +456,19 @@ def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, l
     details = {"global_steps": plan.steps, "world_size": plan.tp, "tp_degree": plan.tp, "zero_stage": 1,
                "written_by": dict(info.versions)}
     return commit.commit(save_dir, tag, details, save_latest=True)
+
+
+def engine_settings(plan: Plan) -> dict[str, Any]:
+    """What the engine records of the step it ran (``engine_private.step_settings``): the plan's config with
+    DeepSpeed 0.19's defaults (clipping 1.0, one accumulation step) and the batch as the engine derives it: over
+    the whole world, TP ranks included, as it counts ``global_samples``."""
+    micro = plan.ds_config["train_micro_batch_size_per_gpu"]
+    accum = plan.ds_config.get("gradient_accumulation_steps", 1)
+    dtype = "bf16" if plan.ds_config.get("bf16", {}).get("enabled") else \
+        "fp16" if plan.ds_config.get("fp16", {}).get("enabled") else "fp32"
+    return {"gradient_clipping": float(plan.ds_config.get("gradient_clipping", 1.0)),
+            "gradient_accumulation_steps": accum, "train_micro_batch_size_per_gpu": micro,
+            "train_batch_size": micro * accum * plan.tp, "dtype": dtype}
 
 
 def main(argv: list[str] | None = None) -> None:
