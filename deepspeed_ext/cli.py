@@ -651,6 +651,7 @@ def _run(argv: Sequence[str] | None) -> int:
         if args.extra is not None:  # before anything is read or written
             from deepspeed_ext.extras import require
             require(args.extra, args.command)
+        _refuse_a_missing_tag_early(args)
         _refuse_the_output_early(args)
         if not args.quiet and sys.stderr.isatty() and args.func is not cmd_inspect:
             print(f"deepspeed-ext {args.command}: loading libraries...", file=sys.stderr, flush=True)
@@ -681,6 +682,26 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}); the checkpoint is "
               "damaged or in a layout deepspeed-ext does not know (--debug shows where)", file=sys.stderr)
         return 2
+
+
+def _refuse_a_missing_tag_early(args: argparse.Namespace) -> None:
+    """A DeepSpeed save directory (it has a ``latest`` file) whose tag, named by ``--tag`` or by ``latest``, is not
+    there: refused before the libraries load, in the reader's own line. Anything else is left to the reader, which
+    tells the formats apart."""
+    source = getattr(args, "source", None) or getattr(args, "checkpoint", None) or getattr(args, "input_folder", None)
+    if source is None or not (Path(source) / "latest").is_file():
+        return
+    from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
+    from deepspeed_ext.checkpoint.deepspeed.keys import MODEL_STATES_RE, ZERO3_MODEL_STATES_RE
+    path, tag = Path(source), getattr(args, "tag", None)
+    if tag is not None:
+        missing = not (path / tag).exists()
+    else:
+        holds_a_tag = any(MODEL_STATES_RE.match(p.name) or ZERO3_MODEL_STATES_RE.match(p.name) or p.name == "zero"
+                          for p in path.iterdir())
+        missing = not holds_a_tag and not (path / (path / "latest").read_text().strip()).exists()
+    if missing:
+        resolve_tag_dir(path, tag)  # raises the line the reader would
 
 
 def _refuse_the_output_early(args: argparse.Namespace) -> None:

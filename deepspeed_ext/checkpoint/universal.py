@@ -4,10 +4,11 @@ Layout (the one upstream's ``ds_to_universal`` writes, see docs/universal-checkp
 
     <save dir>/latest_universal            the name of the universal directory (<tag>_universal)
     <save dir>/<tag>_universal/
-        zero/<param>/fp32.pt               {'param': full fp32 tensor[, 'cat_dim': d]}
+        zero/<param>/fp32.pt               {'param': full fp32 tensor[, 'cat_dim': d]}; from ZeRO-3 at TP=1 the
+                                           bare flat tensor, as upstream writes that case (:class:`FileForm`)
         zero/<param>/exp_avg.pt            same, Adam first moment
         zero/<param>/exp_avg_sq.pt         same, Adam second moment
-        zero/<param>/step.pt               the bare optimizer step
+        zero/<param>/step.pt               the bare optimizer step (none from ZeRO-3: optimizer_state.pt has it)
         zero/optimizer_state.pt            DP0/TP0 optimizer state minus flat tensors, plus param_groups
         mp_rank_XX_model_states.pt         copied unchanged (steps, lr scheduler, client state)
         deepspeed_ext.json                 our UC info (layouts of the source, model config)
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import re
 import threading
@@ -69,12 +71,38 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+@dataclass(frozen=True)
+class FileForm:
+    """How the per-parameter files of one source are written: upstream's ``ds_to_universal`` writes two forms, and
+    tools and tests that follow it read the one it writes for that kind of checkpoint.
+
+    ``flat``: ZeRO-3 at TP=1 (AutoEP's dense parameters included): each state the bare flat tensor, no dictionary;
+    an expert stack keeps its dictionary (its loader reads the expert count from it). ``step_files``: ZeRO-3's
+    step lives in ``zero/optimizer_state.pt`` alone, as upstream's loader reads it."""
+
+    flat: bool = False
+    step_files: bool = True
+
+    @classmethod
+    def of(cls, info: SourceInfo) -> FileForm:
+        zero3 = info.zero_stage == 3
+        return cls(flat=zero3 and info.tp_degree == 1, step_files=not zero3)
+
+    def content(self, tensor: torch.Tensor, layout: TPLayout) -> Any:
+        """What the file of ``tensor`` (a state of a parameter of ``layout``) holds."""
+        if self.flat and not is_expert_layout(layout):
+            return _standalone(tensor).reshape(-1)
+        return _entry(tensor, layout)
+
+
 def _entry(tensor: torch.Tensor, layout: TPLayout) -> dict[str, Any]:
     """A per-parameter file's dictionary, with the keys upstream's ``ds_to_universal`` writes for it."""
     entry: dict[str, Any] = {keys.PARAM: _standalone(tensor)}
-    if not layout.is_replicated and layout.view_shape is None and len(layout.sub_param_sizes) == 1:
-        # Lets DeepSpeed's legacy (non-AutoTP) restore path chunk the tensor along the right dim.
-        entry[keys.CAT_DIM] = layout.partition_dim
+    if layout.tp_size == 1 or (not layout.is_replicated and layout.view_shape is None
+                               and len(layout.sub_param_sizes) == 1):
+        # Lets DeepSpeed's legacy (non-AutoTP) restore path chunk the tensor along the right dim. Upstream writes it
+        # for every tensor of a TP=1 checkpoint too (0: its loader chunks a whole tensor over a TP degree by dim 0).
+        entry[keys.CAT_DIM] = layout.partition_dim or 0
     if is_expert_layout(layout):
         # As upstream marks an AutoEP expert stack: its loader cuts each EP rank's experts along dim 0.
         entry[IS_EXPERT_PARAM] = True
@@ -251,6 +279,7 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
     blocks whatever the tensor's size, where the source reads ranges (DeepSpeed checkpoints); other sources
     hand over whole tensors."""
     written = Fingerprints(global_steps=source.info.global_step)
+    form = FileForm.of(source.info)
 
     def save(value: Any, path: Path) -> None:
         serialization.save(value, path)
@@ -270,7 +299,9 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
             return block
 
         placeholder = torch.empty(tensor.shape, dtype=first.dtype)  # never touched: no memory
-        checksum = serialization.save_streamed(_entry(placeholder, tensor.layout), placeholder,
+        content = form.content(placeholder, tensor.layout)
+        placeholder = content if torch.is_tensor(content) else placeholder  # the flat form: the tensor itself
+        checksum = serialization.save_streamed(content, placeholder,
                                                map(summed, itertools.chain([first], blocks)), path)
         written.add(tensor.name, state, Fingerprint(int(sums[0]), sums[1], sums[2]))
         manifest.add(path, checksum)
@@ -297,6 +328,8 @@ def _write_tensors(source: CheckpointSource, names: list[str], partial: Path, pr
                     value = tensor.load(state)
                     if state == STEP:
                         written.step = _as_int(value) if written.step is None else written.step
+                        if not form.step_files:
+                            continue
                     writer.submit(save, value, path)
                     continue
                 # A source that reads ranges is read on the writer thread, block by block; others (HF,
@@ -437,7 +470,8 @@ class UniversalCheckpoint:
             return state in KNOWN_SCALARS
         if state not in self._scalar_names:
             data = serialization.load(self.file(name, state))
-            self._scalar_names[state] = not (isinstance(data, dict) and keys.PARAM in data)
+            self._scalar_names[state] = not (torch.is_tensor(data) and data.dim() > 0
+                                             or isinstance(data, dict) and keys.PARAM in data)
         return self._scalar_names[state]
 
     def _refuse_missing_parameters(self) -> None:
@@ -488,7 +522,26 @@ class UniversalCheckpoint:
         tensor = data.get(keys.PARAM) if isinstance(data, dict) else data
         if not torch.is_tensor(tensor):
             raise CheckpointError(f"{path}: no tensor under 'param'")
+        shape = self._recorded_shapes.get(name)
+        if not isinstance(data, dict) and shape is not None and tuple(tensor.shape) != shape:
+            # Upstream's form from ZeRO-3 at TP=1: the bare flat tensor, shaped by what the checkpoint records.
+            if tensor.dim() != 1 or tensor.numel() != math.prod(shape):
+                raise CheckpointError(f"{path}: {tensor.numel()} elements, but {name!r} is {shape}")
+            tensor = tensor.view(shape)
         return tensor
+
+    @cached_property
+    def _recorded_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's full shape as the checkpoint records it: our UC info's, else the copied model
+        states' ``param_shapes`` (ZeRO-3 records full shapes there)."""
+        if self.uc_info is not None:
+            return {name: layout.shape for name, layout in self.uc_info.layouts.items()}
+        if not self.model_state_files:
+            return {}
+        groups = self.model_states.get(keys.PARAM_SHAPES) or []
+        return {name: tuple(int(d) for d in shape)
+                for group in (groups if isinstance(groups, list) else [groups]) if isinstance(group, dict)
+                for name, shape in group.items()}
 
     def _mapped(self, name: str, state: str) -> torch.Tensor:
         """The memory-mapped full tensor of ``name``/``state``, kept mapped for the blocks that follow (one per

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="deepspeed.initialize without the deepspeed_ext section")
     p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression")
     p.add_argument("--init-seed", type=int, default=1234, help="the seed of the initial weights")
+    p.add_argument("--seed-per-rank", action="store_true",
+                   help="seed each rank's initial weights by its rank (seed + rank), as scripts that seed per process "
+                        "do: at TP>1 each model-parallel rank then trains its own copy of the plain layers")
     p.add_argument("--result", help="write the losses (JSON) here")
     return p.parse_args(argv)
 
@@ -78,7 +81,7 @@ def run(argv: list[str] | None = None) -> dict[int, float]:
     import deepspeed_ext
     from deepspeed_ext.demo.models import GLOBAL_BATCH, batch
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build(args.pp, args.tp, args.layers, args.init_seed)
+    model = build(args.pp, args.tp, args.layers, args.init_seed + (dist.get_rank() if args.seed_per_rank else 0))
     if args.freeze:
         import re
         for name, param in model.named_parameters():

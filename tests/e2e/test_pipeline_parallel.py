@@ -122,3 +122,24 @@ def test_frozen_layers_of_a_pipeline_come_back_at_pp1(tmp_path):
         assert sorted(resumed) == [4, 5], resumed
         assert all(abs(loss - baseline[step]) <= TOLERANCE * abs(baseline[step]) for step, loss in resumed.items()), \
             (source, resumed, baseline)
+
+
+@pytest.mark.parametrize("saved_by", ["deepspeed_ext", "plain"])
+def test_tp_copies_that_differ_are_refused_naming_the_pipeline(saved_by, tmp_path):
+    """Upstream's own TP x PP test saves a pipeline of plain layers whose model-parallel ranks each trained their own
+    copy (here: initial weights seeded per rank). There is no one tensor to convert (upstream's converter
+    concatenates the copies into one of twice the shape): refused in one line that names the pipeline and what to
+    do, with our metadata (the copies are compared) and without it (nothing says slices or copies); no output."""
+    extra = ["--plain"] if saved_by == "plain" else []
+    pipeline(4, ["--pp", "2", "--tp", "2", "--steps", "1", "--save-dir", str(tmp_path / "ckpt"), "--save-at", "1",
+                 "--seed-per-rank", *extra], tmp_path / "train.log")
+    proc = cli(["to-universal", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out"), "--quiet"],
+               tmp_path / "convert.log", check=False)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip()
+    assert len(line.splitlines()) == 1 and "PP=2 x TP=2" in line and "train the pipeline at TP=1" in line, line
+    if saved_by == "plain":
+        assert "pipeline checkpoint has no tensor-parallel metadata" in line and "slices or copies" in line, line
+    else:
+        assert "of pipeline stage 0" in line and "hold different copies" in line, line
+    assert not (tmp_path / "out").exists()

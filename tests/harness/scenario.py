@@ -8,10 +8,12 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -311,10 +313,11 @@ def assert_universal_matches_live(scenario: Scenario, optimizer_steps: int | Non
     return compared
 
 
-def upstream_ds_to_universal(tag_dir: Path, out: Path) -> Path:
-    """Upstream's own converter (``python -m deepspeed.checkpoint.ds_to_universal``) on ``tag_dir``."""
+def upstream_ds_to_universal(tag_dir: Path, out: Path, *options: str) -> Path:
+    """Upstream's own converter (``python -m deepspeed.checkpoint.ds_to_universal``) on ``tag_dir``; ``options``:
+    more of its options (``--inject_missing_state`` for a checkpoint of a model without AutoTP metadata)."""
     run_logged([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
-                "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1", *options],
                out.with_name(out.name + ".log"))
     return out
 
@@ -324,30 +327,78 @@ def upstream_ds_to_universal(tag_dir: Path, out: Path) -> Path:
 #: slice from the live parameter's restore metadata and never reads it, and its legacy loader (a model without that
 #: metadata, as under DeepSpeed 0.18.8) needs it to chunk a row-parallel weight along dim 1 instead of dim 0.
 EXTRA_KEYS_UPSTREAM_READS_THE_SAME = {"cat_dim"}
+#: What ``zero/optimizer_state.pt`` leaves out of upstream's on purpose (docs/universal-checkpoints.md): from ZeRO-3,
+#: rank 0's flat fp32 partition and its moments, which the per-parameter files hold already and upstream's loader
+#: never reads there (it reads the step and the hyper-parameters, which ours keeps).
+OPTIMIZER_STATE_LEFT_OUT = {"fp32_flat_groups", "optimizer_state_dict.state.*.exp_avg",
+                            "optimizer_state_dict.state.*.exp_avg_sq"}
 
 
-def differences_from_upstream(ours: Path, upstream: Path) -> list[str]:
-    """``param/state`` entries where two universal checkpoints differ (names, shapes, bits or steps)."""
+def _plain(value: Any) -> Any:
+    """A value as compared: tensors by their bits, DeepSpeed's objects by their attributes."""
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), value.dtype, value.tolist() if value.numel() <= 16 else None)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return (type(value).__name__, _plain(vars(value)))
+    return value
+
+
+def _optimizer_state_differences(ours: Any, theirs: Any, where: str, diffs: list[str]) -> None:
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs), key=str):
+            here = f"{where}.{key}" if where else str(key)
+            pattern = re.sub(r"\.\d+\.", ".*.", here)
+            if here in OPTIMIZER_STATE_LEFT_OUT or pattern in OPTIMIZER_STATE_LEFT_OUT:
+                continue
+            if key not in ours or key not in theirs:
+                holder = "ours" if key in ours else "upstream's"
+                diffs.append(f"optimizer_state.pt: {here} only in {holder}")
+            else:
+                _optimizer_state_differences(ours[key], theirs[key], here, diffs)
+    elif _plain(ours) != _plain(theirs):
+        diffs.append(f"optimizer_state.pt: {where} is {_plain(ours)!r} in ours, {_plain(theirs)!r} in upstream's")
+
+
+def differences_from_upstream(ours: Path, upstream: Path, only_ours: tuple[str, ...] = ()) -> list[str]:
+    """Where two universal checkpoints differ: parameter names (``only_ours``: those upstream leaves out, as the
+    frozen ones), each file's form (upstream's bare flat tensor from ZeRO-3 at TP=1, else a dictionary), its keys
+    and values, the tensors' bits, which parameters have a ``step.pt`` and its value, and
+    ``zero/optimizer_state.pt`` but for :data:`OPTIMIZER_STATE_LEFT_OUT`."""
     from deepspeed_ext.checkpoint import serialization
     names = sorted(p.name for p in (ours / "zero").iterdir() if p.is_dir())
     theirs_names = sorted(p.name for p in (upstream / "zero").iterdir() if p.is_dir())
-    diffs = [f"{name}: only in ours" for name in names if name not in theirs_names]
+    diffs = [f"{name}: only in ours" for name in names if name not in theirs_names and name not in only_ours]
     diffs += [f"{name}: only upstream's" for name in theirs_names if name not in names]
     for name in (n for n in names if n in theirs_names):
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            entry = serialization.load(ours / "zero" / name / f"{state}.pt")
-            theirs = serialization.load(upstream / "zero" / name / f"{state}.pt")
-            a, b = entry["param"], theirs["param"]
-            if a.shape != b.shape or not torch.equal(a, b):
-                diffs.append(f"{name}/{state}: ours {tuple(a.shape)}, upstream {tuple(b.shape)}")
+        files = {d: sorted(p.name for p in (d / "zero" / name).iterdir()) for d in (ours, upstream)}
+        if files[ours] != files[upstream]:
+            diffs.append(f"{name}: files {files[ours]} in ours, {files[upstream]} in upstream's")
+        for file in (f for f in files[ours] if f in files[upstream]):
+            entry = serialization.load(ours / "zero" / name / file)
+            theirs = serialization.load(upstream / "zero" / name / file)
+            if isinstance(entry, dict) != isinstance(theirs, dict):
+                diffs.append(f"{name}/{file}: {type(entry).__name__} in ours, {type(theirs).__name__} in upstream's")
+                continue
+            if file == "step.pt":
+                if float(entry) != float(theirs):
+                    diffs.append(f"{name}/step: ours {entry}, upstream {theirs}")
+                continue
+            a, b = (entry["param"], theirs["param"]) if isinstance(entry, dict) else (entry, theirs)
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+                diffs.append(f"{name}/{file}: ours {tuple(a.shape)} {a.dtype}, upstream {tuple(b.shape)} {b.dtype}")
+            if not isinstance(entry, dict):
+                continue
             # The file level: every key upstream writes, with upstream's value (cat_dim, vocab_tensor, ...).
             for key in sorted(set(theirs) - {"param"}):
                 if key not in entry or entry[key] != theirs[key]:
-                    diffs.append(f"{name}/{state}.pt: {key} is {entry.get(key, 'missing')!r} in ours, "
+                    diffs.append(f"{name}/{file}: {key} is {entry.get(key, 'missing')!r} in ours, "
                                  f"{theirs[key]!r} in upstream's")
-            diffs += [f"{name}/{state}.pt: {key} only in ours" for key in sorted(set(entry) - set(theirs))
+            diffs += [f"{name}/{file}: {key} only in ours" for key in sorted(set(entry) - set(theirs))
                       if key not in EXTRA_KEYS_UPSTREAM_READS_THE_SAME]
-        steps = [serialization.load(d / "zero" / name / "step.pt") for d in (ours, upstream)]
-        if float(steps[0]) != float(steps[1]):
-            diffs.append(f"{name}/step: ours {steps[0]}, upstream {steps[1]}")
+    _optimizer_state_differences(serialization.load(ours / "zero" / "optimizer_state.pt"),
+                                 serialization.load(upstream / "zero" / "optimizer_state.pt"), "", diffs)
     return diffs

@@ -265,3 +265,25 @@ def test_an_existing_output_is_refused_before_the_libraries_load(sources, tmp_pa
     assert proc.stderr.strip() == f"deepspeed-ext: error: {tmp_path / 'out'}: output already exists; pass --overwrite " \
         "to replace it"
     assert (tmp_path / "out" / "kept").exists()
+
+
+@pytest.mark.parametrize("command, tag", [(["to-universal"], None), (["inspect"], "global_step7"),
+                                          (["to-hf"], "global_step7")])
+def test_a_missing_tag_is_refused_before_the_libraries_load(tmp_path, command, tag):
+    """A save directory whose tag (``--tag``, or the one ``latest`` names) is not there: the reader's own line,
+    before torch is imported (it came after 4-5 s of imports)."""
+    import subprocess
+    import sys
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / "latest").write_text("global_step9")
+    args = [*command, str(save), *(["--tag", tag] if tag else []), *(["-o", str(tmp_path / "out")]
+                                                                    if command != ["inspect"] else [])]
+    probe = ("import sys; from deepspeed_ext.cli import main; code = main(sys.argv[1:]); "
+             "print('torch' in sys.modules, code)")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["False", "2"], proc.stdout + proc.stderr
+    expected = (f"{save / tag}: no such tag directory" if tag else
+                f"{save / 'latest'}: names tag 'global_step9', but {save / 'global_step9'} does not exist")
+    assert proc.stderr.strip() == f"deepspeed-ext: error: {expected}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["save"]

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.errors import CheckpointError
 
@@ -43,6 +42,13 @@ def resolve_tag_dir(path: str | Path, tag: str | None = None, latest_file: str =
         raise CheckpointError(unfinished)
     raise CheckpointError(f"{path}: neither a tag directory (no mp_rank_*_model_states.pt) nor a save directory "
                           f"with a '{latest_file}' file; pass --tag")
+
+
+def _load(path: Path) -> Any:
+    """A file of the tag, memory-mapped (torch is imported here, not with this module: the CLI resolves a tag
+    before the libraries load, so a wrong one is said at once)."""
+    from deepspeed_ext.checkpoint import serialization
+    return serialization.load(path)
 
 
 def _complete(tag_dir: Path) -> Path:
@@ -228,7 +234,7 @@ class TagFiles:
     def model_states(self, tp: int) -> dict[str, Any]:
         """TP rank ``tp``'s model states."""
         if tp not in self._model_states:
-            self._model_states[tp] = serialization.load(self.model_files[tp])
+            self._model_states[tp] = _load(self.model_files[tp])
         return self._model_states[tp]
 
     def grid_model_states(self, tp: int, dp: int) -> dict[str, Any]:
@@ -237,7 +243,7 @@ class TagFiles:
             return self.model_states(tp)
         key = (tp, dp)
         if key not in self._grid_states:
-            self._grid_states[key] = serialization.load(self.model_grid[key])
+            self._grid_states[key] = _load(self.model_grid[key])
         return self._grid_states[key]
 
     def optimizer_file_state(self, tp: int, dp: int) -> dict[str, Any]:
@@ -245,7 +251,7 @@ class TagFiles:
         key = (tp, dp)
         if key not in self._optim_states:
             path = self.optim_files[key]
-            data = serialization.load(path)
+            data = _load(path)
             state = data.get(keys.OPTIMIZER_STATE_DICT) if isinstance(data, dict) else None
             if not isinstance(state, dict):
                 raise CheckpointError(f"{path}: no optimizer_state_dict")

@@ -141,6 +141,9 @@ class OptimizerLayout:
         state = self.wrapper_state(0, 0)
         out = {k: v for k, v in state.items() if k not in keys.TENSOR_HOLDING_KEYS}
         out[keys.PARAM_GROUPS] = self.base_state(0, 0)[keys.PARAM_GROUPS]
+        if isinstance(out.get(keys.GROUP_PADDINGS), list):
+            # Rank 0's padding is of its own partition; the merged tensors carry none (upstream writes 0s).
+            out[keys.GROUP_PADDINGS] = [0] * len(out[keys.GROUP_PADDINGS])
         return out
 
     def _missing_moment(self, path: Path, state: str, what: str) -> CheckpointError:

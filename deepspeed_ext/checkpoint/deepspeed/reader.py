@@ -427,6 +427,17 @@ class DeepSpeedCheckpoint:
         """What upstream stores as ``zero/optimizer_state.pt``: DP0/TP0 state minus the flat tensors."""
         return self.optimizer.optimizer_state_for_universal()
 
+    def _copies_differ(self, name: str, tp: int) -> str:
+        """The refusal of a tensor every TP rank holds whole whose copies differ."""
+        if self.pp_degree == 1:
+            return f"{self.tag_dir}: cannot merge {name!r}: replicated tensor differs between TP rank 0 and TP rank {tp}"
+        # Plain layers in a pipeline with a model-parallel axis: each rank trained its own copy (upstream's own
+        # TP x PP test saves such a run), so there is no one tensor to convert.
+        return (f"{self.tag_dir}: cannot merge {name!r}: TP rank 0 and TP rank {tp} of pipeline stage "
+                f"{self._stage_of[name]} (PP={self.pp_degree} x TP={self.tp_degree}) hold different copies of it: "
+                "the layer is not tensor-parallel, so each model-parallel rank trained its own; train the pipeline "
+                "at TP=1, or with the same initial weights and data on every model-parallel rank")
+
     # ------------------------------------------------------------------ TP metadata
     @cached_property
     def _saved_shapes(self) -> OrderedDict[str, list[tuple[int, ...] | None]]:
@@ -476,7 +487,7 @@ class DeepSpeedCheckpoint:
         shapes every rank saved (:func:`.reconcile.layouts`)."""
         found = reconcile.layouts(self.uc_info, self.model_states.get(keys.UNIVERSAL_CHECKPOINT_INFO),
                                   self._saved_shapes, self.tp_degree, self.files.model_files, self.tag_dir,
-                                  self.buffers, HOW_TO_GET_METADATA)
+                                  self.buffers, HOW_TO_GET_METADATA, pp_degree=self.pp_degree)
         if self.experts is not None:
             # The stacked experts, split over the EP ranks (their shards are EP ranks', not TP ranks').
             order = list(self._shapes_per_file[0])
@@ -691,8 +702,7 @@ class DeepSpeedCheckpoint:
             block = read(0, low, high)
             for tp in range(1, layout.tp_size):
                 if not torch.equal(read(tp, low, high), block):
-                    raise CheckpointError(f"{self.tag_dir}: cannot merge {name!r}: replicated tensor differs between "
-                                          f"TP rank 0 and TP rank {tp}")
+                    raise CheckpointError(self._copies_differ(name, tp))
             return block
         try:
             return layout.reshard_range(TPLayout.replicated(layout.shape, 1), 0, low, high, read)

@@ -92,7 +92,7 @@ def check_model_states_agree(model_files: Mapping[int, Path], model_states: Call
 def layouts(uc_info: UCInfo | None, upstream_info: Mapping[str, Any] | None,
             saved_shapes: Mapping[str, Sequence[tuple[int, ...] | None]], tp_degree: int,
             model_files: Mapping[int, Path], tag_dir: Path, buffers: Mapping[str, torch.Tensor],
-            how_to_get_metadata: str) -> dict[str, TPLayout]:
+            how_to_get_metadata: str, pp_degree: int = 1) -> dict[str, TPLayout]:
     """Every parameter's TP layout: ours (``uc_info``) if saved, else rebuilt from upstream's
     ``universal_checkpoint_info``, else replicated at TP=1; each checked against the shape every TP rank saved
     (``saved_shapes``: None where a rank saved none, which its layout must give an empty shard). The persistent
@@ -107,6 +107,15 @@ def layouts(uc_info: UCInfo | None, upstream_info: Mapping[str, Any] | None,
     elif tp_degree == 1:
         found = {name: TPLayout.replicated(shapes[0], 1) for name, shapes in saved_shapes.items()
                  if shapes[0] is not None}
+    elif pp_degree > 1:
+        # A pipeline's model-parallel ranks hold slices of each layer (Megatron-style layers) or copies of it (plain
+        # layers, as upstream's own TP x PP test saves): the shapes do not tell which, and concatenating copies
+        # (what upstream's converter does) doubles the tensor.
+        raise MissingMetadataError(
+            f"{model_files[0]}: PP={pp_degree} x TP={tp_degree} pipeline checkpoint has no tensor-parallel metadata, "
+            f"so nothing says whether its {tp_degree} model-parallel ranks hold slices or copies of each layer; "
+            f"train the pipeline at TP=1, or {how_to_get_metadata} (copies of plain layers are then read once, "
+            "checked equal)")
     else:
         raise MissingMetadataError(
             f"{model_files[0]}: TP={tp_degree} checkpoint has no tensor-parallel metadata (neither "
