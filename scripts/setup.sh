@@ -2,6 +2,9 @@
 # Set up what a command needs, and only that; idempotent and quick (seconds) when nothing changed.
 #   bash scripts/setup.sh demo   .venv with the demo's environment (requirements-demo.txt: the base install plus
 #                                transformers) and DeepSpeed's CPU comm op
+#   bash scripts/setup.sh bridges  the same, with every extra (requirements-bridges.txt: the HF, MaxText and
+#                                Trainer bridges' pages)
+#   bash scripts/setup.sh maxtext  bridges, and .venv-maxtext with MaxText's own train.py (docs/maxtext.md)
 #   bash scripts/setup.sh test   (the default) the whole dev environment (requirements-dev.txt), DeepSpeed's
 #                                FusedAdam op too, .venv-deepspeed-0.18.8 for the older-release tests, and
 #                                .venv-maxtext with MaxText's own model code (scripts/setup-maxtext.sh)
@@ -11,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODE=${1:-test}
-case "$MODE" in demo|test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; esac
+case "$MODE" in demo|bridges|maxtext|test) ;; *) echo "usage: $0 [demo|bridges|maxtext|test]" >&2; exit 2 ;; esac
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 START=$SECONDS
 say() { echo "setup: $* [$((SECONDS - START))s]" >&2; }
@@ -31,8 +34,9 @@ install() {
   hash=$(cat requirements-*.txt setup.py | sha1sum | cut -c1-16)
   stamp="$venv/.deepspeed_ext-$name-$hash"
   [ -f "$stamp" ] && return 0
-  # The dev environment holds the demo's.
-  [ "$name" = demo ] && [ -f "$venv/.deepspeed_ext-test-$hash" ] && return 0
+  # The dev environment holds the bridges', which hold the demo's.
+  [ "$name" = demo ] && [ -f "$venv/.deepspeed_ext-bridges-$hash" ] && return 0
+  [ "$name" != test ] && [ -f "$venv/.deepspeed_ext-test-$hash" ] && return 0
   if [ ! -x "$venv/bin/python" ]; then
     say "creating $venv with $PYTHON"
     "$PYTHON" -m venv "$venv"
@@ -83,6 +87,16 @@ if [ "$MODE" = demo ]; then
     "about 2 minutes"
   build_ops .venv ShareMemCommBuilder
   compile_package .venv
+  exit 0
+fi
+if [ "$MODE" = bridges ] || [ "$MODE" = maxtext ]; then
+  maxtext=
+  if [ "$MODE" = maxtext ]; then bash scripts/setup-maxtext.sh & maxtext=$!; fi
+  install .venv requirements-bridges.txt bridges \
+    "the bridges' environment (the demo's, JAX/Orbax, accelerate)" "about 3 minutes"
+  build_ops .venv ShareMemCommBuilder
+  compile_package .venv
+  [ -z "$maxtext" ] || wait "$maxtext"
   exit 0
 fi
 

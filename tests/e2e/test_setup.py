@@ -11,11 +11,15 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_demo_setup_builds_only_the_demo_environment_and_reports_progress():
-    proc = subprocess.run(["bash", "scripts/setup.sh", "demo"], cwd=REPO, capture_output=True, text=True,
+@pytest.mark.parametrize("mode", ["demo", "bridges"])
+def test_demo_setup_builds_only_the_demo_environment_and_reports_progress(mode):
+    """``demo`` and ``bridges`` (the demo's with every extra) after the tests' setup: nothing to install or build."""
+    proc = subprocess.run(["bash", "scripts/setup.sh", mode], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.strip().splitlines()

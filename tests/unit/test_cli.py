@@ -160,6 +160,28 @@ def test_docs_examples_write_under_their_own_directories():
     assert not shared, shared
 
 
+def test_docs_examples_set_up_what_they_run():
+    """Each page's example starts by building what it runs, and no more (the test setup builds three
+    environments): ``setup.sh demo`` for the base install, ``bridges`` where it converts to or from MaxText or runs
+    the Trainer, ``maxtext`` where it runs MaxText's own code (.venv-maxtext)."""
+    import re
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    checked = 0
+    for page in sorted(docs.glob("*.md")):
+        for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), flags=re.S):
+            setup = re.search(r"bash scripts/setup\.sh(?: (\w+))?", block)
+            if setup is None:
+                continue
+            checked += 1
+            mode = setup.group(1)
+            assert mode in ("demo", "bridges", "maxtext"), f"{page.name}: setup.sh {mode or ''} builds the test setup"
+            if ".venv-maxtext" in block:
+                assert mode == "maxtext", f"{page.name}: runs MaxText's code after setup.sh {mode}"
+            elif re.search(r"(to|from)-maxtext|hf_trainer|accelerate", block):
+                assert mode == "bridges", f"{page.name}: needs an extra, sets up {mode}"
+    assert checked >= 8
+
+
 _PROCESS_PROBE = """
 import gc, os, sys
 import deepspeed_ext.checkpoint.formats as formats
