@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DeepSpeed's own universal-checkpoint tests, run twice on this machine's CPU: with upstream's ds_to_universal, then
-# with deepspeed-ext's converter in its place (tests/upstream/deepspeed_ext_as_ds_to_universal.py). Prints every
+# with deepspeed-ext's converter in its place, in every rank the tests start (tests/upstream/sitecustomize.py). Prints every
 # test that passes with upstream's converter and not with ours; docs/universal-checkpoints.md names each and why.
 #
 #   bash scripts/upstream-uc-tests.sh DEEPSPEED_CHECKOUT [PYTEST ARGS...]
@@ -20,18 +20,20 @@ PYTEST_DIR=$REPO/.upstream-pytest
 OUT=$(mktemp -d)
 # LOCAL_SIZE: the CPU accelerator's device count, which DeepSpeed's DistributedTest checks before it starts 2-4 ranks
 # (gloo on the CPU); without it those tests skip as "not enough GPUs".
-TESTS=(unit/checkpoint/test_universal_checkpoint.py unit/checkpoint/test_autotp_uc_checkpoint.py
-       unit/checkpoint/test_reshape_checkpoint.py unit/v1/moe/test_autoep_checkpoint.py unit/v1/moe/test_autoep_unit.py)
-run() {  # run NAME [PLUGIN ARGS...]
-  local name=$1; shift
-  (cd "$CHECKOUT/tests" && DS_ACCELERATOR=cpu LOCAL_SIZE=4 PYTHONPATH="$PYTEST_DIR:$REPO/tests/upstream" DSX_CONVERSIONS_LOG="$OUT/$name.conversions" \
+# UPSTREAM_UC_TESTS: other test ids (space-separated) than every file that converts with ds_to_universal.
+# shellcheck disable=SC2206
+TESTS=(${UPSTREAM_UC_TESTS:-unit/checkpoint/test_universal_checkpoint.py unit/checkpoint/test_autotp_uc_checkpoint.py
+       unit/checkpoint/test_reshape_checkpoint.py unit/v1/moe/test_autoep_checkpoint.py unit/v1/moe/test_autoep_unit.py})
+run() {  # run NAME SHIM: SHIM 1 puts deepspeed-ext's converter in place of upstream's
+  local name=$1 shim=$2; shift 2
+  (cd "$CHECKOUT/tests" && DSX_AS_DS_TO_UNIVERSAL=$shim DS_ACCELERATOR=cpu LOCAL_SIZE=4 PYTHONPATH="$PYTEST_DIR:$REPO/tests/upstream" DSX_CONVERSIONS_LOG="$OUT/$name.conversions" \
     "$PYTHON" -m pytest -p no:cacheprovider -q "$@" --junitxml="$OUT/$name.xml" "${TESTS[@]}" "${EXTRA[@]}" \
     > "$OUT/$name.log" 2>&1) || true
   echo "upstream-uc-tests: $name: $(tail -1 "$OUT/$name.log")" >&2
 }
 EXTRA=("$@")
-run upstream
-run deepspeed-ext -p deepspeed_ext_as_ds_to_universal
+run upstream 0
+run deepspeed-ext 1
 "$PYTHON" - "$OUT" <<'PY'
 import sys
 import xml.etree.ElementTree as ET
