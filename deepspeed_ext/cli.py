@@ -685,23 +685,14 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def _refuse_a_missing_tag_early(args: argparse.Namespace) -> None:
-    """A DeepSpeed save directory (it has a ``latest`` file) whose tag, named by ``--tag`` or by ``latest``, is not
-    there: refused before the libraries load, in the reader's own line. Anything else is left to the reader, which
-    tells the formats apart."""
+    """A DeepSpeed save directory (a ``latest`` file, no universal one) whose tag, named by ``--tag`` or by
+    ``latest``, is not there: refused before the libraries load, in the reader's own line. Anything else is left to
+    the reader, which tells the formats apart."""
     source = getattr(args, "source", None) or getattr(args, "checkpoint", None) or getattr(args, "input_folder", None)
-    if source is None or not (Path(source) / "latest").is_file():
+    if source is None or not (Path(source) / "latest").is_file() or (Path(source) / "latest_universal").exists():
         return
-    from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
-    from deepspeed_ext.checkpoint.deepspeed.keys import MODEL_STATES_RE, ZERO3_MODEL_STATES_RE
-    path, tag = Path(source), getattr(args, "tag", None)
-    if tag is not None:
-        missing = not (path / tag).exists()
-    else:
-        holds_a_tag = any(MODEL_STATES_RE.match(p.name) or ZERO3_MODEL_STATES_RE.match(p.name) or p.name == "zero"
-                          for p in path.iterdir())
-        missing = not holds_a_tag and not (path / (path / "latest").read_text().strip()).exists()
-    if missing:
-        resolve_tag_dir(path, tag)  # raises the line the reader would
+    from deepspeed_ext.checkpoint.deepspeed.files import find_tag_dir
+    find_tag_dir(source, getattr(args, "tag", None))  # raises the line the reader would; the reader checks the rest
 
 
 def _refuse_the_output_early(args: argparse.Namespace) -> None:

@@ -487,12 +487,9 @@ class UniversalCheckpoint:
     def _listed_names(self) -> tuple[list[str], str]:
         """The parameters the checkpoint says it holds, and the file that says so."""
         if self.uc_info is not None:
-            return list(self.uc_info.layouts), str(self.path / UC_INFO_FILE)
+            return list(self._recorded_shapes), str(self.path / UC_INFO_FILE)
         if self.model_state_files:
-            groups = self.model_states.get(keys.PARAM_SHAPES) or []
-            names = [name for group in (groups if isinstance(groups, list) else [groups])
-                     if isinstance(group, dict) for name in group]
-            return names, str(self.model_state_files[0])
+            return list(self._recorded_shapes), str(self.model_state_files[0])
         return [], ""
 
     @cached_property

@@ -17,6 +17,12 @@ def resolve_tag_dir(path: str | Path, tag: str | None = None, latest_file: str =
     A DeepSpeed tag is read only when it is complete (:func:`~deepspeed_ext.checkpoint.commit.require_complete`):
     a save that never finished, or whose files disagree with its commit marker, is refused in one line that
     names the newest complete tag where there is one."""
+    return _complete(find_tag_dir(path, tag, latest_file))
+
+
+def find_tag_dir(path: str | Path, tag: str | None = None, latest_file: str = keys.LATEST) -> Path:
+    """The tag directory :func:`resolve_tag_dir` reads, by the names alone (not yet checked complete): what the CLI
+    checks before the libraries load, so a missing tag is said at once."""
     from deepspeed_ext.checkpoint import commit
     path = Path(path)
     if not path.exists():
@@ -27,16 +33,16 @@ def resolve_tag_dir(path: str | Path, tag: str | None = None, latest_file: str =
         tag_dir = path / tag
         if not tag_dir.is_dir():
             raise CheckpointError(commit.unfinished_save_message(path, tag) or f"{tag_dir}: no such tag directory")
-        return _complete(tag_dir)
+        return tag_dir
     if any(keys.MODEL_STATES_RE.match(p.name) or keys.ZERO3_MODEL_STATES_RE.match(p.name) for p in path.iterdir()):
-        return _complete(path)
+        return path
     latest = path / latest_file
     if latest.is_file():
         tag = latest.read_text().strip()
         tag_dir = path / tag
         if not tag_dir.is_dir():
             raise CheckpointError(f"{latest}: names tag {tag!r}, but {tag_dir} does not exist")
-        return _complete(tag_dir)
+        return tag_dir
     unfinished = commit.unfinished_save_message(path)
     if unfinished is not None:
         raise CheckpointError(unfinished)
