@@ -57,15 +57,15 @@ def worker(args: argparse.Namespace) -> None:
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     engine.step()
     plain_save = engine.save_checkpoint.__wrapped__  # DeepSpeed's own, without deepspeed-ext's hook
-    import deepspeed_ext.runtime as runtime
-    can_fuse = runtime._can_fuse
+    import deepspeed_ext.runtime.save as runtime_save  # the save hook's choice of zipsave
+    can_fuse = runtime_save.can_fuse
 
     def thread_save(*args, **kwargs):  # deepspeed-ext's save as it was before zipsave: the sums on a thread
-        runtime._can_fuse = lambda engine: False
+        runtime_save.can_fuse = lambda engine: False
         try:
             return engine.save_checkpoint(*args, **kwargs)
         finally:
-            runtime._can_fuse = can_fuse
+            runtime_save.can_fuse = can_fuse
 
     def synced_plain_save(*args, **kwargs):  # DeepSpeed alone, then its files fsynced: the durability ours has
         from deepspeed_ext.checkpoint import durable

@@ -75,6 +75,13 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
         ("DeepSpeedEngine.bfloat16_enabled", "the precision the engine runs"),
         ("DeepSpeedEngine.fp16_enabled", "the precision the engine runs"),
         ("DeepSpeedEngine._copy_recovery_script", "a full disk while DeepSpeed copies its recovery scripts"),
+        ("DeepSpeedEngine.use_node_local_storage", "which rank commits a save (node-local checkpoints)"),
+        ("DeepSpeedEngine.load_universal_checkpoint", "the load route (checkpoint.load_universal)"),
+        ("DeepSpeedEngine.step", "reporting a save in the background at the next step"),
+        ("DeepSpeedEngine.destroy", "waiting for a save in the background when the engine is destroyed"),
+    ),
+    "deepspeed.runtime.pipe.engine": (
+        ("PipelineEngine.train_batch", "reporting a save in the background at a pipeline's next step"),
     ),
     "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": (
         ("TorchCheckpointEngine.save", "writing DeepSpeed's files through deepspeed-ext"),
@@ -767,3 +774,30 @@ def checkpoint_files_written_by(engine: Any,
             writer.save = own
         else:
             del writer.save  # the class's own method again
+
+
+# --------------------------------------------------------------------------- the engine's checkpoint settings
+def node_local_storage(engine: Any) -> bool:
+    """Whether DeepSpeed keeps the engine's checkpoints on node-local storage (each node holds its ranks' files)."""
+    return bool(getattr(engine, "use_node_local_storage", lambda: False)())
+
+
+def loads_universal(engine: Any) -> bool:
+    """The engine's ``checkpoint.load_universal`` setting, as DeepSpeed resolved it."""
+    return bool(engine.load_universal_checkpoint())
+
+
+def data_parallel_size(engine: Any) -> int | None:
+    """The engine's data-parallel degree (None where the engine does not say)."""
+    size = getattr(engine, "dp_world_size", None)
+    return None if size is None else int(size)
+
+
+def wrap_engine_method(engine: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace the engine's method ``name`` (``save_checkpoint``, ``load_checkpoint``, ``step``, ``train_batch``,
+    ``destroy``) on this engine by ``make(its own)``, keeping its name and signature; False where it has none."""
+    own = getattr(engine, name, None)
+    if own is None:
+        return False
+    setattr(engine, name, functools.wraps(own)(make(own)))
+    return True

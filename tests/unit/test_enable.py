@@ -5,6 +5,7 @@ import deepspeed
 
 import deepspeed_ext
 from deepspeed_ext import runtime
+from deepspeed_ext.runtime import init as runtime_init
 
 
 def test_enable_is_explicit_idempotent_and_reversible():
@@ -17,7 +18,7 @@ def test_enable_is_explicit_idempotent_and_reversible():
         deepspeed_ext.enable()  # a second call keeps one wrapper
         assert deepspeed.initialize is wrapped
         # deepspeed_ext.initialize reaches DeepSpeed's own function, not the wrapper (no double tagging)
-        assert runtime._deepspeed_initialize() is original
+        assert runtime_init._deepspeed_initialize() is original
     finally:
         deepspeed_ext.disable()
     assert deepspeed.initialize is original and not runtime.enabled()

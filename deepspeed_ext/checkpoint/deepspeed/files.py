@@ -283,3 +283,33 @@ def indexed_state(base: Any, path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: optimizer state entry {index!r} is a {type(entry).__name__}, not a dict "
                                   "of tensors")
     return {**base, keys.STATE: state} if state is not base[keys.STATE] else base
+
+
+@dataclass(frozen=True)
+class SavedDegrees:
+    """The degrees a DeepSpeed tag was saved at, as its first model-states file records them: what a live engine
+    compares with its own to tell whether DeepSpeed's loader can read the tag as it is."""
+
+    model_parallel: int  # TP x PP: DeepSpeed's mp_world_size
+    pipeline: int
+    data_parallel: int
+    expert_parallel: int | None  # None without AutoEP; -1 where the layers disagree
+    zero3_files: bool  # ZeRO-3's per-rank model states, which DeepSpeed's loader reads only into ZeRO-3
+
+    @classmethod
+    def read(cls, tag_dir: Path) -> SavedDegrees | None:
+        """None where the tag has no model-states file."""
+        from deepspeed_ext.checkpoint import serialization
+        from deepspeed_ext.checkpoint.deepspeed.experts import AUTOEP_LAYERS
+        model_files = sorted(tag_dir.glob(keys.MODEL_STATES_GLOB))
+        if not model_files:
+            return None
+        saved = serialization.load(model_files[0])
+        dims = saved.get(keys.CHECKPOINT_PARALLEL_DIMS) or {}
+        layers = saved.get(AUTOEP_LAYERS) or []
+        ep_sizes = {int(layer.get("ep_size", 1)) for layer in layers if isinstance(layer, dict)}
+        return cls(model_parallel=int(saved.get(keys.MP_WORLD_SIZE) or 1),
+                   pipeline=int(dims.get(keys.CHECKPOINT_PP_DEGREE, 1) or 1),
+                   data_parallel=int(saved.get(keys.DP_WORLD_SIZE) or 1),
+                   expert_parallel=ep_sizes.pop() if len(ep_sizes) == 1 else (None if not ep_sizes else -1),
+                   zero3_files=any(keys.ZERO3_MODEL_STATES_RE.match(p.name) for p in model_files))

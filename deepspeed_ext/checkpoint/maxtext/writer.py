@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from deepspeed_ext.checkpoint import orbax_private, output
+from deepspeed_ext.checkpoint import orbax_private
 from deepspeed_ext.checkpoint.families import LAYER, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints
 from deepspeed_ext.checkpoint.maxtext.names import (COUNT_KEY, FAMILY_KEY, FINGERPRINTS_KEY, ITEM, METADATA_KEY,
@@ -34,16 +34,15 @@ from deepspeed_ext.checkpoint.maxtext.plan import Leaf, plan_leaves
 from deepspeed_ext.checkpoint.maxtext.sharding import parse_mesh, shard_shape, storage_chunk
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
                                                          exact_bf16_scale, from_maxtext, row_blocks, to_maxtext)
-from deepspeed_ext.checkpoint.source import (CheckpointSource, SourceInfo, WriteOptions, finite_check,
-                                             protected_paths, required_model_config)
+from deepspeed_ext.checkpoint.source import (CheckpointSource, SourceInfo, WriteOptions, protected_paths, required_model_config)
 from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS, MODULE_WEIGHTS, MUON_MOMENTUM, STEP
+from deepspeed_ext.checkpoint.writing import Verdicts, Write
 from deepspeed_ext.errors import CheckpointError
 
 if TYPE_CHECKING:  # torch only where tensors are handed over
     from tqdm import tqdm
 
-    from deepspeed_ext.checkpoint.model_config import ConfigFit
-    from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck, StreamCheck
+    from deepspeed_ext.checkpoint.tensor import LogicalTensor, StreamCheck
 
 DTYPES = ("bfloat16", "float32")
 #: Slabs produced at once (read, checked, laid out and cast, each on a thread of its own) while the writers write
@@ -103,11 +102,10 @@ class WriterOptions:
     ``load_rows(name, state, first, last)``: rows ``[first, last)`` of a tensor (along axis 0), flattened, as
     numpy or a torch tensor (default: cut from ``load``, which then loads the whole tensor for each block: for
     sources held in memory). Tensors are streamed into their leaves in blocks of about ``block_bytes`` (default
-    :data:`BLOCK_BYTES`) of fp32 rows (:func:`row_blocks`). ``finite``: check every tensor for NaN/Inf; if any
-    has them, the written checkpoint is removed and nothing is left. ``recorded``: likewise, check what ``load``
-    returns against the fingerprints the source recorded. ``fit``: the check that the tensors fit transformers'
-    model for the config, running on a thread: polled at each load, and its answer awaited before anything is
-    published. ``before_publish``: the source's own checks (its files' checksums), run last before publishing.
+    :data:`BLOCK_BYTES`) of fp32 rows (:func:`row_blocks`). ``verdicts``: the checks of what ``load`` returns
+    (``--check-finite``, the source's recorded fingerprints, the fit to transformers' model for the config, on a
+    thread) and, last, the source's own checksums (:class:`~deepspeed_ext.checkpoint.writing.Verdicts`): any
+    failure and the written checkpoint is removed and nothing is left.
     ``protect``: the source's paths, which the output may not touch; the output is built aside and published
     whole (:mod:`deepspeed_ext.checkpoint.output`). ``source``: the source's name in errors. ``compression``:
     each storage chunk's codec, one of :data:`COMPRESSIONS`. ``ocdbt``: every array in one OCDBT store (MaxText's
@@ -125,13 +123,10 @@ class WriterOptions:
     mesh: Mapping[str, int] | None = None
     with_optimizer: bool = False
     optimizer_step: int | None = None
-    finite: FiniteCheck | None = None
-    recorded: RecordCheck | None = None
-    fit: ConfigFit | None = None
+    verdicts: Verdicts | None = None
     protect: Iterable[str | Path] = ()
     load_rows: LoadRows | None = None
     block_bytes: int | None = None
-    before_publish: Callable[[], None] | None = None
     compression: str = "zstd"
     ocdbt: bool = True
     #: What a bf16 leaf may read in place of the fp32 masters (:class:`ModuleWeights`; None: the masters).
@@ -157,7 +152,6 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
     ``load_parameters_path``). One tensor is read when Orbax writes the leaf that needs it."""
     from deepspeed_ext.checkpoint.families import get_family, infer_family
     from deepspeed_ext.checkpoint.model_config import ConfigFit
-    from deepspeed_ext.checkpoint.source import record_check
     info = source.info
     label = str(info.given)
     config = required_model_config(info)
@@ -177,9 +171,8 @@ def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = M
                                            overwrite=options.overwrite, progress=options.progress, source=label,
                                            model_config=config, step=info.global_step, mesh=mesh,
                                            with_optimizer=options.with_optimizer, optimizer_step=optimizer_step,
-                                           finite=finite_check(source, options), recorded=record_check(info),
-                                           fit=fit, protect=protected_paths(source, options), load_rows=load_rows,
-                                           before_publish=source.raise_if_damaged,
+                                           verdicts=Verdicts.of(source, options, fit=fit),
+                                           protect=protected_paths(source, options), load_rows=load_rows,
                                            compression=options.compression, ocdbt=options.ocdbt,
                                            module_weights=module_weights))
 
@@ -317,22 +310,26 @@ def write_maxtext(load: Load,
     if options.compression not in COMPRESSIONS:
         raise CheckpointError(f"--compression must be one of {', '.join(COMPRESSIONS)}, not {options.compression!r}")
     np_dtype = np.dtype(ml_dtypes.bfloat16) if options.dtype == "bfloat16" else np.dtype(np.float32)
-    out = output.prepare(out, options.protect, overwrite=options.overwrite)  # absolute: OCDBT refuses relative paths
+    write = Write(out, protect=list(options.protect), overwrite=options.overwrite, verdicts=options.verdicts)
+    out = write.out  # absolute: OCDBT refuses relative paths
     leaves = plan_leaves(family, dims, hf_shapes, options.scan_layers, options.source)  # validated before writing
     states = STATES if options.with_optimizer else STATES[:1]
-    checks = [check for check in (options.finite, options.recorded, options.fit) if check is not None]
-    for check in checks:
-        load = check.loader(load)
+    checks = write.verdicts.checks
+    load = write.verdicts.loader(load)
     bar = tqdm(total=len(leaves) * len(states), desc="to-maxtext", unit="array", disable=not options.progress)
     arrays = _LeafArrays(load, _rows_loader(load, options.load_rows, checks, hf_shapes), hf_shapes, family, dims,
                          options, np_dtype, bar)
     tree = _train_state(arrays, leaves, options)
     custom = {SCAN_LAYERS_KEY: options.scan_layers,
               METADATA_KEY: {FAMILY_KEY: family.name, MODEL_CONFIG_KEY: dict(options.model_config or {})}}
-    try:
-        with output.staged(out) as partial, arrays.producers:
-            save_items(partial, tree, custom, finish=lambda: _finish(partial, options, arrays.read_back),
+
+    def write_items(partial: Path) -> None:  # Orbax records the manifest as it writes; the verdicts come first
+        with arrays.producers:
+            save_items(partial, tree, custom, finish=lambda: _finish(partial, options, write.verdicts, arrays.read_back),
                        compression=options.compression != "none", ocdbt=options.ocdbt)
+
+    try:
+        write.publish(write_items, manifest=False)
     finally:
         bar.close()
     return out / STEP_DIR / ITEM
@@ -384,18 +381,11 @@ def _train_state(arrays: _LeafArrays, leaves: list[Leaf], options: WriterOptions
     return {**state, OPT_STATE_KEY: opt_state}
 
 
-def _finish(partial: Path, options: WriterOptions, read_back: _ReadBackFingerprints) -> None:
+def _finish(partial: Path, options: WriterOptions, verdicts: Verdicts, read_back: _ReadBackFingerprints) -> None:
     """Once every array is written, before anything is published: the checks' verdicts, then the fingerprints of
     what a read returns, added to our entry of the step's custom metadata (which Orbax took before it wrote the
     arrays, whose tensors are read lazily)."""
-    if options.finite is not None:
-        options.finite.raise_if_any()
-    if options.recorded is not None:
-        options.recorded.raise_if_wrong()
-    if options.fit is not None:
-        options.fit.result()
-    if options.before_publish is not None:  # the source's own checks (its files' checksums)
-        options.before_publish()
+    verdicts.give()
     written = read_back.total(step=options.optimizer_step if options.with_optimizer else None,
                               global_steps=int(options.step))
     orbax_private.add_step_custom_metadata(partial / STEP_DIR, METADATA_KEY, {FINGERPRINTS_KEY: written.to_json()})
@@ -411,7 +401,8 @@ class _LeafArrays:
         self.family, self.dims, self.mesh, self.bar = family, dims, options.mesh, bar
         self.block_bytes = BLOCK_BYTES if options.block_bytes is None else options.block_bytes
         self.np_dtype = np_dtype
-        self.module_weights, self.source, self.recorded = options.module_weights, options.source, options.recorded
+        self.module_weights, self.source, self.recorded = options.module_weights, options.source, (
+            options.verdicts.recorded if options.verdicts is not None else None)
         # Fingerprints of what a read of this checkpoint returns (each array as stored, undone from MaxText's layout
         # in fp32, as from-maxtext does), so a reader can check the arrays exactly: per HF tensor and state, one
         # fingerprint per part (a fused tensor's halves sit in two leaves), added up once every array is written.

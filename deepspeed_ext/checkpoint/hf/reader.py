@@ -1,0 +1,401 @@
+"""The HF source: a safetensors checkpoint read lazily (memory-mapped), under the model's names, with release
+layouts (multimodal naming, multi-token-prediction layers, block-FP8 / MXFP4 weights) undone."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint import output
+from deepspeed_ext.checkpoint.families import hf_expert_splits
+from deepspeed_ext.checkpoint.fingerprint import Fingerprints
+from deepspeed_ext.checkpoint.hf.files import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    METADATA_FINGERPRINTS,
+    MTP_CHOICES,
+    RENAMED,
+    SINGLE_FILE,
+    TIED_PAIR,
+    group_file_names,
+)
+from deepspeed_ext.checkpoint.model_config import output_dtype, safetensors_dtype_code, torch_dtype
+from deepspeed_ext.checkpoint.quantization import STORAGE_CODES
+from deepspeed_ext.checkpoint.source import (
+    CheckpointSource,
+    OpenOptions,
+    SourceInfo,
+)
+from deepspeed_ext.checkpoint.tensor import MASTER_WEIGHTS, LogicalTensor
+from deepspeed_ext.errors import CheckpointError, MissingConfigError
+from deepspeed_ext.module_inject.layout import TPLayout
+
+
+# --------------------------------------------------------------------------- source
+def parameter_problem(source: CheckpointSource) -> str | None:
+    """``verify``'s model check (the format hook): how the parameters fail to fit transformers' model for the
+    checkpoint's config, or None."""
+    from deepspeed_ext.checkpoint.model_config import config_facts
+    assert source.info.model_config is not None
+    shapes = {name: layout.shape for name, layout in source.info.layouts.items()}
+    return config_facts(source.info.model_config, None, str(source.info.path)).mismatch(shapes)
+
+
+def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
+    return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config, mtp=options.mtp)
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (``model.layers.<i>.*``), or None."""
+    match = _LAYER_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class HFCheckpoint:
+    """An HF model directory (``config.json`` + safetensors) as a stream of full parameters.
+
+    Files are opened with ``safe_open`` (memory-mapped); a tensor is read when a sink asks for it, in
+    the file's dtype unless ``dtype`` says otherwise. No transformers model is built. There is no
+    optimizer state: a universal checkpoint written from here starts a fresh optimizer at step 0.
+
+    Releases are read as transformers reads them: block-FP8 and MXFP4 weights are dequantized
+    (:mod:`~deepspeed_ext.checkpoint.quantization`; ``source`` dtype: what transformers dequantizes them to) and
+    the config loses its ``quantization_config``; a multimodal checkpoint is its text model
+    (:mod:`~deepspeed_ext.checkpoint.multimodal`). Tensors that are not the model's (a vision tower, DeepSeek-V3's
+    multi-token-prediction layer with ``mtp="drop"`` or ``"keep"``) are set aside (:attr:`set_aside`).
+    """
+
+    def __init__(self, path: str | Path, dtype: str = "source", model_config: Mapping[str, Any] | None = None,
+                 mtp: str | None = None):
+        """``model_config``: the HF config to use instead of the directory's ``config.json`` (``--config``).
+        ``mtp``: what to do with decoder layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token
+        prediction): None refuses them, ``drop`` sets them aside, ``keep`` sets them aside for an HF output
+        to write back (:attr:`kept`)."""
+        from deepspeed_ext.checkpoint import multimodal, quantization
+        self.path = Path(path)
+        self.tag_dir = self.path
+        self.dtype_choice = dtype
+        output_dtype(dtype, torch.float32)  # validates the choice
+        if mtp not in MTP_CHOICES:
+            raise CheckpointError(f"mtp must be one of {', '.join(map(str, MTP_CHOICES))}, not {mtp!r}")
+        config_path = self.path / CONFIG_FILE
+        if model_config is not None:
+            raw_config: dict[str, Any] = dict(model_config)
+        elif not config_path.is_file():
+            raise MissingConfigError(f"{config_path}: missing; a Hugging Face checkpoint needs its model config: add "
+                                  "config.json to the directory or pass --config CONFIG.json")
+        else:
+            try:
+                raw_config = json.loads(config_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{config_path}: cannot read JSON: {exc}") from exc
+        #: The config as the directory has it (multimodal, quantized); ``model_config`` is the model read.
+        self.raw_config = raw_config
+        self.quantization = quantization.scheme_of(raw_config, str(config_path))
+        self.model_config: dict[str, Any] = {k: v for k, v in raw_config.items() if k != quantization.CONFIG_KEY}
+        self._stored_file = self._weight_files()
+        found = ({} if self.quantization is None else quantization.pair_tensors(
+            self.quantization, self._raw_headers, lambda name: str(self._stored_file[name])))
+        #: Quantized tensors by the stored name of their packed data.
+        self._quantized: dict[str, quantization.QuantizedTensor] = {t.data: t for t in found.values()}
+        scales = {t.scales for t in found.values()}
+        # Logical name (dequantized, text-model naming) -> stored name of the tensor or of its packed data.
+        stored = {name: name for name in self._stored_file
+                  if name not in scales and name not in self._quantized
+                  and not (found and name.endswith(quantization.ACTIVATION_SCALE_SUFFIXES))}
+        stored.update((tensor.name, tensor.data) for tensor in found.values())
+        #: Tensors that are not the model's: logical name -> stored name.
+        self.set_aside: dict[str, str] = {}
+        self.multimodal: Any = None
+        if multimodal.is_multimodal(raw_config):
+            self.multimodal = multimodal.naming_of(stored, str(self.path))
+            self.model_config = multimodal.text_model_config(self.model_config, str(config_path))
+            text = {}
+            for name, at in stored.items():
+                model_name = self.multimodal.model_name(name)
+                if model_name is None:
+                    self.set_aside[name] = at
+                else:
+                    text[model_name] = at
+            stored = text
+        self.mtp, self.mtp_layers = mtp, self._layers_past_decoder(stored, mtp, str(self.path))
+        for name in [n for n in stored if _layer_index(n) in self.mtp_layers]:
+            self.set_aside[name] = stored.pop(name)
+        self._stored = stored
+        self._file_of = {name: self._stored_file[at] for name, at in stored.items()}
+        self.splits = hf_expert_splits(self.model_config.get("model_type"))
+        self._pieces = group_file_names(self._file_of, self.splits, str(self.path))
+        if self.model_config.get("tie_word_embeddings") and all(name in self._pieces for name in TIED_PAIR):
+            self._tied_head = True  # transformers ties it on load; the model has one parameter
+            del self._pieces[TIED_PAIR[0]]
+        else:
+            self._tied_head = False
+
+    @property
+    def kept(self) -> bool:
+        """Whether the tensors set aside go back into an HF output (``mtp="keep"``)."""
+        return self.mtp == "keep" and bool(self.set_aside)
+
+    def _layers_past_decoder(self, names: Mapping[str, str], mtp: str | None, source: str) -> set[int]:
+        """The decoder layer indices past ``num_hidden_layers`` (DeepSeek-V3 releases keep their multi-token-
+        prediction layer there); refused unless ``mtp`` says what to do with them."""
+        count = self.model_config.get("num_hidden_layers")
+        if not isinstance(count, int):
+            return set()
+        past = {index for name in names if (index := _layer_index(name)) is not None and index >= count}
+        if past and mtp is None:
+            listed = ", ".join(f"model.layers.{i}.*" for i in sorted(past))
+            predicted = self.model_config.get("num_nextn_predict_layers")
+            what = (f"the multi-token-prediction layer{'s' if len(past) > 1 else ''} (num_nextn_predict_layers="
+                    f"{predicted})" if predicted else f"{len(past)} layer(s)")
+            raise CheckpointError(f"{source}: holds {what} {listed} past num_hidden_layers={count}, which the "
+                                  "model does not have; choose: --mtp drop (convert without it) or, for an HF "
+                                  "output, --mtp keep (write it back untouched)")
+        return past
+
+    @property
+    def read_paths(self) -> list[Path]:
+        """The directory and, for a Hugging Face cache snapshot, the blobs its symlinks point at."""
+        return output.read_paths(self.path)
+
+    def _weight_files(self) -> dict[str, Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+            files = {name: self.path / filename for name, filename in weight_map.items()}
+            for file in sorted(set(files.values())):
+                if not file.is_file():
+                    raise CheckpointError(f"{file}: file not found (listed in {INDEX_FILE})")
+            return files
+        paths = [self.path / SINGLE_FILE] if (self.path / SINGLE_FILE).is_file() else sorted(
+            self.path.glob("*.safetensors"))
+        if not paths:
+            raise CheckpointError(f"{self.path}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
+        files = {}
+        for file in paths:
+            with self._open(file) as handle:
+                names = list(handle.keys())
+            for name in names:
+                if name in files:
+                    raise CheckpointError(f"{file}: tensor {name!r} is also in {files[name]}")
+                files[name] = file
+        return files
+
+    @staticmethod
+    def _open(file: Path) -> Any:
+        """A fresh ``safe_open`` handle. Handles are not kept: a file's touched pages stay mapped (and count
+        in RSS) while its handle lives, which with 5 GB shards would be far more than one tensor."""
+        from safetensors import SafetensorError, safe_open
+        try:
+            return safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file}: cannot read safetensors: {exc}") from exc
+
+    @cached_property
+    def _raw_headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, safetensors dtype code) of every stored tensor, from the files' headers."""
+        headers = {}
+        for file in sorted(set(self._stored_file.values())):
+            with self._open(file) as handle:
+                for name in handle.keys():
+                    if self._stored_file.get(name) == file:
+                        info = handle.get_slice(name)
+                        headers[name] = (tuple(info.get_shape()), info.get_dtype())
+        missing = sorted(set(self._stored_file) - set(headers))
+        if missing:
+            raise CheckpointError(f"{self._stored_file[missing[0]]}: no tensor {missing[0]!r} (listed in "
+                                  f"{INDEX_FILE})")
+        return headers
+
+    @cached_property
+    def _headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """(shape, dtype code) of every tensor of the model as read: a quantized one dequantized."""
+        headers = {}
+        for name, stored in {**self._stored, **self.set_aside}.items():
+            tensor = self._quantized.get(stored)
+            if tensor is not None:
+                headers[name] = (tensor.shape, safetensors_dtype_code(tensor.dtype))
+            else:
+                headers[name] = self._raw_headers[stored]
+                if headers[name][1] in STORAGE_CODES.values():
+                    raise CheckpointError(f"{self._stored_file[stored]}: tensor {stored!r} is {headers[name][1]}, "
+                                          "a quantized weight, but config.json has no quantization_config saying how "
+                                          "to dequantize it (casting it without its scales gives wrong weights)")
+        return headers
+
+    def _read_stored(self, stored: str, index: tuple[Any, ...] = ()) -> torch.Tensor:
+        """A stored tensor, or the part ``index`` selects, in its file dtype."""
+        file = self._stored_file[stored]
+        try:
+            with self._open(file) as handle:  # a fresh handle: the pages it touched leave RSS with it
+                tensor: torch.Tensor = handle.get_slice(stored)[index] if index else handle.get_tensor(stored)
+                return tensor
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{file}: cannot read tensor {stored!r}: {exc}") from exc
+
+    def _stored_name(self, name: str) -> str:
+        """The stored tensor (or packed data) a logical name reads."""
+        return self._stored[name] if name in self._stored else self.set_aside[name]
+
+    def _read(self, name: str) -> torch.Tensor:
+        """A whole tensor by its logical name (dequantized where the files hold it quantized)."""
+        from deepspeed_ext.checkpoint.quantization import dequantize_rows
+        tensor = self._quantized.get(self._stored_name(name))
+        if tensor is None:
+            return self._read_stored(self._stored_name(name))
+        return dequantize_rows(tensor, self._read_stored, 0, tensor.rows, tensor.dtype).reshape(tensor.shape)
+
+    @cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Full shape of every model parameter (fused experts assembled), from the headers alone."""
+        shapes = {}
+        for param, pieces in self._pieces.items():
+            if pieces is None or RENAMED in pieces:
+                shapes[param] = self._headers[param if pieces is None else pieces[RENAMED]][0]
+                continue
+            piece_shapes = {self._headers[name][0] for name in pieces.values()}
+            if len(piece_shapes) != 1:
+                raise CheckpointError(f"{self.path}: the expert tensors of {param} differ in shape: "
+                                      f"{sorted(piece_shapes)}")
+            (shape, ) = piece_shapes
+            experts = 1 + max(expert for expert, _ in pieces)
+            count = len(pieces) // experts
+            shapes[param] = (experts, shape[0] * count, *shape[1:])
+        return shapes
+
+    def file_dtype(self, param: str) -> torch.dtype:
+        pieces = self._pieces[param]
+        return torch_dtype(self._headers[param if pieces is None else next(iter(pieces.values()))][1])
+
+    def load(self, param: str) -> torch.Tensor:
+        """The full parameter in its file dtype (or the ``dtype`` asked for)."""
+        pieces = self._pieces[param]
+        if pieces is None or RENAMED in pieces:
+            tensor = self._read(param if pieces is None else pieces[RENAMED])
+        else:
+            tensor = torch.empty(self.shapes[param], dtype=self.file_dtype(param))
+            count = len(pieces) // tensor.shape[0]
+            rows = tensor.shape[1] // count
+            for (expert, piece), name in pieces.items():
+                tensor[expert].narrow(0, piece * rows, rows).copy_(self._read(name))
+        return tensor.to(output_dtype(self.dtype_choice, tensor.dtype))
+
+    @cached_property
+    def layouts(self) -> dict[str, TPLayout]:
+        return {name: TPLayout.replicated(shape, 1) for name, shape in self.shapes.items()}
+
+    @cached_property
+    def info(self) -> SourceInfo:
+        return SourceInfo(format="huggingface", given=self.path, path=self.path, layouts=self.layouts,
+                          states=(MASTER_WEIGHTS, ), model_config=self.model_config,
+                          model_class=(self.model_config.get("architectures") or [None])[0],
+                          versions={"source": "huggingface safetensors"},
+                          fingerprints=self._fingerprints())
+
+    def _fingerprints(self) -> Fingerprints | None:
+        """The fingerprints deepspeed-ext wrote into the files' metadata, where every parameter has one and the
+        tensors are read in their file dtype or a wider one (a narrower ``dtype`` changes the values)."""
+        found = Fingerprints()
+        for file in sorted(set(self._file_of.values())):
+            with self._open(file) as handle:
+                text = (handle.metadata() or {}).get(METADATA_FINGERPRINTS)
+            if text is not None:
+                try:
+                    found.merge(Fingerprints.from_json(json.loads(text), f"{file} (__metadata__)"))
+                except ValueError as exc:
+                    raise CheckpointError(f"{file}: unreadable fingerprints in __metadata__: {exc}") from exc
+        if not found.tensors or set(found.tensors) != set(self.shapes):
+            return None
+        for name in self.shapes:
+            stored = self.file_dtype(name)
+            read = output_dtype(self.dtype_choice, stored)
+            if read.is_floating_point and torch.finfo(read).eps > torch.finfo(stored).eps:
+                return None
+        return found
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        if self._tied_head:
+            head, embedding = self._read(TIED_PAIR[0]), self.load(TIED_PAIR[1])
+            if not torch.equal(head.to(embedding.dtype), embedding):
+                raise CheckpointError(f"{self._file_of[TIED_PAIR[0]]}: the config ties {TIED_PAIR[0]} to "
+                                      f"{TIED_PAIR[1]}, but the files hold different values")
+        for name, layout in self.layouts.items():
+            yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=(MASTER_WEIGHTS, ),
+                                loader=self._loader(name),
+                                dtype=output_dtype(self.dtype_choice, self.file_dtype(name)),
+                                range_loader=self._range_loader(name))
+
+    def _loader(self, name: str) -> Callable[[str], torch.Tensor]:
+        return lambda state: self.load(name)  # weights only: the one state
+
+    def _range_loader(self, param: str) -> Callable[[str, int, int], torch.Tensor] | None:
+        """Elements ``[low, high)`` of a parameter stored whole, read as the rows that hold them (None for one
+        assembled from expert pieces, which is read whole). A quantized one reads the packed rows and scales
+        that hold them."""
+        from deepspeed_ext.checkpoint.quantization import dequantize_rows
+        pieces = self._pieces[param]
+        if pieces is not None and RENAMED not in pieces:
+            return None
+        name, shape = (param if pieces is None else pieces[RENAMED]), self.shapes[param]
+        stored = self._stored_name(name)
+        quantized = self._quantized.get(stored)
+        dtype = output_dtype(self.dtype_choice, self.file_dtype(param))
+        row = shape[-1] if quantized is not None else math.prod(shape[1:])
+
+        def read(state: str, low: int, high: int) -> torch.Tensor:
+            if not shape or not row:
+                return self.load(param).reshape(-1)[low:high]
+            first, last = low // row, -(-high // row)
+            if quantized is not None:
+                rows = dequantize_rows(quantized, self._read_stored, first, last, dtype)
+            else:
+                rows = self._read_stored(stored, (slice(first, last), ))
+            return rows.reshape(-1)[low - first * row:high - first * row].to(dtype)
+
+        return read
+
+    def raise_if_damaged(self) -> None:
+        """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where
+        deepspeed-ext wrote them)."""
+
+    def summary(self) -> dict[str, Any]:
+        return {"kind": "huggingface", "path": str(self.path), "model_type": self.model_config.get("model_type"),
+                "files": len(set(self._file_of.values())),
+                "tensor_dtypes": sorted({str(self.file_dtype(n)).replace("torch.", "") for n in self.shapes}),
+                "num_parameters": sum(int(torch.Size(s).numel()) for s in self.shapes.values()),
+                **({"quantization": f"{self.quantization.describe()}: {len(self._quantized)} tensors, "
+                    "dequantized on read"} if self.quantization is not None else {}),
+                **({"set_aside": self.notes} if self.set_aside else {})}
+
+    @property
+    def notes(self) -> list[str]:
+        """What was read differently from the files as they are, one line each (the CLI prints them)."""
+        notes = []
+        if self.multimodal is not None:
+            kinds = sorted({name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
+                            for name in self.set_aside if _layer_index(name) not in self.mtp_layers})
+            count = sum(1 for name in self.set_aside if _layer_index(name) not in self.mtp_layers)
+            notes.append(f"read the text model ({self.multimodal.prefix}*); ignored {count} tensors of "
+                         f"{', '.join(kinds)} (to-hf --like {self.path} puts them back)")
+        if self.mtp_layers:
+            count = sum(1 for name in self.set_aside if _layer_index(name) in self.mtp_layers)
+            what = "kept for the HF output" if self.mtp == "keep" else "dropped"
+            notes.append(f"{what}: {count} tensors of the multi-token-prediction layer(s) "
+                         f"{', '.join(f'model.layers.{i}' for i in sorted(self.mtp_layers))}")
+        return notes

@@ -1,0 +1,295 @@
+"""Saves in the background (``"async_save": true``): DeepSpeed's files handed over instead of written, a forked
+writer per rank that writes them from the state as it was and commits, and how the ranks learn how it went (at
+the next step, at ``destroy``, at ``load_checkpoint``, at the process's exit)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepspeed_ext.checkpoint import engine_private
+from deepspeed_ext.checkpoint.metadata import UCInfo
+from deepspeed_ext.errors import CheckpointError, DeepSpeedExtError, first_line
+from deepspeed_ext.runtime.fingerprints import local_sums, recorded_fingerprints
+from deepspeed_ext.runtime.log import logger
+from deepspeed_ext.runtime.save_steps import (
+    can_fuse,
+    commit_details,
+    commit_save,
+    device_type,
+    guarded_copy,
+    guarded_save,
+    raise_if_any_rank_failed,
+    read_text,
+    save_failure,
+    world_size,
+)
+
+#: Whether the engine's next ``save_checkpoint`` is written in the background: ``async_save`` from the config,
+#: switchable per save (False: this save is written before it returns, as without ``async_save``).
+ASYNC_SAVE_ATTR = "deepspeed_ext_async_save"
+
+
+#: The engine's save being written in the background (a :class:`~.background.BackgroundSave`), until reported.
+PENDING_ATTR = "deepspeed_ext_background_save"
+
+
+#: Every save of this process still being written, for the exit (:func:`wait_at_exit`).
+PENDING_SAVES: list[Any] = []
+
+
+#: The engines that save in the background (for Accelerate's ``save_state``, which waits for them).
+BACKGROUND_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def can_save_in_background(engine: Any) -> bool:
+    """Where ``async_save`` is honoured: a CPU engine (the fork is the snapshot; an accelerator's memory is not
+    the host's, and a forked child cannot use the accelerator) whose checkpoint engine writes when asked (not
+    DeepSpeed's decoupled one, which commits on its own). Elsewhere the save stays synchronous, with a warning."""
+    reason = None
+    if not hasattr(os, "fork"):
+        reason = "this platform cannot fork"
+    elif device_type(getattr(engine, "device", None)) != "cpu":
+        reason = "the engine runs on an accelerator (only CPU engines save in the background so far)"
+    elif engine_private.saves_in_background(engine):
+        reason = "DeepSpeed's decoupled checkpoint engine writes in the background already"
+    if reason is not None and engine.global_rank == 0:
+        logger.warning("async_save: saving synchronously: %s", reason)
+    return reason is None
+
+
+def save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: Any, call: Any, save_dir: str,
+                        tag: str, save_latest: bool, coordinator: bool) -> Any:
+    """DeepSpeed's ``save_checkpoint`` with each file it writes (and its copy of the recovery scripts) handed
+    over instead of written; then a fork per rank (:mod:`~deepspeed_ext.checkpoint.background`) writes them from
+    the state as it was, and the coordinator's writer commits once every rank's files are durable. Returns as
+    soon as every rank has forked."""
+    from deepspeed_ext.checkpoint import background, commit, faults
+    from deepspeed_ext.checkpoint.engine_fingerprints import LocalSums
+    files: list[tuple[Any, Any, str]] = []
+    copies: list[tuple[Any, str]] = []
+
+    def hand_over(own: Any) -> Any:
+        def save(state_dict: Any, path: str) -> None:
+            files.append((own, state_dict, path))
+        return save
+
+    def hand_over_copy(own: Any) -> Any:
+        def copy(save_path: str) -> None:
+            copies.append((own, save_path))
+        return copy
+
+    with engine_private.checkpoint_files_written_by(engine, hand_over), \
+            engine_private.recovery_scripts_copied_by(engine, hand_over_copy):
+        result = original(*call.args, **call.kwargs)
+    staging = commit.staging_root(save_dir, tag)
+    rank, fuse, details = engine.global_rank, can_fuse(engine), commit_details(engine)
+    together = _ranks_committed_together(engine)
+
+    def write_and_commit() -> None:  # in the forked writer: the state as it was at the fork
+        torch.set_num_threads(1)  # the parent's OpenMP threads do not exist here
+        background.note_writer(staging, rank)
+        failures: list[str] = []
+        local = None
+        try:
+            plan = None
+            if fingerprints != "off" and fuse:
+                from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
+                plan = SumsPlan(engine)
+            releases = _released_once_written(files, plan) if fuse else [None] * len(files)
+            for (own, state, path), written in zip(files, releases, strict=True):
+                guarded_save(own, plan, failures, fuse, state, path, written=written)
+            for own, path in copies:
+                guarded_copy(own, failures, path)
+            faults.reached("files-written")
+            if not failures and fingerprints != "off":
+                local = plan.finish() if plan is not None else local_sums(engine)
+        except Exception as exc:
+            failures.append(first_line(exc))
+        background.report_rank(staging, rank, failures[0] if failures else None,
+                               {"sums": None if local is None else local.to_json()})
+        if failures:
+            raise background.BackgroundFailure(failures[0])
+        if not coordinator:
+            return
+        words = background.wait_for_ranks(staging, together)
+        if fingerprints != "off":
+            from deepspeed_ext.checkpoint.engine_fingerprints import combine_local_sums
+            info.fingerprints = recorded_fingerprints(engine, *combine_local_sums(
+                [LocalSums.from_json(words[each]["sums"]) for each in sorted(words)]))
+        try:
+            commit_save(engine, info, save_dir, tag, details, save_latest)
+        except (OSError, DeepSpeedExtError) as exc:
+            raise background.BackgroundFailure(f"committing {tag}: {first_line(exc)}") from exc
+
+    problem, pending = None, None
+    try:
+        pending = background.start(write_and_commit, tag=tag, save_dir=save_dir, staging=staging, rank=rank,
+                                   coordinator=coordinator)
+    except OSError as exc:  # no memory or no process left to fork
+        problem = f"cannot start the background writer: {exc}"
+    files.clear()  # the writer holds them now; the parent lets go of DeepSpeed's temporaries
+    try:
+        raise_if_any_rank_failed(problem, tag, save_dir, discard=coordinator)
+    except CheckpointError:
+        if pending is not None:
+            pending.kill()
+        raise
+    setattr(engine, PENDING_ATTR, pending)
+    PENDING_SAVES.append(pending)
+    return result
+
+
+def _released_once_written(files: list[tuple[Any, Any, str]], plan: Any) -> list[Any]:
+    """For a forked writer's zipsave, one per file: what gives each block of the file back to the kernel once it is
+    written, but for what a later file or the sums still to be done (``plan``) read. Nothing is given back where
+    a file's storages cannot be found (a file torch cannot pickle fails in its own write)."""
+    from deepspeed_ext.checkpoint import background, zipsave
+    try:
+        spans = [zipsave.storage_ranges(state) for _, state, _ in files]
+    except Exception:  # noqa: BLE001
+        return [None] * len(files)
+    later: list[list[tuple[int, int]]] = [[] for _ in files]
+    for index in range(len(files) - 2, -1, -1):
+        later[index] = later[index + 1] + spans[index + 1]
+    return [background.ReleasedPages(
+        lambda kept=kept: kept + (plan.unread_ranges() if plan is not None else [])) for kept in later]
+
+
+def _ranks_committed_together(engine: Any) -> int:
+    """How many ranks' writers the coordinator waits for: every rank, or the node's where each node commits its
+    own files (node-local storage)."""
+    if engine_private.node_local_storage(engine):
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+    return world_size()
+
+
+def settle_background_save(engine: Any, block: bool) -> None:
+    """Collective: where the engine has a save in the background, find out how it went (waiting for it with
+    ``block``) and agree on it. Committed: forgotten, and what waited for the commit (a trainer's rotation of its
+    old checkpoints) runs. Failed on any rank: every rank stops its writer, the coordinator removes the
+    unfinished save, and every rank raises the failure in one line (naming the rank whose write failed first;
+    ``latest`` never moved). Still running (not ``block``): kept, asked again at the next step."""
+    from deepspeed_ext.checkpoint import collective, commit
+    pending = getattr(engine, PENDING_ATTR, None)
+    if pending is None:
+        return
+    outcome = pending.wait() if block else pending.poll()
+    published = False
+    if outcome is not None and not outcome.ok and pending.coordinator:
+        published = _published_before_it_died(pending)
+        if published and read_text(os.path.join(pending.save_dir, "latest")) == pending.tag:
+            logger.warning("the writer of %s died after committing it (%s); its leftovers are removed", pending.tag,
+                           outcome.message)
+            commit.discard_staging(pending.save_dir, pending.tag)
+            outcome, published = type(outcome)(True), False
+    problem = None if outcome is None or outcome.ok else outcome.message or "failed"
+    gathered = collective.gather(problem, (outcome is not None, bool(outcome and outcome.relayed), published))
+    failed = [(rank, text, relayed) for rank, (text, (_, relayed, _)) in enumerate(gathered) if text is not None]
+    if not failed and not all(done for _, (done, _, _) in gathered):
+        return
+    delattr(engine, PENDING_ATTR)
+    PENDING_SAVES.remove(pending)
+    if failed:
+        pending.kill()  # a writer still at work on a save that cannot be committed
+        if pending.coordinator:
+            commit.discard_staging(pending.save_dir, pending.tag)
+        # A coordinator that gave up because another rank failed names that rank, whose own line says why.
+        first_hand = [(rank, text) for rank, text, relayed in failed if not relayed]
+        raise CheckpointError(save_failure(first_hand or [(rank, text) for rank, text, _ in failed], pending.tag,
+                                            pending.save_dir, "in the background ",
+                                            published=any(flag for _, (_, _, flag) in gathered)))
+    if pending.coordinator:
+        logger.info("committed %s in the background, %.1f s after save_checkpoint returned", pending.tag,
+                    time.monotonic() - pending.started)
+    for action in pending.after_commit:
+        action()
+
+
+def _published_before_it_died(pending: Any) -> bool:
+    """Whether the coordinator's writer had moved the tag into place (committed) before it failed or died: its
+    staging directory no longer holds the tag, and the tag in the save directory is complete."""
+    from deepspeed_ext.checkpoint import commit
+    staging = commit.staging_root(pending.save_dir, pending.tag)
+    final = Path(pending.save_dir) / pending.tag
+    if not (staging.is_dir() and not (staging / pending.tag).exists() and final.is_dir()):
+        return False
+    status = commit.tag_status(final)
+    return status.state is commit.TagState.COMMITTED and status.complete
+
+
+def wait_for_saves(engine: Any) -> None:
+    """Collective: wait until the engine's save in the background is committed; raises its failure (one line)."""
+    settle_background_save(engine, block=True)
+
+
+def hook_steps_to_report_background_saves(engine: Any) -> None:
+    """Each training step (``train_batch`` of a pipeline engine) first asks how a save in the background went
+    (:func:`settle_background_save`, without waiting), so that a failure stops training at the next step;
+    ``destroy`` waits for it (and ``load_checkpoint``: :func:`hook_load`); the process's exit waits for every
+    one (:func:`wait_at_exit`)."""
+    BACKGROUND_ENGINES.add(engine)
+    name = "train_batch" if engine_private.engine_is_pipeline(engine) else "step"
+    for method in (name, "destroy"):
+        engine_private.wrap_engine_method(engine, method, functools.partial(_reporting, engine, method != name))
+    wait_at_exit()
+
+
+def _reporting(engine: Any, block: bool, own: Any) -> Any:
+    """``own`` (an engine's step or destroy), after asking how its save in the background went."""
+    def reporting(*args: Any, **kwargs: Any) -> Any:
+        settle_background_save(engine, block=block)
+        return own(*args, **kwargs)
+    return reporting
+
+
+def wait_at_exit() -> None:
+    """:func:`_at_exit` at the process's exit (registered once)."""
+    global _EXIT_WAIT_INSTALLED
+    if not _EXIT_WAIT_INSTALLED:
+        import atexit
+        atexit.register(_at_exit)
+        _EXIT_WAIT_INSTALLED = True
+
+
+def _at_exit() -> None:
+    """What a training process leaves running is ended before the interpreter tears itself down: the saves still
+    being written in the background are waited for, then the default process group, if the script left it up, is
+    destroyed. Left to the interpreter's teardown, a process group's C++ threads can be destroyed while still
+    joinable, and the process aborts (SIGABRT, "terminate called without an active exception") after its work was
+    done and committed: a job script would see a failed run. (atexit runs this before the interpreter finalizes;
+    a script that destroys its process group itself is left as it is.)"""
+    finish_background_saves()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # at exit: say it, never raise
+            logger.warning("could not destroy the process group at exit: %s", exc)
+
+
+_EXIT_WAIT_INSTALLED = False
+
+
+def finish_background_saves() -> None:
+    """Wait for every save of this process still being written in the background, and say what became of each:
+    committed, or not and why (a log line; no collective: each rank waits for its own writer). Runs at exit; a
+    script that leaves by ``os._exit`` calls it first."""
+    for pending in list(PENDING_SAVES):
+        if pending.poll() is None:
+            logger.info("waiting for the save of %s in the background to finish before exiting", pending.tag)
+        outcome = pending.wait()
+        PENDING_SAVES.remove(pending)
+        if not outcome.ok:
+            logger.error("the save of %s into %s in the background was not committed: %s", pending.tag,
+                         pending.save_dir, outcome.message)
+        elif pending.coordinator:
+            logger.info("committed %s in the background", pending.tag)
+            for action in pending.after_commit:
+                action()
