@@ -92,7 +92,8 @@ def load_ds_config(config: Any) -> dict[str, Any]:
     path = Path(config)
     text = path.read_text()
     try:
-        return json.loads(text)
+        loaded: dict[str, Any] = json.loads(text)
+        return loaded
     except ValueError:
-        import hjson  # DeepSpeed depends on it and accepts HJSON configs
+        import hjson  # type: ignore[import-untyped]  # DeepSpeed depends on it and accepts HJSON configs
         return dict(hjson.loads(text))

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint.fingerprint import Fingerprints
-from deepspeed_ext.checkpoint.source import CheckpointSource, SourceInfo
+from deepspeed_ext.checkpoint.source import CheckpointSource, Reshards, SourceInfo
 from deepspeed_ext.checkpoint.tensor import STEP, LogicalTensor
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
@@ -202,12 +202,25 @@ class AutoEPNamed:
     AutoEP's: ``w1`` / ``w3`` are the halves of ``gate_up_proj``'s dim 1, the rest renamed one to one. Serves the
     restore (``resharded_range`` on each EP rank's experts), reading only those rows."""
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Reshards):
         self.source = source
         self._map = autoep_name_map(list(source.names))
 
-    def __getattr__(self, name: str) -> Any:  # path, model_states, has_optimizer_states, ... as the source's
-        return getattr(self.source, name)
+    # What is not per parameter: the source's own.
+    @property
+    def path(self) -> Path:
+        return self.source.path
+
+    @property
+    def has_optimizer_states(self) -> bool:
+        return self.source.has_optimizer_states
+
+    @property
+    def model_states(self) -> dict[str, Any]:
+        return self.source.model_states
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]:
+        return self.source.optimizer_state_for_universal()
 
     @property
     def names(self) -> list[str]:
@@ -216,15 +229,14 @@ class AutoEPNamed:
     def has(self, name: str, state: str) -> bool:
         return name in self._map and bool(self.source.has(self._map[name][0], state))
 
-    def step(self, name: str) -> Any:
+    def step(self, name: str) -> torch.Tensor | int | None:
         return self.source.step(self._map[name][0])
 
-    def scalar(self, name: str, state: str) -> Any:
+    def scalar(self, name: str, state: str) -> torch.Tensor | int:
         return self.source.scalar(self._map[name][0], state)
 
     def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        states: tuple[tuple[str, ...], tuple[str, ...]] = self.source.states_of(self._map[name][0])
-        return states
+        return self.source.states_of(self._map[name][0])
 
     def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor:
         shape = target.local_shape(rank)
@@ -234,8 +246,7 @@ class AutoEPNamed:
                         high: int) -> torch.Tensor:
         model_name, half = self._map[name]
         if half is None:
-            value: torch.Tensor = self.source.resharded_range(model_name, state, target, rank, low, high)
-            return value
+            return self.source.resharded_range(model_name, state, target, rank, low, high)
         # The fused tensor cut the way ``target`` cuts the stack (dim 0, the experts), both halves of dim 1.
         rows = target.shape[1]
         fused = replace(target, shape=(target.shape[0], 2 * rows, *target.shape[2:]))
@@ -251,7 +262,7 @@ class AutoEPNamed:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-def autoep_named(source: Any, engine_names: list[str]) -> Any:
+def autoep_named(source: Reshards, engine_names: list[str]) -> Reshards:
     """``source`` as an AutoEP engine with ``engine_names`` asks for it: itself when it already has AutoEP's names
     (a checkpoint AutoEP trained), else :class:`AutoEPNamed` when it has the model's."""
     if not has_autoep_names(engine_names) or has_autoep_names(list(source.names)):

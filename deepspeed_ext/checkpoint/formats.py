@@ -73,6 +73,13 @@ class Format:
     #: The format names parameters as the model does (transformers' names): a source with DeepSpeed AutoEP's
     #: names is written under the model's (:mod:`~deepspeed_ext.checkpoint.expert_names`).
     model_names: bool = False
+    #: The format's reader serves a live engine's restore (:class:`~deepspeed_ext.checkpoint.source.Reshards`).
+    restores_engines: bool = False
+    #: The command that turns a checkpoint of this format into one DeepSpeed resumes from (None: it is one), and
+    #: the command that writes the format (None: deepspeed-ext does not): a command given a format it does not
+    #: read names them (:func:`not_read`).
+    imported_by: str | None = None
+    written_by: str | None = None
 
     def load(self) -> ModuleType:
         if self.extra is not None:
@@ -121,13 +128,16 @@ class Format:
 #: The most specific first: where a directory holds two (a Hugging Face Trainer checkpoint has the DeepSpeed
 #: save beside the model's safetensors), the first is the default reading.
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format(UNIVERSAL, "universal", is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions"),
-    Format(DEEPSPEED, "DeepSpeed", is_deepspeed, "deepspeed_ext.checkpoint.deepspeed", files_check="check_files"),
+    Format(UNIVERSAL, "universal", is_universal, "deepspeed_ext.checkpoint.universal", "UniversalOptions",
+           restores_engines=True, written_by="to-universal"),
+    Format(DEEPSPEED, "DeepSpeed", is_deepspeed, "deepspeed_ext.checkpoint.deepspeed", files_check="check_files",
+           restores_engines=True, imported_by="to-universal"),
     Format(HUGGINGFACE, "Hugging Face", is_huggingface, "deepspeed_ext.checkpoint.hf", "HFOptions", extra="hf",
-           holds_full_tensors=True, model_check="parameter_problem", model_names=True),
+           holds_full_tensors=True, model_check="parameter_problem", model_names=True, imported_by="from-hf",
+           written_by="to-hf"),
     Format(MAXTEXT, "MaxText (Orbax)", is_maxtext, "deepspeed_ext.checkpoint.maxtext", "MaxTextOptions",
            extra="maxtext", holds_full_tensors=True, widens_weights=True, files_root=maxtext_root,
-           model_names=True),
+           model_names=True, imported_by="from-maxtext", written_by="to-maxtext"),
 )}
 # Each module's ``open_source`` is annotated ``-> CheckpointSource`` (or a class mypy checks against it), so a
 # reader missing part of the contract is a type error in its own module; tests/unit/test_types.py checks that
@@ -196,15 +206,16 @@ def open_checkpoint(path: str | Path,
                     dtype: str = "source",
                     mtp: str | None = None,
                     format: str | None = None,
-                    accept: Mapping[str, str] | None = None) -> CheckpointSource:
+                    reads: str | None = None,
+                    command: str | None = None) -> CheckpointSource:
     """The source at ``path`` in whatever format it is (or in ``format``, where the directory holds several).
 
     ``config``: an HF config (a ``config.json`` path or its dict) to use instead of the recorded one, and for
     the formats that may lack one (HF weights without config.json, MaxText checkpoints not written by
     deepspeed-ext). ``family``: MaxText's model family. ``dtype``: the dtype HF weights are read in. ``mtp``:
     HF layers past ``num_hidden_layers`` (:class:`~deepspeed_ext.checkpoint.source.OpenOptions`).
-    ``accept``: the formats the caller reads, each mapped to nothing, and the others to the line it says when
-    one of them is found instead.
+    ``reads``: the one format the caller (``command``) reads; any other found is refused in one line saying
+    what to do with it instead (:func:`not_read`).
     """
     found = detect_all(path, tag)
     if tag is None:
@@ -216,10 +227,20 @@ def open_checkpoint(path: str | Path,
             raise CheckpointError(f"{path}: not a {FORMATS[format].title} checkpoint (found: "
                                   f"{', '.join(FORMATS[f].title for f in found)})")
         found = [format]
-    readable = [kind for kind in found if accept is None or not accept.get(kind)]
+    readable = [kind for kind in found if reads is None or kind == reads]
     if not readable:
-        assert accept is not None
-        raise CheckpointError(f"{path}: {accept[found[0]]}")
+        assert reads is not None
+        raise CheckpointError(f"{path}: {not_read(found[0], reads, command or 'this command')}")
     model_config = read_config(config) if isinstance(config, str | Path) else dict(config) if config else None
     return FORMATS[readable[0]].open(path, OpenOptions(tag=tag, model_config=model_config, family=family,
                                                        dtype=dtype, mtp=mtp))
+
+
+def not_read(found: str, reads: str, command: str) -> str:
+    """What ``command``, which reads ``reads`` checkpoints, says of a ``found`` one: what to run instead, from the
+    two formats' registry entries."""
+    given, wanted = FORMATS[found], FORMATS[reads]
+    if given.imported_by is None:  # already what DeepSpeed resumes from
+        return f"already a {given.title} checkpoint, not a {wanted.title} one: {command} is not needed"
+    ways = [given.imported_by, *([wanted.written_by] if wanted.written_by not in (None, command) else [])]
+    return f"a {given.title} checkpoint, not a {wanted.title} one: convert it with {' or '.join(ways)}"

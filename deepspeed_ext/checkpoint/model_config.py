@@ -53,9 +53,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def causal_lm_class(model_type: str) -> str | None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    name: str | None = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    return name
+    from deepspeed_ext.checkpoint.transformers_private import causal_lm_class_name
+    return causal_lm_class_name(model_type)
 
 
 def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source: str) -> Any:
@@ -81,9 +80,9 @@ def _meta_model(config: Any) -> torch.nn.Module:
     transformers' causal-LM mapping and is called directly: ``AutoModelForCausalLM.from_config`` builds the
     same modules but takes over a second more (it settles attention kernels, and imports what that needs), on
     every conversion's path. Raises ``ValueError`` for a model type with no causal-LM class, as it does."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from deepspeed_ext.checkpoint.transformers_private import causal_lm_class
     try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model_class = causal_lm_class(config)
     except KeyError as exc:
         raise ValueError(f"no causal-LM model for {type(config).__name__}") from exc
     with torch.device("meta"):

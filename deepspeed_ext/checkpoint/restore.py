@@ -13,22 +13,23 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, cast
 
 import torch
 
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.expert_names import autoep_named
+from deepspeed_ext.checkpoint.locate import DEEPSPEED, UNIVERSAL
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
 from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, USE_MUON
-from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
+from deepspeed_ext.checkpoint.source import OpenOptions, Reshards
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, shard_rank, tag_autotp_model
 from deepspeed_ext.module_inject.layout import TPLayout
 
 
-def _fill(targets: list[tuple[torch.Tensor, int]], ckpt: ReshardingSource, name: str, state: str, layout: TPLayout,
+def _fill(targets: list[tuple[torch.Tensor, int]], ckpt: Reshards, name: str, state: str, layout: TPLayout,
           tp_rank: int) -> None:
     """Copy into each ``(tensor, start)`` of ``targets`` its elements of the TP-local tensor, reading the range
     they span once, block by block: memory stays at a block whatever the tensor's size, and a DP rank reads
@@ -51,7 +52,7 @@ def _fill(targets: list[tuple[torch.Tensor, int]], ckpt: ReshardingSource, name:
         position = stop
 
 
-def _set_zero3_partition(param: Any, ckpt: ReshardingSource, name: str, state: str, layout: TPLayout,
+def _set_zero3_partition(param: Any, ckpt: Reshards, name: str, state: str, layout: TPLayout,
                          tp_rank: int) -> None:
     """Restore ``state`` of a ZeRO-3 parameter from the elements of its TP slice that this DP rank keeps:
     the rank reads its own partition, not the slice."""
@@ -70,37 +71,6 @@ def _set_zero3_partition(param: Any, ckpt: ReshardingSource, name: str, state: s
     engine_private.set_zero3_partition(param, state, value)
 
 
-class ReshardingSource(Protocol):
-    """What the restore needs from a checkpoint: each parameter's shard at the live TP layout."""
-
-    @property
-    def path(self) -> Path: ...
-
-    @property
-    def names(self) -> list[str]: ...
-
-    @property
-    def has_optimizer_states(self) -> bool: ...
-
-    @property
-    def model_states(self) -> dict[str, Any]: ...
-
-    def has(self, name: str, state: str) -> bool: ...
-
-    def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
-
-    def scalar(self, name: str, state: str) -> torch.Tensor | int: ...
-
-    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor: ...
-
-    def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
-                        high: int) -> torch.Tensor: ...
-
-    def step(self, name: str) -> torch.Tensor | int | None: ...
-
-    def optimizer_state_for_universal(self) -> dict[str, Any]: ...
-
-
 def load_universal_checkpoint(engine: Any,
                               load_dir: str | Path,
                               tag: str | None = None,
@@ -109,7 +79,7 @@ def load_universal_checkpoint(engine: Any,
 
     Options: ``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only`` (as DeepSpeed's).
     """
-    return load_resharded(engine, UniversalCheckpoint(load_dir, tag), **options)
+    return load_resharded(engine, _opened(UNIVERSAL, load_dir, tag), **options)
 
 
 def load_deepspeed_checkpoint(engine: Any,
@@ -118,12 +88,22 @@ def load_deepspeed_checkpoint(engine: Any,
                               **options: bool) -> tuple[str, dict[str, Any]]:
     """Restore ``engine`` directly from a regular DeepSpeed checkpoint saved at another TP/DP degree (or
     ZeRO stage), with no conversion step: each rank reads only the byte ranges of its own shards."""
-    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
-    return load_resharded(engine, DeepSpeedCheckpoint(load_dir, tag), **options)
+    return load_resharded(engine, _opened(DEEPSPEED, load_dir, tag), **options)
+
+
+def _opened(format_name: str, load_dir: str | Path, tag: str | None) -> Reshards:
+    """The checkpoint at ``load_dir`` opened through the registry, as the format whose entry says it restores
+    engines (:attr:`~deepspeed_ext.checkpoint.formats.Format.restores_engines`)."""
+    from deepspeed_ext.checkpoint.formats import FORMATS
+    entry = FORMATS[format_name]
+    if not entry.restores_engines:
+        raise CheckpointError(f"{load_dir}: a {entry.title} checkpoint does not restore a live engine")
+    # The entry vouches for the capability (an isinstance check would evaluate the source's lazy properties).
+    return cast(Reshards, entry.open(load_dir, OpenOptions(tag=tag)))
 
 
 def load_resharded(engine: Any,
-                   ckpt: ReshardingSource,
+                   ckpt: Reshards,
                    *,
                    load_optimizer_states: bool = True,
                    load_lr_scheduler_states: bool = True,
@@ -200,7 +180,7 @@ def load_resharded(engine: Any,
     return str(ckpt.path), client_state
 
 
-def _warn_of_frozen_left_out(ckpt: ReshardingSource, names: list[str]) -> None:
+def _warn_of_frozen_left_out(ckpt: Reshards, names: list[str]) -> None:
     """Frozen parameters the checkpoint does not hold keep the values the model was built with: said once, on
     rank 0 (a checkpoint written before deepspeed-ext carried frozen weights, or by a tool that drops them)."""
     if not names or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
@@ -210,7 +190,7 @@ def _warn_of_frozen_left_out(ckpt: ReshardingSource, names: list[str]) -> None:
         "%s", ckpt.path, len(names), names[:3])
 
 
-def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available: set[str], tp_size: int,
+def _restore_buffers(module: torch.nn.Module, ckpt: Reshards, available: set[str], tp_size: int,
                      tp_rank: int) -> None:
     """The persistent buffers the checkpoint carries (DeepSeek-V3's router bias): whole on every rank."""
     for name, buffer in persistent_buffers(module).items():
@@ -219,7 +199,7 @@ def _restore_buffers(module: torch.nn.Module, ckpt: ReshardingSource, available:
             buffer.copy_(value.to(buffer.dtype))
 
 
-def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.StateEntries | None,
+def _saved_states(ckpt: Reshards, name: str, entries: engine_private.StateEntries | None,
                   param: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The states to restore of ``name``: (tensor states, the master first; scalars). Refused where the live
     optimizer keeps other states for the parameter than the checkpoint holds: a checkpoint of another optimizer, or
@@ -246,7 +226,7 @@ def _saved_states(ckpt: ReshardingSource, name: str, entries: engine_private.Sta
     return tensors, scalars
 
 
-def _restore_engine_state(engine: Any, ckpt: ReshardingSource, load_lr_scheduler: bool) -> dict[str, Any]:
+def _restore_engine_state(engine: Any, ckpt: Reshards, load_lr_scheduler: bool) -> dict[str, Any]:
     states = ckpt.model_states
     engine_private.set_engine_counters(engine, states, load_lr_scheduler)
     return {key: value for key, value in states.items() if key not in keys.DEEPSPEED_STATE_KEYS}

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepspeed_ext.checkpoint.torch_zip import is_storage_record
 from deepspeed_ext.checkpoint.zipcheck import record_data_offset
 from deepspeed_ext.errors import CheckpointError, first_line
 
@@ -252,9 +253,6 @@ def _save_filled(obj: Any, placeholder: torch.Tensor, blocks: Iterable[torch.Ten
     return file_checksum(path)
 
 
-def is_storage_record(name: str) -> bool:
-    """Whether the torch zip record ``name`` holds a tensor storage (``<archive>/data/<key>``)."""
-    return "/data/" in name and name.rsplit("/", 1)[-1].isdigit()
 
 
 def _storage_offset(path: Path, nbytes: int) -> int:

@@ -22,6 +22,8 @@ from deepspeed_ext.checkpoint.states import STEP as STEP
 from deepspeed_ext.checkpoint.states import has_optimizer
 
 if TYPE_CHECKING:  # torch-free at import: reshard-orbax and the CLI's help need no torch
+    import torch
+
     from deepspeed_ext.checkpoint.fingerprint import Fingerprints
     from deepspeed_ext.checkpoint.tensor import FiniteCheck, LogicalTensor, RecordCheck
     from deepspeed_ext.module_inject.layout import TPLayout
@@ -115,6 +117,57 @@ class CarriesDeepSpeedStates(Protocol):
     def copy_model_states(self, directory: Path) -> None:
         """Copy the model-states files (engine state: step, scheduler, client state) into ``directory``."""
         ...
+
+
+@runtime_checkable
+class HasNotes(Protocol):
+    """A source with something to say about how it was read (what an HF release was read as: its text model, a
+    multi-token-prediction layer left out), shown by the commands before they work."""
+
+    @property
+    def notes(self) -> list[str]: ...
+
+
+@runtime_checkable
+class StoresDtypes(Protocol):
+    """A source whose tensors are stored in a dtype other than the one it hands out (HF weights read as another
+    dtype, block-FP8 weights dequantized): the dtype each parameter has in its files."""
+
+    def file_dtype(self, param: str) -> torch.dtype: ...
+
+
+@runtime_checkable
+class Reshards(Protocol):
+    """A source that serves a live engine's restore (:mod:`~deepspeed_ext.checkpoint.restore`): each parameter's
+    shard at the engine's TP layout, read by ranges, with the engine files' states (step, scheduler, client
+    state) and the optimizer summary. The universal and DeepSpeed readers have it."""
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def names(self) -> list[str]: ...
+
+    @property
+    def has_optimizer_states(self) -> bool: ...
+
+    @property
+    def model_states(self) -> dict[str, Any]: ...
+
+    def has(self, name: str, state: str) -> bool: ...
+
+    def states_of(self, name: str) -> tuple[tuple[str, ...], tuple[str, ...]]: ...
+
+    def scalar(self, name: str, state: str) -> torch.Tensor | int: ...
+
+    def resharded(self, name: str, state: str, target: TPLayout, rank: int) -> torch.Tensor: ...
+
+    def resharded_range(self, name: str, state: str, target: TPLayout, rank: int, low: int,
+                        high: int) -> torch.Tensor: ...
+
+    def step(self, name: str) -> torch.Tensor | int | None: ...
+
+    def optimizer_state_for_universal(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ import torch
 
 from deepspeed_ext.checkpoint import durable, faults
 from deepspeed_ext.checkpoint.serialization import pwrite_all
+from deepspeed_ext.checkpoint.torch_zip import ID_RECORD
 from deepspeed_ext.checkpoint.zipcheck import crc32, record_data_offset
 from deepspeed_ext.errors import first_line
 
@@ -60,7 +61,6 @@ MIN_DEFERRED_BYTES = 1 << 20
 TEMPORARY_SUFFIX = ".deepspeed_ext-tmp"
 _DESCRIPTOR = b"PK\x07\x08"
 _CENTRAL = b"PK\x01\x02"
-_ID_RECORD = ".data/serialization_id"
 _U64 = (1 << 64) - 1
 #: ``torch.serialization._save``'s parameters, as this module passes them (by position).
 _SAVE_PARAMETERS = ("obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record")
@@ -562,7 +562,7 @@ def _check(handle: Any, records: _Records) -> bytes:
     20 digits, the second computed by torch with every CRC-32 zero, and each record to patch has a data
     descriptor after its data. Returns the id as torch wrote it."""
     fd = handle.fileno()
-    id_record = records.by_suffix("/" + _ID_RECORD)
+    id_record = records.by_suffix("/" + ID_RECORD)
     old_id = os.pread(fd, id_record.size, id_record.data_offset)
     combined_zero = 0
     for record in records.values():
@@ -583,7 +583,7 @@ def _patch(handle: Any, records: _Records, crcs: dict[str, int], old_id: bytes) 
     for record in records.values():
         if record.name not in crcs:  # written by torch: a few bytes, read back
             crcs[record.name] = crc32(os.pread(fd, record.size, record.data_offset)) if record.size else 0
-    id_record = records.by_suffix("/" + _ID_RECORD)
+    id_record = records.by_suffix("/" + ID_RECORD)
     combined = 0
     for record in records.values():
         if record is not id_record and record.size:

@@ -130,7 +130,7 @@ def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> 
     """
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config or tiny_config(family), attn_implementation="eager")
+    model: torch.nn.Module = AutoModelForCausalLM.from_config(config or tiny_config(family), attn_implementation="eager")
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

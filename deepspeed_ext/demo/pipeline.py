@@ -32,7 +32,8 @@ class Block(torch.nn.Module):
         self.down = torch.nn.Linear(2 * HIDDEN, HIDDEN)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.down(torch.nn.functional.gelu(self.up(self.norm(hidden))))
+        out: torch.Tensor = hidden + self.down(torch.nn.functional.gelu(self.up(self.norm(hidden))))
+        return out
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

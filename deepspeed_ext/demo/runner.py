@@ -21,7 +21,7 @@ def child_env() -> dict[str, str]:
 PROGRESS = "deepspeed-ext demo: "
 
 
-def run_logged(cmd: list[str], log: Path) -> subprocess.CompletedProcess:
+def run_logged(cmd: list[str], log: Path) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` with its output (stdout and stderr, as they come) in ``log``, showing its progress lines
     (:data:`PROGRESS`) meanwhile; on failure raise with the tail."""
     import threading
@@ -55,7 +55,7 @@ def torchrun_train(nproc: int, args: list[str], log: Path) -> None:
                 "deepspeed_ext.demo.train", *args], log)
 
 
-def cli(args: list[str], log: Path) -> subprocess.CompletedProcess:
+def cli(args: list[str], log: Path) -> subprocess.CompletedProcess[str]:
     return run_logged([sys.executable, "-m", "deepspeed_ext", *args], log)
 
 

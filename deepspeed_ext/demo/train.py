@@ -156,7 +156,7 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
     from deepspeed_ext.checkpoint.engine_private import tp_group_info
     tp_size, tp_rank = tp_group_info()
     dp_size, dp_rank = world // tp_size, dist.get_rank() // tp_size  # TP groups are consecutive ranks
-    timing = {"rank": dist.get_rank(), "tp": tp_size, "dp": dp_size}
+    timing: dict[str, float] = {"rank": dist.get_rank(), "tp": tp_size, "dp": dp_size}
     if args.load_dir:
         rss_before = _reset_peak_rss() if args.timing else 0
         state_before = _optimizer_state_bytes(engine)

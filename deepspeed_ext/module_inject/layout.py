@@ -142,6 +142,13 @@ class TPLayout:
 
     # ----------------------------------------------------------------- properties
     @property
+    def dim(self) -> int:
+        """The split dimension of a layout that splits (``partition_dim``, known not to be None)."""
+        if self.partition_dim is None:
+            raise LayoutError(f"a replicated layout of shape {self.shape} has no split dimension")
+        return self.partition_dim
+
+    @property
     def is_replicated(self) -> bool:
         return self.partition_dim is None
 
@@ -195,8 +202,8 @@ class TPLayout:
         if self.is_replicated:
             return full
         view = full.reshape(self.logical_shape)
-        pieces = [view.narrow(self.partition_dim, offset, length) for offset, length in self.rank_pieces(rank)]
-        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.partition_dim)
+        pieces = [view.narrow(self.dim, offset, length) for offset, length in self.rank_pieces(rank)]
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
         return local.reshape(self.local_shape(rank))
 
     def merge(self, shards: Sequence[torch.Tensor], check_replicas: bool = True) -> torch.Tensor:
@@ -223,8 +230,8 @@ class TPLayout:
             for rank, local in enumerate(local_views):
                 offset = sum(w[rank] for w in self.shard_widths[:i])
                 if widths[rank]:
-                    parts.append(local.narrow(self.partition_dim, offset, widths[rank]))
-        full = torch.cat(parts, dim=self.partition_dim) if parts else local_views[0]
+                    parts.append(local.narrow(self.dim, offset, widths[rank]))
+        full = torch.cat(parts, dim=self.dim) if parts else local_views[0]
         return full.reshape(self.shape)
 
     def local_view_shape(self, rank: int) -> tuple[int, ...]:
@@ -232,7 +239,7 @@ class TPLayout:
         if self.is_replicated:
             return self.shape
         view = list(self.logical_shape)
-        view[self.partition_dim] = self.local_width(rank)
+        view[self.dim] = self.local_width(rank)
         return tuple(view)
 
     def reshard(self, target: TPLayout, rank: int, read_flat: FlatReader) -> torch.Tensor:
@@ -275,7 +282,7 @@ class TPLayout:
         dim = split.partition_dim
         assert dim is not None
         view = split.logical_shape
-        outer, depth, inner = math.prod(view[:dim]), view[dim], math.prod(view[dim + 1:])
+        depth, inner = view[dim], math.prod(view[dim + 1:])
         wanted = [(0, depth)] if target.is_replicated else target.rank_pieces(rank)
         width = sum(length for _, length in wanted)
         row = width * inner  # elements of the target shard per outer index
@@ -378,15 +385,15 @@ class TPLayout:
             if self.partition_type != "replicated" or self.sub_param_sizes or self.shard_widths:
                 raise LayoutError("a layout without partition_dim must be 'replicated' with no sub-params or widths")
             return
-        logical = self.logical_shape
+        logical, dim = self.logical_shape, self.dim
         if self.view_shape is not None and math.prod(self.view_shape) != math.prod(self.shape):
             raise LayoutError(f"view_shape {self.view_shape} has a different element count than shape {self.shape}")
-        if not 0 <= self.partition_dim < len(logical):
+        if not 0 <= dim < len(logical):
             raise LayoutError(f"partition_dim {self.partition_dim} out of range for shape {logical}")
         if not self.sub_param_sizes or len(self.sub_param_sizes) != len(self.shard_widths):
             raise LayoutError(f"need one shard-width list per sub-param, got sizes {self.sub_param_sizes} "
                               f"and widths {self.shard_widths}")
-        if sum(self.sub_param_sizes) != logical[self.partition_dim]:
+        if sum(self.sub_param_sizes) != logical[dim]:
             raise LayoutError(f"sub-param sizes {self.sub_param_sizes} do not add up to dim {self.partition_dim} "
                               f"of {logical}")
         for size, widths in zip(self.sub_param_sizes, self.shard_widths, strict=True):
@@ -423,6 +430,7 @@ def shard_size(total: int,
                   and "mlp" not in text and text not in _LAST_LINEAR_NAMES
                   and not any(fragment in text for fragment in _MLP_NAME_FRAGMENTS))
     if head_based:
+        assert num_kv_heads is not None
         heads = num_kv_heads // tp_size + (1 if rank < num_kv_heads % tp_size else 0)
         return total * heads // num_kv_heads
     if total >= grain:
@@ -460,7 +468,7 @@ def num_kv_heads_of(model_config: Any) -> int | None:
     if isinstance(model_config, Mapping):
         text = model_config.get("text_config")
         source = text if isinstance(text, Mapping) else model_config
-        getter = source.get
+        getter: Callable[[str], Any] = source.get
     else:
         text = getattr(model_config, "text_config", None)
         source = text if text is not None else model_config

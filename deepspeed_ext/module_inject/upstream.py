@@ -21,7 +21,7 @@ def layout_from_upstream_meta(meta: Mapping[str, Any], tp_size: int) -> TPLayout
     """Translate DeepSpeed's per-parameter ``ds_autotp_universal_checkpoint_meta`` into a TPLayout."""
     if meta.get("unsupported_reason"):
         raise LayoutError(f"DeepSpeed marks this layout unsupported: {meta['unsupported_reason']}")
-    original = tuple(meta.get("original_shape") or meta.get("logical_shape"))
+    original = tuple(meta.get("original_shape") or meta.get("logical_shape") or ())
     logical = tuple(meta.get("logical_shape") or original)
     dim = meta.get("partition_dim")
     if meta.get("replicated") or dim is None:
@@ -109,9 +109,9 @@ def layouts_from_universal_checkpoint_info(info: Mapping[str, Any],
     if not info:
         raise MissingMetadataError(f"{source}: no universal_checkpoint_info")
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
-    replicated = _PatternSet(info.get("tp_replicated_parameter_patterns"))
-    row = _PatternSet(info.get("parameter_with_row_parallelism_patterns"))
-    vocab = _PatternSet(info.get("vocabulary_parameter_patterns"))
+    replicated = _PatternSet(info.get("tp_replicated_parameter_patterns") or ())
+    row = _PatternSet(info.get("parameter_with_row_parallelism_patterns") or ())
+    vocab = _PatternSet(info.get("vocabulary_parameter_patterns") or ())
     unsupported_set = {pattern: _PatternSet([pattern]) for pattern in unsupported}
     widths_by_pattern = info.get("sub_param_shard_widths") or {}
     sub_params = []

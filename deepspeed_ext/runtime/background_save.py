@@ -9,6 +9,7 @@ import os
 import time
 import weakref
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,8 +159,11 @@ def _released_once_written(files: list[tuple[Any, Any, str]], plan: Any) -> list
     later: list[list[tuple[int, int]]] = [[] for _ in files]
     for index in range(len(files) - 2, -1, -1):
         later[index] = later[index + 1] + spans[index + 1]
-    return [background.ReleasedPages(
-        lambda kept=kept: kept + (plan.unread_ranges() if plan is not None else [])) for kept in later]
+
+    def kept_for(kept: list[tuple[int, int]]) -> Callable[[], list[tuple[int, int]]]:
+        return lambda: kept + (plan.unread_ranges() if plan is not None else [])
+
+    return [background.ReleasedPages(kept_for(kept)) for kept in later]
 
 
 def _ranks_committed_together(engine: Any) -> int:

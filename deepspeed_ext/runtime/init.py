@@ -128,9 +128,11 @@ def _model_config_dict(module: torch.nn.Module) -> dict[str, Any] | None:
     if config is None:
         return None
     if hasattr(config, "to_json_string"):
-        return json.loads(config.to_json_string(use_diff=False))
+        found: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
+        return found
     try:
-        return json.loads(json.dumps(vars(config), default=str))
+        found = json.loads(json.dumps(vars(config), default=str))
+        return found
     except TypeError:
         return None
 

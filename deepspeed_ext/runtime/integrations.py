@@ -104,7 +104,7 @@ def trainer_resume_choice(install: bool) -> None:
     import importlib.util
     if importlib.util.find_spec("transformers") is None:
         return
-    trainer_utils = importlib.import_module("transformers.trainer_utils")
+    trainer_utils: Any = importlib.import_module("transformers.trainer_utils")
     current = trainer_utils.get_last_checkpoint
     own = getattr(current, WRAPPED_ATTR, current)
     if install and own is current:
@@ -125,7 +125,7 @@ def trainer_resume_choice(install: bool) -> None:
     else:
         return
     trainer_utils.get_last_checkpoint = replacement
-    trainer = sys.modules.get("transformers.trainer")  # imported the function by name already
+    trainer: Any = sys.modules.get("transformers.trainer")  # imported the function by name already
     if trainer is not None and getattr(trainer, "get_last_checkpoint", None) in (current, own):
         trainer.get_last_checkpoint = replacement
 
@@ -143,7 +143,7 @@ def saves_wait_for_background_commits(install: bool) -> None:
     Without: transformers' and Accelerate's own again. Nothing happens where they are not installed."""
     import importlib.util
     if importlib.util.find_spec("transformers") is not None:
-        trainer_utils = importlib.import_module("transformers.trainer_utils")
+        trainer_utils: Any = importlib.import_module("transformers.trainer_utils")
         current = getattr(trainer_utils, "rotate_checkpoints", None)
         if current is not None:
             own = getattr(current, WRAPPED_ATTR, current)
@@ -162,7 +162,7 @@ def saves_wait_for_background_commits(install: bool) -> None:
                 setattr(rotate_checkpoints, WRAPPED_ATTR, own)
                 replacement = rotate_checkpoints
             trainer_utils.rotate_checkpoints = replacement
-            trainer = sys.modules.get("transformers.trainer")  # imported the function by name already
+            trainer: Any = sys.modules.get("transformers.trainer")  # imported the function by name already
             if trainer is not None and getattr(trainer, "rotate_checkpoints", None) in (current, own):
                 trainer.rotate_checkpoints = replacement
     if importlib.util.find_spec("accelerate") is not None:
@@ -182,7 +182,7 @@ def saves_wait_for_background_commits(install: bool) -> None:
             accelerator.save_state = own_save
 
 
-def _rotate_keeping_the_newest_complete(own: Any, output_dir: Any, *args: Any, **kwargs: Any) -> None:
+def _rotate_keeping_the_newest_complete(own: Any, output_dir: Any, *args: Any, **kwargs: Any) -> Any:
     """transformers' ``rotate_checkpoints(output_dir, ...)`` (``own``), run once a save in the background has
     committed, that also keeps the newest complete ``checkpoint-N``: by then the Trainer may have begun the next
     checkpoint (its folder newest, its save not finished), which transformers' rotation would keep in its stead."""

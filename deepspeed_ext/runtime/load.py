@@ -48,7 +48,7 @@ def _checked_load(engine: Any, reshard: bool, fingerprints: str, original: Any) 
                                            load_lr_scheduler_states=options.get("load_lr_scheduler_states", True),
                                            load_module_only=options.get("load_module_only", False))), options
 
-    def load_checkpoint(*args, **kwargs):
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
         result, options = load(*args, **kwargs)
         if fingerprints != "off":
             check_resume_fingerprints(engine, result[0] if result else None,

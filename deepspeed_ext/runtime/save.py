@@ -61,7 +61,7 @@ def _committing_save(engine: Any, info: UCInfo, fingerprints: str, original: Any
     """The ``save_checkpoint`` :func:`hook_save` installs, around DeepSpeed's own (``original``)."""
     signature = inspect.signature(original)
 
-    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+    def save_checkpoint(save_dir: Any, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
         from deepspeed_ext.checkpoint import commit, faults
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default, made explicit

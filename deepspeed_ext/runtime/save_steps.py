@@ -34,7 +34,7 @@ def is_commit_coordinator(engine: Any) -> bool:
     """The rank that prepares and commits a save: global rank 0, or each node's first rank where DeepSpeed keeps
     checkpoints on node-local storage (each node then commits the files it holds)."""
     node_local = engine_private.node_local_storage(engine)
-    return (engine.local_rank if node_local else engine.global_rank) == 0
+    return bool((engine.local_rank if node_local else engine.global_rank) == 0)
 
 
 def commit_details(engine: Any) -> dict[str, Any]:

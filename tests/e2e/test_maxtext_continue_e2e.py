@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("jax")
+from harness.environments import require
+
+require("jax", "the [maxtext] extra")
 
 LR, STEPS = 1e-2, 6  # the demo's DeepSpeed config: AdamW lr 1e-2 (torch's weight decay 0.01), gradient clipping 1
 

@@ -8,14 +8,15 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from deepspeed_ext.checkpoint.families import get_family
 from deepspeed_ext.checkpoint.maxtext import ModelDims, plan_leaves, write_maxtext
 
-jax = pytest.importorskip("jax")
-ocp = pytest.importorskip("orbax.checkpoint")
+from harness.environments import require
+
+jax = require("jax", "the [maxtext] extra")
+ocp = require("orbax.checkpoint", "the [maxtext] extra")
 
 from harness.maxtext import (MESH_SHAPE, TOKENS, hf_model, max_kl, maxtext_logits, restore_on_mesh,  # noqa: E402
                              torch_adam_state)
@@ -65,7 +66,7 @@ def test_a_bf16_export_reads_the_module_weights_to_the_bits_of_the_masters_cast_
     from deepspeed_ext.checkpoint import commit
     from deepspeed_ext.checkpoint.deepspeed.reader import DeepSpeedCheckpoint
     from deepspeed_ext.checkpoint.formats import open_checkpoint
-    from deepspeed_ext.checkpoint.maxtext.writer import MaxTextOptions, write
+    from deepspeed_ext.checkpoint.maxtext import MaxTextOptions, write
     from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS
     from deepspeed_ext.demo.models import build_model
     from harness.runner import cli

@@ -4,6 +4,7 @@ between sources and writers (SourceInfo, the format registry, the options classe
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -130,11 +131,36 @@ def test_the_registry_names_every_format_once(hf, tmp_path):
         deepspeed_ext.open_checkpoint(path, format="deepspeed")
 
 
-def test_the_documented_example_runs():
-    """docs/python-api.md's runnable example, as written there."""
+def test_the_documented_example_prints_and_writes_what_the_page_says(tmp_path, monkeypatch, capsys):
+    """docs/python-api.md's runnable example, as written there, does what the page says: it prints the source's
+    info (an HF model at TP=1, step 0, every parameter, fp32 only), then one verify summary per checkpoint it wrote
+    (OK, every parameter checked, no problem), and ``universal`` and ``items`` are where the page says they are.
+    Its output is checked, not only that it runs: an example whose output went wrong would still run."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "python-api.md").read_text()
     example = text.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(example, "docs/python-api.md", "exec"), {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its tempfile.mkdtemp() in tmp_path, removed after
+    # The page: DS_ACCELERATOR=cpu silences DeepSpeed's "Setting accelerator to CPU" line, which DeepSpeed prints
+    # where transformers (the example's build_model) imports it first in this process.
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    namespace: dict = {}
+    exec(compile(example, "docs/python-api.md", "exec"), namespace)
+    work = namespace["work"]
+    assert work.parent == tmp_path
+    with safe_open(work / "hf" / "model.safetensors", "pt") as saved:
+        parameters = len(list(saved.keys()))
+    assert parameters > 0
+    # "`universal` is `work/uni/global_step0_universal`; `engine.load_checkpoint(work / "uni")` resumes from it"
+    assert namespace["universal"] == work / "uni" / "global_step0_universal"
+    assert (work / "uni" / "latest_universal").read_text().strip() == "global_step0_universal"
+    assert namespace["items"] == work / "maxtext" / "0" / "items"  # "`items` is `work/maxtext/0/items`"
+    assert namespace["back"] == work / "hf_again"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"huggingface 1 0 {parameters} parameters, states: ('fp32',)", printed
+    # a report's lines(): its problems (none), then the summary line
+    assert len(printed) == 4, printed
+    for line, written in zip(printed[1:], (namespace["universal"], work / "maxtext", work / "hf_again"), strict=True):
+        assert line.startswith(f"{written}: OK: ") and f" {parameters} tensors " in line, line
+        assert line.endswith(" 0 problem(s)"), line
 
 
 def test_the_family_registry_holds_everything_about_each_family():

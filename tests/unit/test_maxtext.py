@@ -18,8 +18,10 @@ import torch
 from deepspeed_ext.checkpoint.families import family_names, get_family
 from deepspeed_ext.checkpoint.maxtext import ModelDims, plan_leaves, write_maxtext
 
-jax = pytest.importorskip("jax")
-ocp = pytest.importorskip("orbax.checkpoint")
+from harness.environments import require
+
+jax = require("jax", "the [maxtext] extra")
+ocp = require("orbax.checkpoint", "the [maxtext] extra")
 from harness.maxtext import (MESH_SHAPE, TOKENS, convert, hf_model, reference_config,  # noqa: E402
                              restore_on_mesh, sized_config, torch_adam_state)
 from harness.maxtext_reference import forward  # noqa: E402
@@ -520,7 +522,7 @@ def test_stored_blocks_copied_by_torch_have_numpys_bits(dtype):
     (the module's weights) are moved bit for bit."""
     import ml_dtypes
 
-    from deepspeed_ext.checkpoint.maxtext.writer import _contiguous_as
+    from deepspeed_ext.checkpoint.maxtext.leaves import _contiguous_as
 
     target = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(np.float32)
     rng = np.random.default_rng(7)
@@ -545,7 +547,7 @@ def test_stored_blocks_copied_by_torch_have_numpys_bits(dtype):
 def test_coalesced_views_keep_their_elements_in_order():
     """A per-head view of a transposed matrix is the 2-D transpose it is (torch copies that in tiles, the 3-D view
     element by element); any view keeps its elements and their order, size-1 axes dropped."""
-    from deepspeed_ext.checkpoint.maxtext.writer import _coalesced
+    from deepspeed_ext.checkpoint.maxtext.leaves import _coalesced
 
     matrix = np.arange(96 * 70, dtype=np.float32).reshape(96, 70)
     per_head = matrix.T.reshape(70, 6, 16)
@@ -565,7 +567,7 @@ def test_slabs_are_produced_in_order_and_left_cleanly():
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from deepspeed_ext.checkpoint.maxtext.writer import PRODUCERS, _in_order
+    from deepspeed_ext.checkpoint.maxtext.leaves import PRODUCERS, _in_order
 
     running, peak, lock = [0], [0], threading.Lock()
 
@@ -698,7 +700,7 @@ def test_bf16_leaves_from_the_module_weights_are_the_masters_cast_bit_for_bit(tm
     weights: a block where they do not is refused."""
     import math
 
-    from deepspeed_ext.checkpoint.maxtext.writer import ModuleWeights
+    from deepspeed_ext.checkpoint.maxtext.writer_options import ModuleWeights
     from deepspeed_ext.checkpoint.states import MODULE_WEIGHTS
     from deepspeed_ext.errors import CheckpointError
 
@@ -840,7 +842,7 @@ def test_a_lazy_leaf_of_slabs_writes_each_slab_in_order():
 def test_below_finds_nonzero_weights_under_a_power_of_two_from_their_bits():
     """``_below``: whether any nonzero bf16 element is smaller in magnitude than the limit, either sign, zeros
     and -0.0 never, NaN and Inf never; the same answer as comparing the values themselves."""
-    from deepspeed_ext.checkpoint.maxtext.writer import _below
+    from deepspeed_ext.checkpoint.maxtext.leaves import _below
 
     generator = torch.Generator().manual_seed(0)
     for trial in range(600):

@@ -127,9 +127,9 @@ def test_ranges_read_only_the_rows_that_hold_them(fp8_llama, mxfp4_gpt_oss):
 
         source._read_stored = counting
         for tensor in source.tensors():
-            if source._quantized.get(source._stored_name(tensor.name)) is None:
+            if source.quantized_tensors.get(source._stored_name(tensor.name)) is None:
                 continue
-            whole = source._read(tensor.name).reshape(-1)
+            whole = source.read_stored_tensor(tensor.name).reshape(-1)
             row = tensor.shape[-1]
             numel = whole.numel()
             for low, high in ((0, numel), (row + 5, numel // 3 + 1), (numel - row - 3, numel)):

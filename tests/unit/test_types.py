@@ -1,4 +1,4 @@
-"""deepspeed_ext/checkpoint/ type-checks under ``mypy --strict`` (configured in mypy.ini).
+"""The whole package type-checks under ``mypy --strict`` (configured in mypy.ini).
 
 Among what it catches: a reader that does not implement :class:`CheckpointSource` (every format's ``open_source``
 is annotated with it), as when the CLI called a ``summary`` one reader lacked.
@@ -19,12 +19,12 @@ CONFIG = ROOT / "mypy.ini"
 CACHE = ROOT / ".mypy_cache"
 
 
-def test_checkpoint_package_is_strictly_typed():
+def test_the_package_is_strictly_typed():
     # mypy raises the recursion limit and retunes the garbage collector for its own run: put them back.
     recursion_limit, gc_threshold = sys.getrecursionlimit(), gc.get_threshold()
     try:
         stdout, stderr, status = api.run(["--config-file", str(CONFIG), "--cache-dir", str(CACHE),
-                                          str(ROOT / "deepspeed_ext" / "checkpoint")])
+                                          str(ROOT / "deepspeed_ext")])
     finally:
         sys.setrecursionlimit(recursion_limit)
         gc.set_threshold(*gc_threshold)

@@ -14,8 +14,10 @@ from deepspeed_ext.checkpoint.manifest import file_checksum
 from deepspeed_ext.checkpoint.zarr3_shards import ChunkFiles
 from deepspeed_ext.errors import CheckpointError
 
-ts = pytest.importorskip("tensorstore")
-ml_dtypes = pytest.importorskip("ml_dtypes")
+from harness.environments import require
+
+ts = require("tensorstore", "the [maxtext] extra")
+ml_dtypes = require("ml_dtypes", "the [maxtext] extra")
 
 
 def orbax_metadata(shape, chunk, zstd=False):

@@ -30,13 +30,13 @@ from deepspeed_ext.checkpoint.deepspeed.keys import MODEL_STATES_RE, OPTIM_STATE
 
 if TYPE_CHECKING:
     from deepspeed_ext.checkpoint.deepspeed.files import resolve_tag_dir
-    from deepspeed_ext.checkpoint.deepspeed.reader import (HOW_TO_GET_METADATA, DeepSpeedCheckpoint, check_files,
-                                                            open_source)
+    from deepspeed_ext.checkpoint.deepspeed.reader import DeepSpeedCheckpoint, check_files, open_source
+    from deepspeed_ext.checkpoint.deepspeed.tag import HOW_TO_GET_METADATA
 
 __all__ = ["DeepSpeedCheckpoint", "HOW_TO_GET_METADATA", "MODEL_STATES_RE", "OPTIM_STATES_RE", "ZERO3_MODEL_STATES_RE",
            "check_files", "open_source", "resolve_tag_dir"]
 
-_LAZY = {"resolve_tag_dir": "files", "HOW_TO_GET_METADATA": "reader", "DeepSpeedCheckpoint": "reader",
+_LAZY = {"resolve_tag_dir": "files", "HOW_TO_GET_METADATA": "tag", "DeepSpeedCheckpoint": "reader",
          "open_source": "reader", "check_files": "reader"}
 
 

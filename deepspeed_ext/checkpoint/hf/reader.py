@@ -108,11 +108,11 @@ class HFCheckpoint:
         found = ({} if self.quantization is None else quantization.pair_tensors(
             self.quantization, self._raw_headers, lambda name: str(self._stored_file[name])))
         #: Quantized tensors by the stored name of their packed data.
-        self._quantized: dict[str, quantization.QuantizedTensor] = {t.data: t for t in found.values()}
+        self.quantized_tensors: dict[str, quantization.QuantizedTensor] = {t.data: t for t in found.values()}
         scales = {t.scales for t in found.values()}
         # Logical name (dequantized, text-model naming) -> stored name of the tensor or of its packed data.
         stored = {name: name for name in self._stored_file
-                  if name not in scales and name not in self._quantized
+                  if name not in scales and name not in self.quantized_tensors
                   and not (found and name.endswith(quantization.ACTIVATION_SCALE_SUFFIXES))}
         stored.update((tensor.name, tensor.data) for tensor in found.values())
         #: Tensors that are not the model's: logical name -> stored name.
@@ -222,11 +222,11 @@ class HFCheckpoint:
         return headers
 
     @cached_property
-    def _headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    def stored_headers(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """(shape, dtype code) of every tensor of the model as read: a quantized one dequantized."""
         headers = {}
         for name, stored in {**self._stored, **self.set_aside}.items():
-            tensor = self._quantized.get(stored)
+            tensor = self.quantized_tensors.get(stored)
             if tensor is not None:
                 headers[name] = (tensor.shape, safetensors_dtype_code(tensor.dtype))
             else:
@@ -253,10 +253,10 @@ class HFCheckpoint:
         """The stored tensor (or packed data) a logical name reads."""
         return self._stored[name] if name in self._stored else self.set_aside[name]
 
-    def _read(self, name: str) -> torch.Tensor:
+    def read_stored_tensor(self, name: str) -> torch.Tensor:
         """A whole tensor by its logical name (dequantized where the files hold it quantized)."""
         from deepspeed_ext.checkpoint.quantization import dequantize_rows
-        tensor = self._quantized.get(self._stored_name(name))
+        tensor = self.quantized_tensors.get(self._stored_name(name))
         if tensor is None:
             return self._read_stored(self._stored_name(name))
         return dequantize_rows(tensor, self._read_stored, 0, tensor.rows, tensor.dtype).reshape(tensor.shape)
@@ -267,9 +267,9 @@ class HFCheckpoint:
         shapes = {}
         for param, pieces in self._pieces.items():
             if pieces is None or RENAMED in pieces:
-                shapes[param] = self._headers[param if pieces is None else pieces[RENAMED]][0]
+                shapes[param] = self.stored_headers[param if pieces is None else pieces[RENAMED]][0]
                 continue
-            piece_shapes = {self._headers[name][0] for name in pieces.values()}
+            piece_shapes = {self.stored_headers[name][0] for name in pieces.values()}
             if len(piece_shapes) != 1:
                 raise CheckpointError(f"{self.path}: the expert tensors of {param} differ in shape: "
                                       f"{sorted(piece_shapes)}")
@@ -281,19 +281,19 @@ class HFCheckpoint:
 
     def file_dtype(self, param: str) -> torch.dtype:
         pieces = self._pieces[param]
-        return torch_dtype(self._headers[param if pieces is None else next(iter(pieces.values()))][1])
+        return torch_dtype(self.stored_headers[param if pieces is None else next(iter(pieces.values()))][1])
 
     def load(self, param: str) -> torch.Tensor:
         """The full parameter in its file dtype (or the ``dtype`` asked for)."""
         pieces = self._pieces[param]
         if pieces is None or RENAMED in pieces:
-            tensor = self._read(param if pieces is None else pieces[RENAMED])
+            tensor = self.read_stored_tensor(param if pieces is None else pieces[RENAMED])
         else:
             tensor = torch.empty(self.shapes[param], dtype=self.file_dtype(param))
             count = len(pieces) // tensor.shape[0]
             rows = tensor.shape[1] // count
             for (expert, piece), name in pieces.items():
-                tensor[expert].narrow(0, piece * rows, rows).copy_(self._read(name))
+                tensor[expert].narrow(0, piece * rows, rows).copy_(self.read_stored_tensor(name))
         return tensor.to(output_dtype(self.dtype_choice, tensor.dtype))
 
     @cached_property
@@ -331,7 +331,7 @@ class HFCheckpoint:
 
     def tensors(self) -> Iterator[LogicalTensor]:
         if self._tied_head:
-            head, embedding = self._read(TIED_PAIR[0]), self.load(TIED_PAIR[1])
+            head, embedding = self.read_stored_tensor(TIED_PAIR[0]), self.load(TIED_PAIR[1])
             if not torch.equal(head.to(embedding.dtype), embedding):
                 raise CheckpointError(f"{self._file_of[TIED_PAIR[0]]}: the config ties {TIED_PAIR[0]} to "
                                       f"{TIED_PAIR[1]}, but the files hold different values")
@@ -354,7 +354,7 @@ class HFCheckpoint:
             return None
         name, shape = (param if pieces is None else pieces[RENAMED]), self.shapes[param]
         stored = self._stored_name(name)
-        quantized = self._quantized.get(stored)
+        quantized = self.quantized_tensors.get(stored)
         dtype = output_dtype(self.dtype_choice, self.file_dtype(param))
         row = shape[-1] if quantized is not None else math.prod(shape[1:])
 
@@ -379,7 +379,7 @@ class HFCheckpoint:
                 "files": len(set(self._file_of.values())),
                 "tensor_dtypes": sorted({str(self.file_dtype(n)).replace("torch.", "") for n in self.shapes}),
                 "num_parameters": sum(int(torch.Size(s).numel()) for s in self.shapes.values()),
-                **({"quantization": f"{self.quantization.describe()}: {len(self._quantized)} tensors, "
+                **({"quantization": f"{self.quantization.describe()}: {len(self.quantized_tensors)} tensors, "
                     "dequantized on read"} if self.quantization is not None else {}),
                 **({"set_aside": self.notes} if self.set_aside else {})}
 

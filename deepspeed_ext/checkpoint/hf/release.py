@@ -51,7 +51,7 @@ def like_layout(like: HFCheckpoint, params: list[LogicalTensor],
                                         entry.expert, entry.piece, entry.pieces)
     extra_tensors = []
     for name in like.set_aside:
-        shape, code = like._headers[name]
+        shape, code = like.stored_headers[name]
         tensor_dtype = output_dtype(dtype, torch_dtype(code))
         extra_tensors.append(LogicalTensor(name=name, shape=shape, layout=TPLayout.replicated(shape, 1),
                                            states=(MASTER_WEIGHTS, ), loader=_set_aside_loader(like, name),
@@ -61,4 +61,4 @@ def like_layout(like: HFCheckpoint, params: list[LogicalTensor],
 
 
 def _set_aside_loader(like: HFCheckpoint, name: str) -> Callable[[str], torch.Tensor]:
-    return lambda state: like._read(name)
+    return lambda state: like.read_stored_tensor(name)

@@ -85,7 +85,7 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
         if options.quantize is not None:
             # The release's own tensors the model lacks (its MTP layer) are written quantized where it had them so.
             stored_quantized = set() if like is None else {
-                name for name, stored in like.set_aside.items() if stored in like._quantized}
+                name for name, stored in like.set_aside.items() if stored in like.quantized_tensors}
             quantized = quantize_plan(options, model_config, pieces, {t.name: tuple(t.shape) for t in params},
                                       label, fit, stored_quantized)
         plan = {entry.name: entry for entries in pieces.values() for piece in entries

@@ -10,7 +10,8 @@ The modules, each standing only on those before it:
 - :mod:`.sharding`: MaxText's logical axes and mesh rules, the storage chunk of a leaf on a mesh, ``--mesh``;
 - :mod:`.settings`: the MaxText settings that build the model of a checkpoint;
 - :mod:`.orbax_io`: lazy leaves, the save as MaxText writes it, one leaf read back;
-- :mod:`.writer`: :func:`write` / :func:`write_maxtext` (to-maxtext);
+- :mod:`.writer`: :func:`write` / :func:`write_maxtext` (to-maxtext), with :mod:`.writer_options` (their options)
+  and :mod:`.leaves` (the lazy leaves Orbax materialises, block by block);
 - :mod:`.reader`: :func:`open_source` / :class:`MaxTextCheckpoint` (from-maxtext);
 - :mod:`.reshard`: :func:`reshard_orbax`.
 
@@ -32,7 +33,8 @@ from deepspeed_ext.checkpoint.maxtext.sharding import (LOGICAL_AXES, MESH_AXES, 
                                                        partition_spec, shard_shape, storage_chunk)
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, STATES, TRANSFORMS, ModelDims, RowBlocks,
                                                          Transform, from_maxtext, join_parts, row_blocks, to_maxtext)
-from deepspeed_ext.checkpoint.maxtext.writer import DTYPES, MaxTextOptions, WriterOptions, write, write_maxtext
+from deepspeed_ext.checkpoint.maxtext.writer import write, write_maxtext
+from deepspeed_ext.checkpoint.maxtext.writer_options import DTYPES, MaxTextOptions, WriterOptions
 
 __all__ = [
     # names
