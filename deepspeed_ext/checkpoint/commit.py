@@ -208,7 +208,7 @@ def newest_complete_hint(save_dir: Path) -> str:
     """``"; the newest complete tag is X ('latest')"`` where ``save_dir`` has one, else ``""``."""
     latest = Path(save_dir) / keys.LATEST
     try:
-        tag = latest.read_text().strip()
+        tag = durable.read_pointer(latest)
     except OSError:
         return ""
     if tag and (Path(save_dir) / tag).is_dir() and tag_status(Path(save_dir) / tag).complete:
@@ -227,6 +227,23 @@ def unfinished_save_message(save_dir: Path, tag: str | None = None) -> str | Non
     return (f"{save_dir}: the save of {names} did not finish (killed mid-save?): its partial files are in "
             f"{', '.join(str(path) for _, path in sorted(unfinished.items()))}, and it was never committed"
             + newest_complete_hint(save_dir))
+
+
+def require_listed_file_intact(tag_dir: Path, name: str) -> None:
+    """Where ``tag_dir``'s commit marker lists the small file ``name`` (our metadata), refuse it in one line when
+    its bytes are not those the marker records: read before anything it says is believed, so a damaged record is
+    named as the cause rather than what it then seems to lack."""
+    from deepspeed_ext.checkpoint.zipcheck import file_crc32
+    marker = read_marker(tag_dir)
+    record = marker.files.get(name) if marker is not None else None
+    path = tag_dir / name
+    if record is None or not path.is_file():
+        return
+    size, value = file_crc32(path)
+    crc = f"{value:08x}"
+    if size != record.size or crc != record.crc32:
+        raise CheckpointError(f"{path}: contents differ from {COMMIT_FILE} ({size} bytes, CRC-32 {crc}; "
+                              f"recorded {record.size} bytes, {record.crc32}); the file is damaged")
 
 
 def check_contents(tag_dir: str | os.PathLike[str], status: TagStatus | None = None,

@@ -122,3 +122,16 @@ def exchange(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
         return False
     raise OSError(code, os.strerror(code), os.fspath(a), None, os.fspath(b))
+
+
+def read_pointer(path: Path) -> str:
+    """The name a pointer file (``latest``, ``latest_universal``) holds; one line naming the file where it is not
+    a name (not UTF-8 text, or empty)."""
+    from deepspeed_ext.errors import CheckpointError
+    try:
+        name = path.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a tag name (not UTF-8 text); the file is damaged") from None
+    if not name:
+        raise CheckpointError(f"{path}: empty; it should name a tag")
+    return name

@@ -81,15 +81,25 @@ class Fingerprint:
         if self.numel != other.numel:
             return False
         if not all(math.isfinite(v) for v in (self.total, self.total_sq, other.total, other.total_sq)):
-            return (self.total, self.total_sq) == (other.total, other.total_sq) or _same_nan(self, other)
+            return _same_non_finite(self, other, rounding)
         scale_sq = max(self.total_sq, other.total_sq)
         scale_abs = math.sqrt(self.numel * scale_sq)  # >= the sum of absolute values (Cauchy-Schwarz)
         return (abs(self.total - other.total) <= (SUMMATION_RTOL + 2 * rounding) * scale_abs
                 and abs(self.total_sq - other.total_sq) <= (SUMMATION_RTOL + 4 * rounding) * scale_sq)
 
 
-def _same_nan(a: Fingerprint, b: Fingerprint) -> bool:
-    return all(math.isnan(x) == math.isnan(y) for x, y in ((a.total, b.total), (a.total_sq, b.total_sq)))
+def _same_non_finite(a: Fingerprint, b: Fingerprint, rounding: float) -> bool:
+    """Fingerprints of which one sum is NaN or infinite agree where each non-finite sum is the same on both sides
+    (NaN with NaN, +Inf with +Inf) and a sum finite on both sides agrees up to rounding. An infinite sum never
+    matches a finite one: a value that became Inf is a difference, not a rounding."""
+    for x, y, tolerance in ((a.total, b.total, SUMMATION_RTOL + 2 * rounding),
+                            (a.total_sq, b.total_sq, SUMMATION_RTOL + 4 * rounding)):
+        if math.isfinite(x) and math.isfinite(y):
+            if abs(x - y) > tolerance * max(abs(x), abs(y)) * math.sqrt(max(a.numel, 1)):
+                return False
+        elif not (x == y or (math.isnan(x) and math.isnan(y))):
+            return False
+    return True
 
 
 #: Elements per float32 run of squares (divides ROW_ELEMENTS).

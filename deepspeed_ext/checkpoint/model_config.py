@@ -65,8 +65,10 @@ def hf_config(model_config: Mapping[str, Any], dtype: torch.dtype | None, source
     try:
         config = AutoConfig.for_model(model_type, **values)
     except Exception as exc:  # whatever transformers raises on a value it cannot take (a dtype it does not know)
+        # transformers' validation errors run over several lines (the validator, then the cause): one line here.
+        reason = " ".join(str(exc).split()) or type(exc).__name__
         raise CheckpointError(f"{source}: the model config is not one transformers knows "
-                              f"(model_type {model_type!r}): {exc}") from exc
+                              f"(model_type {model_type!r}): {reason}") from exc
     if not config.architectures:
         architecture = causal_lm_class(model_type)
         config.architectures = [architecture] if architecture else None

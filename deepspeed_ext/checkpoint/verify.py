@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepspeed_ext.checkpoint.formats import FORMATS, checkpoint_path, detect, open_checkpoint
+from deepspeed_ext.checkpoint.formats import FORMATS, Format, checkpoint_path, detect, open_checkpoint
 from deepspeed_ext.errors import CheckpointError, DamagedFilesError, MissingConfigError
 
 
@@ -68,9 +68,14 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
     path = checkpoint_path(path)  # a Trainer output_dir: its newest checkpoint-N
     try:
         source = open_checkpoint(path, config=config, family=family, mtp="drop")  # an MTP layer is not checked
-    except MissingConfigError:
-        raise
     except CheckpointError as exc:
+        # What does not open may not open because a file is damaged: where the format's files are checked by our
+        # manifest (which needs no reader), that check names the file, and comes first.
+        damaged = _manifest_problems(fmt, Path(path))
+        if damaged:
+            return VerifyReport(Path(path), "", problems=[*damaged, f"{exc} (it does not open)"], opened=False)
+        if isinstance(exc, MissingConfigError):
+            raise
         return VerifyReport(Path(path), "", problems=[str(exc)], opened=False)
     # The files, checked the format's way (its hook); the report names the directory that check covers (a
     # MaxText output's root, where its manifest is).
@@ -110,3 +115,14 @@ def verify(path: str | Path, *, config: str | Path | None = None, family: str | 
     if mismatch:
         report.problems.append(f"{root}: {mismatch}")
     return report
+
+
+def _manifest_problems(fmt: Format, path: Path) -> list[str]:
+    """The problems the manifest of a checkpoint at ``path`` finds (none where the format checks its files its own
+    way, which needs the source open, or where there is no manifest to check)."""
+    from deepspeed_ext.checkpoint.manifest import MANIFEST_FILE, manifest_files_checked
+    if fmt.files_check is not None:
+        return []
+    roots = [path, *([fmt.files_root(path)] if fmt.files_root is not None else [])]  # given the root, or inside it
+    root = next((candidate for candidate in roots if (candidate / MANIFEST_FILE).is_file()), None)
+    return [] if root is None else list(manifest_files_checked(root).problems)

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from deepspeed_ext.checkpoint import engine_private
+from deepspeed_ext.checkpoint import durable, engine_private
 from deepspeed_ext.runtime.background_save import settle_background_save
 from deepspeed_ext.runtime.fingerprints import check_resume_fingerprints
 
@@ -76,7 +76,7 @@ def refuse_incomplete(load_dir: str | os.PathLike[str], tag: Any = None) -> None
             if message is not None:
                 raise CheckpointError(message)
             return
-        tag = latest.read_text().strip()
+        tag = durable.read_pointer(latest)
     tag_dir = path / str(tag)
     if not tag_dir.is_dir():
         message = commit.unfinished_save_message(path, str(tag))

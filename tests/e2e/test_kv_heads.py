@@ -53,6 +53,7 @@ RESUMES = [
     ("kv2_qwen3_tp3", 2, 3, False),
     ("kv2_llama_tp2_zero3", 3, 1, True),  # a ZeRO-3 source into ZeRO-1 ranks with empty shards
     ("kv2_llama_tp3_zero0", 4, None, False),  # without ZeRO on both sides
+    ("kv2_llama_tp4", 3, None, True),  # 3 layers, head_dim 8 at TP=4 (two empty ranks) -> TP=3 (one)
 ]
 
 

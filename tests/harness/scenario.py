@@ -233,15 +233,38 @@ def shared_scenario(name: str, root: Path, cache: Path, convert: bool = True, **
         return scenario
 
 
+def geometry(family: str, *, layers: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """The family's tiny training config (an HF config's values, for ``Scenario.model_config``) with another
+    geometry: ``layers`` decoder layers, ``heads`` query heads of ``head_dim`` (the hidden size follows), and
+    ``kv_heads`` KV heads. The default tiny geometry has 2 layers at TP=2 and head_dim 4 == 4 KV heads, so a
+    swapped stack axis and head axis, or a layer index taken for a TP rank, would pass there unnoticed."""
+    from deepspeed_ext.demo.models import tiny_config
+    values = tiny_config(family, kv_heads).to_dict()
+    values.update(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=head_dim, hidden_size=heads * head_dim)
+    for key in ("transformers_version", "dtype", "torch_dtype", "architectures", "layer_types", "id2label", "label2id"):
+        values.pop(key, None)
+    return values
+
+
+#: Geometries where no two of layers, KV heads, head_dim and the TP degree trained at are equal (and head_dim a
+#: power of 4, so MaxText's pre-scaled query kernel round-trips exactly): 5 layers, 2 KV heads, head_dim 16 at
+#: TP=3; 3 layers, 2 KV heads, head_dim 8 at TP=4. Fewer KV heads than TP ranks in both.
+GEOMETRY_TP3 = dict(layers=5, heads=4, kv_heads=2, head_dim=16)
+GEOMETRY_TP4 = dict(layers=3, heads=8, kv_heads=2, head_dim=8)
+
 #: Tiny models with 2 KV heads: at TP=3 and TP=4 the ranks beyond the head count hold empty attention shards.
-#: Shared by the test files that use them (the run trains each once: ``shared_scenario``).
+#: Shared by the test files that use them (the run trains each once: ``shared_scenario``). The TP=3 and TP=4 ones
+#: also have geometries of their own (above).
 KV2_SCENARIOS = {
     "kv2_llama_tp2": dict(tp=2, kv_heads=2),
-    "kv2_llama_tp3": dict(tp=3, kv_heads=2),
+    "kv2_llama_tp3": dict(tp=3, kv_heads=2, model_config=geometry("llama", **GEOMETRY_TP3)),
+    "kv2_llama_tp4": dict(tp=4, kv_heads=2, model_config=geometry("llama", **GEOMETRY_TP4)),
     "kv2_qwen3_tp2": dict(tp=2, kv_heads=2, family="qwen3"),
-    "kv2_qwen3_tp3": dict(tp=3, kv_heads=2, family="qwen3"),
+    "kv2_qwen3_tp3": dict(tp=3, kv_heads=2, family="qwen3", model_config=geometry("qwen3", **GEOMETRY_TP3)),
     "kv2_llama_tp2_zero3": dict(tp=2, kv_heads=2, zero=3),
-    "kv2_llama_tp3_zero0": dict(tp=3, kv_heads=2, zero=0),  # no ZeRO: FP16_UnfusedOptimizer, per-rank order
+    # no ZeRO: FP16_UnfusedOptimizer, per-rank order
+    "kv2_llama_tp3_zero0": dict(tp=3, kv_heads=2, zero=0, model_config=geometry("llama", **GEOMETRY_TP3)),
 }
 
 

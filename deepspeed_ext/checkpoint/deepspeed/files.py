@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepspeed_ext.checkpoint import durable
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.errors import CheckpointError
 
@@ -38,7 +39,7 @@ def find_tag_dir(path: str | Path, tag: str | None = None, latest_file: str = ke
         return path
     latest = path / latest_file
     if latest.is_file():
-        tag = latest.read_text().strip()
+        tag = durable.read_pointer(latest)
         tag_dir = path / tag
         if not tag_dir.is_dir():
             raise CheckpointError(f"{latest}: names tag {tag!r}, but {tag_dir} does not exist")

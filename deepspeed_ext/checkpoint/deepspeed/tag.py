@@ -331,6 +331,9 @@ class DeepSpeedTag:
 
     @cached_property
     def uc_info(self) -> UCInfo | None:
+        from deepspeed_ext.checkpoint import commit
+        from deepspeed_ext.checkpoint.metadata import METADATA_FILE
+        commit.require_listed_file_intact(self.tag_dir, METADATA_FILE)
         return read_uc_info(self.tag_dir)
 
     @cached_property

@@ -332,7 +332,14 @@ class UniversalCheckpoint:
             if recorded is not None and name in recorded.tensors else []  # no file holds the module's own copy
         if any(state in states for state in ADAM_STATES):
             expected += ADAM_STATES
+            if self._step_files:  # Adam keeps a step; where the parameters' files hold it, each has its own
+                expected.append(STEP)
         return tuple(dict.fromkeys(expected))
+
+    @cached_property
+    def _step_files(self) -> bool:
+        """Whether the parameters keep their step in files of their own (``step.pt``; not upstream's ZeRO-3 form)."""
+        return any(STEP in self._state_files(name) for name in self.names)
 
     def tensors(self) -> Iterator[LogicalTensor]:
         any_optimizer = self.has_optimizer_states

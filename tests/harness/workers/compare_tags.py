@@ -1,6 +1,7 @@
 """torchrun worker: build an AutoTP engine and compare our layouts with DeepSpeed's own tags.
 
-Writes JSON (rank 0): per parameter, whether our layout, the layout read from DeepSpeed's
+Writes JSON (rank 0), one file per family (``--family`` several times: one engine after the other in this process,
+as the pooled training workers build theirs, so a TP degree's torchrun starts once): per parameter, whether our layout, the layout read from DeepSpeed's
 ``ds_autotp_universal_checkpoint_meta``, and our layout computed from the shard-size rule alone
 (ignoring the sizes the layers froze) cut identical slices for every TP rank.
 """
@@ -21,21 +22,28 @@ def same_slices(a, b) -> bool:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--family", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--family", action="append", required=True)
+    p.add_argument("--out", required=True, help="a directory: <family>.json each")
     args = p.parse_args()
+    for family in args.family:
+        compare(family, os.path.join(args.out, f"{family}.json"))
+    from deepspeed_ext.demo.models import finish_distributed
+    finish_distributed()
+
+
+def compare(family: str, out: str) -> None:
     import deepspeed.comm as dist
 
     import deepspeed_ext
-    from deepspeed_ext.demo.models import build_model, ds_config, finish_distributed
+    from deepspeed_ext.demo.models import build_model, ds_config
     from deepspeed_ext.module_inject import (LAYOUT_ATTR, layouts_from_universal_checkpoint_info, tag_autotp_model,
                                             upstream_layouts)
 
     tp = int(os.environ["WORLD_SIZE"])
-    model = build_model(args.family)
+    model = build_model(family)
     engine, *_ = deepspeed_ext.initialize(model=model,
                                           model_parameters=model.parameters(),
-                                          config=ds_config(tp=tp, family=args.family))
+                                          config=ds_config(tp=tp, family=family))
     ours = engine.deepspeed_ext_uc_info.layouts
     theirs = upstream_layouts(engine.module)
     by_rule = tag_autotp_model(engine.module, use_layer_sizes=False)
@@ -59,9 +67,9 @@ def main():
             "same_as_uc_info": same_slices(layout, from_info[name]),
         }
     if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(result, f, indent=1)
-    finish_distributed()
+    dist.barrier()
 
 
 if __name__ == "__main__":
