@@ -242,7 +242,9 @@ def test_replicas_that_drifted_apart_are_refused(tp2, tmp_path):
 
 def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
     """An Inf in one Adam moment of one ZeRO partition: to-universal --check-finite names the parameter and the
-    state in one line and publishes nothing; a run without the check converts."""
+    state in one line and publishes nothing. Without the check, a moment that turned Inf after the save is still
+    refused, by the fingerprints the save recorded (finite); one that was Inf when saved (a run that diverged: no
+    record of other values) converts."""
     save_dir = _copy_with_edited_moment(tp2, tmp_path / "diverged", "model.layers.1.self_attn.q_proj.weight",
                                         "exp_avg_sq", lambda moment, start: moment.__setitem__(start + 5, float("inf")))
     proc = cli(["to-universal", str(save_dir), "--check-finite", "--quiet"], tmp_path / "diverged.log", check=False)
@@ -250,7 +252,13 @@ def test_check_finite_names_a_diverged_moment(tp2, tmp_path):
     assert ("NaN/Inf in 1 parameter(s): model.layers.1.self_attn.q_proj.weight (exp_avg_sq); nothing was written"
             in proc.stderr)
     assert not list(save_dir.glob("*_universal*")) and not (save_dir / "latest_universal").exists()
-    cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "unchecked.log")
+    proc = cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "unchecked.log", check=False)
+    assert proc.returncode == 2 and "recorded fingerprints disagree" in proc.stderr, proc.stderr
+    assert "'model.layers.1.self_attn.q_proj.weight' exp_avg_sq" in proc.stderr and "sum=inf" in proc.stderr
+    info = save_dir / tp2.tag_dir.name / "deepspeed_ext.json"  # as a diverged run saved it: no finite record
+    info.write_text(json.dumps({key: value for key, value in json.loads(info.read_text()).items()
+                                if key != "fingerprints"}))
+    cli(["to-universal", str(save_dir), "--quiet"], tmp_path / "diverged_saved.log")
 
 
 def _zero_inside_record(path, state: str, length: int = 64 * 1024) -> str:
