@@ -11,7 +11,8 @@ import ast
 import fnmatch
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "deepspeed_ext"
+from harness.package import package_modules
+
 
 #: Bottom to top; a module may import from its own layer and the layers below. Names are relative to the
 #: package ("" is the package itself); a pattern ending in ``.*`` covers a package's modules.
@@ -38,16 +39,6 @@ LAYERS: list[tuple[str, list[str]]] = [
 UPWARD_ALLOWED: dict[tuple[str, str], str] = {}
 #: The only modules that read a live DeepSpeed engine's internals (docs/architecture.md).
 ENGINE_FENCE = "checkpoint.engine_private"
-
-
-def _modules() -> dict[str, Path]:
-    found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
-    return found
 
 
 def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
@@ -82,7 +73,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    known = _modules()
+    known = package_modules()
     return {name: _imports(name, path, known) for name, path in known.items()}
 
 
@@ -152,7 +143,7 @@ def test_only_the_fence_reads_live_engine_internals():
                  "fp32_partitioned_groups_flat", "_get_fp32_opt_state_partition", "safe_set_local_",
                  "get_tensor_model_parallel_", "checkpoint_engine")
     offenders = []
-    for name, path in _modules().items():
+    for name, path in package_modules().items():
         if name == ENGINE_FENCE or name.startswith(ENGINE_FENCE + ".") or name == "checkpoint.deepspeed.keys":  # keys: the saved files' key names, which
             continue  # DeepSpeed spells like the attributes it saves them from
         text = path.read_text()
@@ -165,6 +156,6 @@ MAX_MODULE_LINES = 600
 
 
 def test_no_module_is_over_the_limit():
-    long = {name or "deepspeed_ext": n for name, path in _modules().items()
+    long = {name or "deepspeed_ext": n for name, path in package_modules().items()
             if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"

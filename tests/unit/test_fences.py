@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import ast
 import fnmatch
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "deepspeed_ext"
+from harness.package import PACKAGE, package_modules
+
 
 #: One fence per library: the only modules that touch its internals, each with an up-front check of them.
 FENCES: dict[str, list[str]] = {
@@ -49,16 +49,6 @@ PUBLIC_IMPORTS = {
 }
 LIBRARIES = ("deepspeed", "torch", "transformers", "accelerate", "orbax", "safetensors", "huggingface_hub", "jax",
              "tensorstore", "peft")
-
-
-def _modules() -> dict[str, Path]:
-    found = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        found[".".join(parts)] = path
-    return found
 
 
 def _in_fence(module: str) -> bool:
@@ -100,7 +90,7 @@ def private_uses(source: str) -> list[tuple[int, str, str]]:
 
 def test_no_private_api_outside_its_fence():
     offenders = []
-    for module, path in sorted(_modules().items()):
+    for module, path in sorted(package_modules().items()):
         if _in_fence(module):
             continue
         for line, text, key in private_uses(path.read_text()):
@@ -112,7 +102,7 @@ def test_no_private_api_outside_its_fence():
 
 def test_every_allowed_use_and_fence_still_exists():
     # A stale entry would let a later leak of the same name pass unnoticed.
-    modules = _modules()
+    modules = package_modules()
     for module, key in ALLOWED:
         assert module in modules, module
         assert any(used == key for _, _, used in private_uses(modules[module].read_text())), (module, key)

@@ -90,8 +90,8 @@ class UniversalCheckpoint:
         """Each parameter's states, from the files it has: the master, its optimizer's tensor states, its scalars.
         Upstream's ZeRO-3 output keeps the step only in ``zero/optimizer_state.pt`` (no ``step.pt`` at all): there
         a parameter with optimizer states has that step."""
-        files = {name: self._state_files(name) for name in self.names}
-        step_elsewhere = not any(STEP in states for states in files.values())
+        files = self._files_by_param
+        step_elsewhere = not self._step_files
         found = {}
         for name, states in files.items():
             scalars = [state for state in states if self._is_scalar(name, state)]
@@ -337,9 +337,14 @@ class UniversalCheckpoint:
         return tuple(dict.fromkeys(expected))
 
     @cached_property
+    def _files_by_param(self) -> dict[str, list[str]]:
+        """The states each parameter's directory holds a file of (listed once)."""
+        return {name: self._state_files(name) for name in self.names}
+
+    @cached_property
     def _step_files(self) -> bool:
         """Whether the parameters keep their step in files of their own (``step.pt``; not upstream's ZeRO-3 form)."""
-        return any(STEP in self._state_files(name) for name in self.names)
+        return any(STEP in states for states in self._files_by_param.values())
 
     def tensors(self) -> Iterator[LogicalTensor]:
         any_optimizer = self.has_optimizer_states

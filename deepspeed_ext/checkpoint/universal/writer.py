@@ -129,18 +129,21 @@ def _prepare(source: CheckpointSource, out: str | Path | None, options: Universa
     if info.format == "universal":
         raise CheckpointError(f"{info.given}: {ALREADY_UNIVERSAL}")
     name = universal_name(info)
-    fit = None
-    if options.check_config_fit and not options.distributed:
-        from deepspeed_ext.checkpoint.model_config import ConfigFit
-        fit = ConfigFit(required_model_config(info), {name: layout.shape for name, layout in info.layouts.items()},
-                        str(info.given))
     if out is None:  # beside the tag: adds a directory and the pointer, replaces no file of the checkpoint
         if info.tag is None:
             raise CheckpointError(f"{info.given}: a {info.format} checkpoint has no save directory to write "
                                   "beside: give an output")
-        return Write.of(source, info.path.parent / name, options, protect=source.read_paths, recorded=False,
-                     fit=fit), None
-    return Write.of(source, out, options, recorded=False, fit=fit), None if options.tag_directory else name
+        write = Write.of(source, info.path.parent / name, options, protect=source.read_paths, recorded=False)
+        inner = None
+    else:
+        write = Write.of(source, out, options, recorded=False)
+        inner = None if options.tag_directory else name
+    if options.check_config_fit and not options.distributed:  # once the output may be written (its thread starts)
+        from deepspeed_ext.checkpoint.model_config import ConfigFit
+        write.verdicts.fit = ConfigFit(required_model_config(info),
+                                       {param: layout.shape for param, layout in info.layouts.items()},
+                                       str(info.given))
+    return write, inner
 
 
 def _rank() -> int:
