@@ -27,10 +27,13 @@ own_extension_cache() {
     > "$site/deepspeed_ext_dev_extensions.pth"
 }
 
-# install VENV REQUIREMENTS NAME WHAT TIME: create VENV if missing; install REQUIREMENTS and this package
-# (editable) unless the stamp NAME-<hash of the requirements and setup.py> says they are in place.
+# install VENV REQUIREMENTS NAME WHAT TIME [OP...]: create VENV if missing; install REQUIREMENTS and this package
+# (editable) unless the stamp NAME-<hash of the requirements and setup.py> says they are in place. With OPs, torch
+# and DeepSpeed go in first (at REQUIREMENTS' pins) and the ops build (build_ops) while pip installs the rest: the
+# builds are on the CPU, the rest of the install mostly on the disk and the network.
 install() {
-  local venv=$1 requirements=$2 name=$3 what=$4 time=$5 hash stamp
+  local venv=$1 requirements=$2 name=$3 what=$4 time=$5 hash stamp pins builder=
+  shift 5
   hash=$(cat requirements-*.txt setup.py | sha1sum | cut -c1-16)
   stamp="$venv/.deepspeed_ext-$name-$hash"
   [ -f "$stamp" ] && return 0
@@ -42,15 +45,40 @@ install() {
     "$PYTHON" -m venv "$venv"
   fi
   say "installing $what into $venv (first time: $time; pip's output: $venv/setup-pip.log)"
+  "$venv/bin/python" -m pip install -q --upgrade pip > "$venv/setup-pip.log" 2>&1 || { pip_failed "$venv"; return 1; }
+  if [ $# -gt 0 ]; then
+    # Every pin REQUIREMENTS reaches (through its -r lines) as constraints, so what DeepSpeed pulls in now is
+    # what the full install keeps, and nothing the build has imported is replaced under it.
+    pins=$(mktemp)
+    pinned_in "$requirements" > "$pins"
+    "$venv/bin/python" -m pip install -q -c "$pins" torch deepspeed ninja >> "$venv/setup-pip.log" 2>&1 ||
+      { rm -f "$pins"; pip_failed "$venv"; return 1; }
+    rm -f "$pins"
+    own_extension_cache "$venv"
+    build_ops "$venv" "$@" & builder=$!
+  fi
   {
-    "$venv/bin/python" -m pip install -q --upgrade pip &&
     "$venv/bin/python" -m pip install -q -r "$requirements" &&
     "$venv/bin/python" -m pip install -q --no-deps -e .
-  } > "$venv/setup-pip.log" 2>&1 || { tail -n 30 "$venv/setup-pip.log" >&2; say "pip failed in $venv"; return 1; }
+  } >> "$venv/setup-pip.log" 2>&1 || { [ -z "$builder" ] || wait "$builder" || true; pip_failed "$venv"; return 1; }
   own_extension_cache "$venv"
+  [ -z "$builder" ] || wait "$builder" || return 1
   rm -f "$venv"/.deepspeed_ext-"$name"-*
   touch "$stamp"
   say "installed into $venv"
+}
+
+pip_failed() { tail -n 30 "$1/setup-pip.log" >&2; say "pip failed in $1"; }
+
+# pinned_in REQUIREMENTS: the NAME==VERSION lines of REQUIREMENTS and of the files its -r lines name.
+pinned_in() {
+  local line
+  while IFS= read -r line; do
+    case "$line" in
+      "-r "*) pinned_in "$(dirname "$1")/${line#-r }" ;;
+      *==*) echo "${line%%#*}" ;;
+    esac
+  done < "$1"
 }
 
 # build_ops VENV OP...: JIT-build DeepSpeed's CPU ops into VENV's cache (about a minute each the first time,
@@ -84,7 +112,7 @@ compile_package() {
 
 if [ "$MODE" = demo ]; then
   install .venv requirements-demo.txt demo "the demo's environment (torch CPU, DeepSpeed, transformers)" \
-    "about 2 minutes"
+    "about 2 minutes" ShareMemCommBuilder
   build_ops .venv ShareMemCommBuilder
   compile_package .venv
   exit 0
@@ -93,7 +121,8 @@ if [ "$MODE" = bridges ] || [ "$MODE" = maxtext ]; then
   maxtext=
   if [ "$MODE" = maxtext ]; then bash scripts/setup-maxtext.sh & maxtext=$!; fi
   install .venv requirements-bridges.txt bridges \
-    "the bridges' environment (the demo's, JAX/Orbax, accelerate)" "about 3 minutes"
+    "the bridges' environment (the demo's, JAX/Orbax, accelerate)" "about 3 minutes" \
+    ShareMemCommBuilder
   build_ops .venv ShareMemCommBuilder
   compile_package .venv
   [ -z "$maxtext" ] || wait "$maxtext"
@@ -109,16 +138,19 @@ OLD_VENV=.venv-deepspeed-$OLD_DS
   requirements=$(mktemp)
   trap 'rm -f "$requirements"' EXIT
   sed "s/^deepspeed==.*/deepspeed==$OLD_DS/" requirements-demo.txt > "$requirements"
-  install "$OLD_VENV" "$requirements" demo "DeepSpeed $OLD_DS (older-release tests)" "about 1-2 minutes"
+  install "$OLD_VENV" "$requirements" demo "DeepSpeed $OLD_DS (older-release tests)" "about 1-2 minutes" \
+    ShareMemCommBuilder
   build_ops "$OLD_VENV" ShareMemCommBuilder
 ) &
 old=$!
 # MaxText's own model code for the tests that check to-maxtext output with MaxText itself.
 bash scripts/setup-maxtext.sh &
 maxtext=$!
+TEST_OPS=(ShareMemCommBuilder FusedAdamBuilder)
 install .venv requirements-dev.txt test \
-  "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, accelerate, test tools)" "about 3 minutes"
-build_ops .venv ShareMemCommBuilder FusedAdamBuilder
+  "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, accelerate, test tools)" "about 3 minutes" \
+  "${TEST_OPS[@]}"
+build_ops .venv "${TEST_OPS[@]}"
 compile_package .venv
 wait "$old"
 wait "$maxtext"

@@ -15,15 +15,17 @@ WORKER = Path(__file__).resolve().parents[1] / "harness" / "workers" / "save_and
 
 
 def test_a_multi_rank_save_and_exit_ends_cleanly(tmp_path):
-    for attempt in range(3):
-        root = tmp_path / f"run{attempt}"
-        proc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           str(WORKER), str(root / "ckpt"), str(root / "exit")], root / "run.log", check=False)
-        output = proc.stdout + proc.stderr
-        assert proc.returncode == 0 and "terminate called" not in output, (attempt, output[-3000:])
-        assert (root / "ckpt" / "latest").read_text().strip() == "global_step3"
-        ends = sorted(path.read_text() for path in (root / "exit").iterdir())
-        assert ends == ["process group ended"] * 4, (attempt, ends)
+    """One run is enough: the crash at exit ("terminate called", gloo torn down under a live group) happens only
+    some of the time, but what prevents it does not: each rank's marker, written by the last exit handler to run,
+    says whether the process group was already ended by then, on every run."""
+    root = tmp_path / "run"
+    proc = run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                       str(WORKER), str(root / "ckpt"), str(root / "exit")], root / "run.log", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "terminate called" not in output, output[-3000:]
+    assert (root / "ckpt" / "latest").read_text().strip() == "global_step3"
+    ends = sorted(path.read_text() for path in (root / "exit").iterdir())
+    assert ends == ["process group ended"] * 4, ends
 
 
 def test_pooled_ranks_leave_once_their_test_process_is_gone(tmp_path):
