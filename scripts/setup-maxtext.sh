@@ -17,11 +17,15 @@ say() { echo "setup-maxtext: $* [$((SECONDS - START))s]" >&2; }
 stamp="$VENV/.deepspeed_ext-maxtext-$(cat requirements-maxtext.txt scripts/setup-maxtext.sh | sha1sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
+# As scripts/setup.sh does: each module compiled as it is first imported (the import check below compiles what
+# the tests import), unless PYTHONDONTWRITEBYTECODE would keep nothing.
+compile=--no-compile
+[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || compile=--compile
 say "installing $MAXTEXT and the packages its model code imports (first time: about a minute; log: $VENV/setup-pip.log)"
 {
   "$VENV/bin/python" -m pip install -q --upgrade pip &&
-  "$VENV/bin/python" -m pip install -q -r requirements-maxtext.txt &&
-  "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps --ignore-requires-python "$MAXTEXT"
+  "$VENV/bin/python" -m pip install -q $compile -r requirements-maxtext.txt &&
+  "$VENV/bin/python" -m pip install -q $compile --force-reinstall --no-deps --ignore-requires-python "$MAXTEXT"
 } > "$VENV/setup-pip.log" 2>&1 || { tail -n 30 "$VENV/setup-pip.log" >&2; say "pip failed"; exit 1; }
 
 say "patching MaxText for Python 3.11 and JAX 0.10"

@@ -27,12 +27,11 @@ own_extension_cache() {
     > "$site/deepspeed_ext_dev_extensions.pth"
 }
 
-# install VENV REQUIREMENTS NAME WHAT TIME [OP...]: create VENV if missing; install REQUIREMENTS and this package
-# (editable) unless the stamp NAME-<hash of the requirements and setup.py> says they are in place. With OPs, torch
-# and DeepSpeed go in first (at REQUIREMENTS' pins) and the ops build (build_ops) while pip installs the rest: the
-# builds are on the CPU, the rest of the install mostly on the disk and the network.
+# install VENV REQUIREMENTS NAME WHAT TIME MODULE...: create VENV if missing; install REQUIREMENTS and this
+# package (editable) unless the stamp NAME-<hash of the requirements and setup.py> says they are in place; then
+# import MODULEs once (compile_imported).
 install() {
-  local venv=$1 requirements=$2 name=$3 what=$4 time=$5 hash stamp pins builder=
+  local venv=$1 requirements=$2 name=$3 what=$4 time=$5 hash stamp
   shift 5
   hash=$(cat requirements-*.txt setup.py | sha1sum | cut -c1-16)
   stamp="$venv/.deepspeed_ext-$name-$hash"
@@ -45,58 +44,55 @@ install() {
     "$PYTHON" -m venv "$venv"
   fi
   say "installing $what into $venv (first time: $time; pip's output: $venv/setup-pip.log)"
-  "$venv/bin/python" -m pip install -q --upgrade pip > "$venv/setup-pip.log" 2>&1 || { pip_failed "$venv"; return 1; }
-  if [ $# -gt 0 ]; then
-    # Every pin REQUIREMENTS reaches (through its -r lines) as constraints, so what DeepSpeed pulls in now is
-    # what the full install keeps, and nothing the build has imported is replaced under it.
-    pins=$(mktemp)
-    pinned_in "$requirements" > "$pins"
-    "$venv/bin/python" -m pip install -q -c "$pins" torch deepspeed ninja >> "$venv/setup-pip.log" 2>&1 ||
-      { rm -f "$pins"; pip_failed "$venv"; return 1; }
-    rm -f "$pins"
-    own_extension_cache "$venv"
-    build_ops "$venv" "$@" & builder=$!
-  fi
   {
-    "$venv/bin/python" -m pip install -q -r "$requirements" &&
+    "$venv/bin/python" -m pip install -q --upgrade pip &&
+    "$venv/bin/python" -m pip install -q $(pip_compiles) -r "$requirements" &&
     "$venv/bin/python" -m pip install -q --no-deps -e .
-  } >> "$venv/setup-pip.log" 2>&1 || { [ -z "$builder" ] || wait "$builder" || true; pip_failed "$venv"; return 1; }
+  } > "$venv/setup-pip.log" 2>&1 || { tail -n 30 "$venv/setup-pip.log" >&2; say "pip failed in $venv"; return 1; }
   own_extension_cache "$venv"
-  [ -z "$builder" ] || wait "$builder" || return 1
+  compile_imported "$venv" "$@" || return 1
   rm -f "$venv"/.deepspeed_ext-"$name"-*
   touch "$stamp"
   say "installed into $venv"
 }
 
-pip_failed() { tail -n 30 "$1/setup-pip.log" >&2; say "pip failed in $1"; }
+# pip compiles every module it installs (torch's, JAX's, transformers': tens of thousands) on this machine's
+# two cores, most of which no test imports; each module is compiled instead as it is first imported, and its
+# bytecode kept (compile_imported warms the ones every process imports). Where PYTHONDONTWRITEBYTECODE is set,
+# nothing would be kept, so pip compiles as usual.
+pip_compiles() { [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] || echo --no-compile; }
 
-# pinned_in REQUIREMENTS: the NAME==VERSION lines of REQUIREMENTS and of the files its -r lines name.
-pinned_in() {
-  local line
-  while IFS= read -r line; do
-    case "$line" in
-      "-r "*) pinned_in "$(dirname "$1")/${line#-r }" ;;
-      *==*) echo "${line%%#*}" ;;
-    esac
-  done < "$1"
+# compile_imported VENV MODULE...: import MODULEs once in VENV, so their bytecode (and that of all they import)
+# is written by one process, not by every test process starting at once.
+compile_imported() {
+  local venv=$1; shift
+  [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] && return 0
+  DS_ACCELERATOR=cpu JAX_PLATFORMS=cpu "$venv/bin/python" -c "import sys, importlib
+for name in sys.argv[1:]: importlib.import_module(name)" "$@" > /dev/null 2>&1 ||
+    { say "importing $* in $venv failed"; return 1; }
 }
 
 # build_ops VENV OP...: JIT-build DeepSpeed's CPU ops into VENV's cache (about a minute each the first time,
-# a second or two once built).
+# a second or two once built). Each op builds in a process of its own, at the same time: a build is one compiler
+# process most of its time, and this machine has two cores.
 build_ops() {
-  local venv=$1 op missing=(); shift
+  local venv=$1 op missing=() pids=() failed=0; shift
   # One stamp per op: the tests' setup builds a superset of the demo's, and a later run asking for fewer says
   # nothing of building what is there.
   for op in "$@"; do [ -f "$venv/torch_extensions/.deepspeed_ext-op-$op" ] || missing+=("$op"); done
   # Once built, loading them takes a second or two and says nothing.
   [ ${#missing[@]} -eq 0 ] || say "building DeepSpeed ops in $venv: ${missing[*]} (first time: about a minute each)"
-  DS_ACCELERATOR=cpu "$venv/bin/python" - "$@" <<'PY' >/dev/null 2>"$venv/ops-build.log" || {
+  for op in "$@"; do
+    DS_ACCELERATOR=cpu "$venv/bin/python" - "$op" <<'PY' >/dev/null 2>"$venv/ops-build-$op.log" & pids+=($!)
 import sys
 from deepspeed.accelerator import get_accelerator
-for op in sys.argv[1:]:
-    get_accelerator().create_op_builder(op).load()
+get_accelerator().create_op_builder(sys.argv[1]).load()
 PY
-    cat "$venv/ops-build.log" >&2; say "building DeepSpeed ops in $venv failed"; return 1; }
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { cat "$venv/ops-build-${*:i+1:1}.log" >&2; failed=1; }
+  done
+  [ $failed -eq 0 ] || { say "building DeepSpeed ops in $venv failed"; return 1; }
   [ ${#missing[@]} -eq 0 ] && return 0
   say "DeepSpeed ops ready in $venv"
   mkdir -p "$venv/torch_extensions"
@@ -112,7 +108,8 @@ compile_package() {
 
 if [ "$MODE" = demo ]; then
   install .venv requirements-demo.txt demo "the demo's environment (torch CPU, DeepSpeed, transformers)" \
-    "about 2 minutes" ShareMemCommBuilder
+    "about 2 minutes" \
+    torch deepspeed transformers safetensors
   build_ops .venv ShareMemCommBuilder
   compile_package .venv
   exit 0
@@ -122,7 +119,7 @@ if [ "$MODE" = bridges ] || [ "$MODE" = maxtext ]; then
   if [ "$MODE" = maxtext ]; then bash scripts/setup-maxtext.sh & maxtext=$!; fi
   install .venv requirements-bridges.txt bridges \
     "the bridges' environment (the demo's, JAX/Orbax, accelerate)" "about 3 minutes" \
-    ShareMemCommBuilder
+    torch deepspeed transformers safetensors jax orbax.checkpoint accelerate
   build_ops .venv ShareMemCommBuilder
   compile_package .venv
   [ -z "$maxtext" ] || wait "$maxtext"
@@ -139,18 +136,17 @@ OLD_VENV=.venv-deepspeed-$OLD_DS
   trap 'rm -f "$requirements"' EXIT
   sed "s/^deepspeed==.*/deepspeed==$OLD_DS/" requirements-demo.txt > "$requirements"
   install "$OLD_VENV" "$requirements" demo "DeepSpeed $OLD_DS (older-release tests)" "about 1-2 minutes" \
-    ShareMemCommBuilder
+    torch deepspeed transformers
   build_ops "$OLD_VENV" ShareMemCommBuilder
 ) &
 old=$!
 # MaxText's own model code for the tests that check to-maxtext output with MaxText itself.
 bash scripts/setup-maxtext.sh &
 maxtext=$!
-TEST_OPS=(ShareMemCommBuilder FusedAdamBuilder)
 install .venv requirements-dev.txt test \
   "the dev environment (torch CPU, DeepSpeed, transformers, JAX/Orbax, accelerate, test tools)" "about 3 minutes" \
-  "${TEST_OPS[@]}"
-build_ops .venv "${TEST_OPS[@]}"
+  torch deepspeed transformers safetensors jax orbax.checkpoint accelerate optax hypothesis xdist mypy
+build_ops .venv ShareMemCommBuilder FusedAdamBuilder
 compile_package .venv
 wait "$old"
 wait "$maxtext"

@@ -23,6 +23,8 @@ from deepspeed_ext.demo.runner import read_losses
 TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
 #: The CLI, stopped by a signal it sends itself at a named point of a conversion.
 STOPPED_CLI_WORKER = Path(__file__).parent / "workers" / "stopped_cli.py"
+#: The CLI's commands, each in a child forked from a process that imported torch once (``cli``).
+CLI_SERVER_WORKER = Path(__file__).parent / "workers" / "cli_server.py"
 
 __all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_train",
            "torchrun_train_runs"]
@@ -191,14 +193,99 @@ def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _T
 
 @atexit.register
 def close_pools() -> None:
-    """End this process's pools (at the end of the test session, and at exit whatever ended the session)."""
+    """End this process's pools and CLI server (at the end of the test session, and at exit whatever ended the
+    session)."""
+    global _CLI_SERVER
     while _POOLS:
         _POOLS.popitem()[1].close()
+    if _CLI_SERVER is not None:
+        _CLI_SERVER.close()
+        _CLI_SERVER = None
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
-    """``deepspeed-ext ARGS`` in a subprocess of ``python``'s environment."""
-    return run_logged([python, "-m", "deepspeed_ext", *args], log, check=check)
+    """``deepspeed-ext ARGS`` in a subprocess of ``python``'s environment: in this environment, a child forked by
+    this test process's CLI server (``_CliServer``), which has imported torch once; with
+    ``DSX_TEST_FRESH_PROCESSES=1``, or an environment that differs from the server's in what torch reads as it is
+    imported, a fresh ``python -m deepspeed_ext``."""
+    cmd = [python, "-m", "deepspeed_ext", *args]
+    env = child_env(python)
+    if python != sys.executable or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
+        return run_logged(cmd, log, check=check)
+    global _CLI_SERVER
+    if _CLI_SERVER is None or not _CLI_SERVER.serves(env):
+        if _CLI_SERVER is not None:
+            _CLI_SERVER.close()
+        _CLI_SERVER = _CliServer(env)
+    proc = _CLI_SERVER.run(args, env, log)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n"
+                           + _failure_tail(proc.stdout + proc.stderr))
+    return proc
+
+
+#: What differs between two requests to the CLI server without mattering to what its imports read: pytest's
+#: name of the running test.
+_VOLATILE_ENV = {"PYTEST_CURRENT_TEST"}
+
+
+class _CliServer:
+    """``workers/cli_server.py``: forks a child per command from a process that imported torch, numpy and the CLI
+    once (most of a small command's time). The child is a fresh ``python -m deepspeed_ext`` in every other way:
+    its own argv, environment, directory, stdout and stderr, exit code and exit handlers."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, str(CLI_SERVER_WORKER)], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a command in ``env`` may run here: torch read its environment once, as this server started."""
+        def steady(e: dict[str, str]) -> dict[str, str]:
+            return {key: value for key, value in e.items() if key not in _VOLATILE_ENV}
+        return self.proc.poll() is None and steady(env) == steady(self.env)
+
+    def run(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.CompletedProcess:
+        import tempfile
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="cli_") as scratch:
+            out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+            request = {"argv": args, "env": env, "cwd": None, "stdout": str(out), "stderr": str(err)}
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = self._answer(30)["pid"]
+            try:
+                returncode = self._answer(demo_runner.TIMEOUT_S)["returncode"]
+            except TimeoutError:
+                os.kill(pid, signal.SIGKILL)
+                self.close()
+                raise subprocess.TimeoutExpired(["deepspeed-ext", *args], demo_runner.TIMEOUT_S) from None
+            stdout, stderr = out.read_text(), err.read_text()
+        cmd = [sys.executable, "-m", "deepspeed_ext", *args]
+        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+        return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+    def _answer(self, timeout: float) -> dict:
+        import selectors
+        assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                raise TimeoutError
+        line = self.proc.stdout.readline()
+        if not line:
+            self.close()
+            raise RuntimeError("the CLI server ended (tests/harness/workers/cli_server.py)")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+_CLI_SERVER: _CliServer | None = None
 
 
 def cli_stopped(args: list[str], log: Path, *, point: str, count: int,
