@@ -6,5 +6,7 @@ bash scripts/setup.sh test
 # Three workers on this 2-core machine: a test spends part of its time waiting (on torchrun's start, a gloo
 # barrier, the disk), which a third worker fills. Tests that share fixtures stay together, the longest groups
 # first (tests/conftest.py); trained checkpoints are trained once per run whichever worker asks
-# (tests/harness/scenario.py). DSX_TEST_WORKERS=N to choose.
-exec .venv/bin/python -m pytest -n "${DSX_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder tests "$@"
+# (tests/harness/scenario.py). DSX_TEST_WORKERS=N to choose. The run ends with its 10 slowest tests (what to
+# look at first when the suite's time grows).
+exec .venv/bin/python -m pytest -n "${DSX_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder --durations=10 \
+  tests "$@"
