@@ -91,7 +91,7 @@ build_ops() {
   # nothing of building what is there.
   for op in "$@"; do [ -f "$venv/torch_extensions/.deepspeed_ext-op-$op" ] || missing+=("$op"); done
   # Once built, loading them takes a second or two and says nothing.
-  [ ${#missing[@]} -eq 0 ] || say "building DeepSpeed ops in $venv: ${missing[*]} (first time: about a minute each)"
+  [ ${#missing[@]} -eq 0 ] || say "building DeepSpeed ops in $venv: ${missing[*]} (uncached: about a minute each)"
   for op in "$@"; do
     DS_ACCELERATOR=cpu "$venv/bin/python" - "$op" <<'PY' >/dev/null 2>"$venv/ops-build-$op.log" & pids+=($!)
 import sys
