@@ -82,17 +82,23 @@ for name in sys.argv[1:]: importlib.import_module(name)" "$@" > /dev/null 2>&1 |
     { say "importing $* in $venv failed"; return 1; }
 }
 
-# build_ops VENV OP...: JIT-build DeepSpeed's CPU ops into VENV's cache (about a minute each the first time,
-# a second or two once built). Each op builds in a process of its own, at the same time: a build is one compiler
-# process most of its time, and this machine has two cores.
+# build_ops VENV OP...: JIT-build DeepSpeed's CPU ops into VENV's cache (about a minute each uncached). Each op
+# builds in a process of its own, at the same time: a build is one compiler process most of its time, and this
+# machine has two cores. An op's stamp records the compiler it was built with (the venv's CXX: ccache or plain
+# c++); where every stamp names the compiler the venv's processes use now, ninja would find each op up to date,
+# and loading them (a process importing DeepSpeed per op) is skipped.
 build_ops() {
-  local venv=$1 op missing=() pids=() failed=0; shift
-  # One stamp per op: the tests' setup builds a superset of the demo's, and a later run asking for fewer says
-  # nothing of building what is there.
-  for op in "$@"; do [ -f "$venv/torch_extensions/.deepspeed_ext-op-$op" ] || missing+=("$op"); done
-  # Once built, loading them takes a second or two and says nothing.
-  [ ${#missing[@]} -eq 0 ] || say "building DeepSpeed ops in $venv: ${missing[*]} (uncached: about a minute each)"
+  local venv=$1 op cxx stale=() missing=() pids=() failed=0 i; shift
+  cxx=$("$venv/bin/python" -c 'import os; print(os.environ.get("CXX", "c++"))')
   for op in "$@"; do
+    [ -f "$venv/torch_extensions/.deepspeed_ext-op-$op" ] || missing+=("$op")
+    [ "$(cat "$venv/torch_extensions/.deepspeed_ext-op-$op" 2>/dev/null)" = "$cxx" ] || stale+=("$op")
+  done
+  [ ${#stale[@]} -eq 0 ] && return 0
+  # One stamp per op: the tests' setup builds a superset of the demo's, and a later run asking for fewer says
+  # nothing of building what is there (an op built with another compiler is rebuilt, from ccache, silently).
+  [ ${#missing[@]} -eq 0 ] || say "building DeepSpeed ops in $venv: ${missing[*]} (uncached: about a minute each)"
+  for op in "${stale[@]}"; do
     DS_ACCELERATOR=cpu "$venv/bin/python" - "$op" <<'PY' >/dev/null 2>"$venv/ops-build-$op.log" & pids+=($!)
 import sys
 from deepspeed.accelerator import get_accelerator
@@ -100,13 +106,12 @@ get_accelerator().create_op_builder(sys.argv[1]).load()
 PY
   done
   for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || { cat "$venv/ops-build-${*:i+1:1}.log" >&2; failed=1; }
+    wait "${pids[$i]}" || { cat "$venv/ops-build-${stale[$i]}.log" >&2; failed=1; }
   done
   [ $failed -eq 0 ] || { say "building DeepSpeed ops in $venv failed"; return 1; }
-  [ ${#missing[@]} -eq 0 ] && return 0
-  say "DeepSpeed ops ready in $venv"
   mkdir -p "$venv/torch_extensions"
-  for op in "${missing[@]}"; do touch "$venv/torch_extensions/.deepspeed_ext-op-$op"; done
+  for op in "${stale[@]}"; do echo "$cxx" > "$venv/torch_extensions/.deepspeed_ext-op-$op"; done
+  [ ${#missing[@]} -eq 0 ] || say "DeepSpeed ops ready in $venv"
 }
 
 # The package's bytecode, as a pip install writes it: an editable install writes none, and where
