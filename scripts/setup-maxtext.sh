@@ -17,10 +17,9 @@ say() { echo "setup-maxtext: $* [$((SECONDS - START))s]" >&2; }
 stamp="$VENV/.deepspeed_ext-maxtext-$(cat requirements-maxtext.txt scripts/setup-maxtext.sh | sha1sum | cut -c1-16)"
 [ -f "$stamp" ] && exit 0
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
-# As scripts/setup.sh does: each module compiled as it is first imported (the import check below compiles what
-# the tests import), unless PYTHONDONTWRITEBYTECODE would keep nothing.
-compile=--no-compile
-[ -z "${PYTHONDONTWRITEBYTECODE:-}" ] || compile=--compile
+# As scripts/setup.sh does (pip_compiles): each module compiled as it is first imported (the import check below
+# compiles what the tests import), unless PYTHONDONTWRITEBYTECODE would keep nothing.
+compile=$([ -n "${PYTHONDONTWRITEBYTECODE:-}" ] || echo --no-compile)
 say "installing $MAXTEXT and the packages its model code imports (first time: about a minute; log: $VENV/setup-pip.log)"
 {
   "$VENV/bin/python" -m pip install -q --upgrade pip &&

@@ -54,9 +54,15 @@ def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None =
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, env=child_env(cmd[0]), capture_output=True, text=True,
                           timeout=demo_runner.TIMEOUT_S, cwd=cwd)
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return _logged(proc, log, check)
+
+
+def _logged(proc: subprocess.CompletedProcess, log: Path, check: bool) -> subprocess.CompletedProcess:
+    """``proc``'s command and output written to ``log``; with ``check``, raise with the tail if it failed."""
+    cmd = " ".join(proc.args)
+    log.write_text(f"$ {cmd}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     if check and proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n"
+        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {cmd}\n"
                            + _failure_tail(proc.stdout + proc.stderr))
     return proc
 
@@ -211,20 +217,16 @@ def cli(args: list[str], log: Path, check: bool = True, python: str = sys.execut
     this test process's CLI server (``_CliServer``), which has imported torch once; with
     ``DSX_TEST_FRESH_PROCESSES=1``, or an environment that differs from the server's in what torch reads as it is
     imported, a fresh ``python -m deepspeed_ext``."""
-    cmd = [python, "-m", "deepspeed_ext", *args]
-    env = child_env(python)
     if python != sys.executable or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
-        return run_logged(cmd, log, check=check)
+        return run_logged([python, "-m", "deepspeed_ext", *args], log, check=check)
     global _CLI_SERVER
+    env = child_env()
     if _CLI_SERVER is None or not _CLI_SERVER.serves(env):
         if _CLI_SERVER is not None:
             _CLI_SERVER.close()
         _CLI_SERVER = _CliServer(env)
-    proc = _CLI_SERVER.run(args, env, log)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}), log {log}: {' '.join(cmd)}\n"
-                           + _failure_tail(proc.stdout + proc.stderr))
-    return proc
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return _logged(_CLI_SERVER.run(args, env), log, check)
 
 
 #: What differs between two requests to the CLI server without mattering to what its imports read: pytest's
@@ -238,22 +240,24 @@ class _CliServer:
     its own argv, environment, directory, stdout and stderr, exit code and exit handlers."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
+        self.env = self._steady(env)
         self.proc = subprocess.Popen([sys.executable, str(CLI_SERVER_WORKER)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
+    @staticmethod
+    def _steady(env: dict[str, str]) -> dict[str, str]:
+        return {key: value for key, value in env.items() if key not in _VOLATILE_ENV}
+
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a command in ``env`` may run here: torch read its environment once, as this server started."""
-        def steady(e: dict[str, str]) -> dict[str, str]:
-            return {key: value for key, value in e.items() if key not in _VOLATILE_ENV}
-        return self.proc.poll() is None and steady(env) == steady(self.env)
+        return self.proc.poll() is None and self._steady(env) == self.env
 
-    def run(self, args: list[str], env: dict[str, str], log: Path) -> subprocess.CompletedProcess:
+    def run(self, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        """``deepspeed-ext ARGS`` in ``env``, as ``subprocess.run`` with its output captured returns it."""
         import tempfile
-        log.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="cli_") as scratch:
             out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-            request = {"argv": args, "env": env, "cwd": None, "stdout": str(out), "stderr": str(err)}
+            request = {"argv": args, "env": env, "stdout": str(out), "stderr": str(err)}
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
@@ -264,10 +268,8 @@ class _CliServer:
                 os.kill(pid, signal.SIGKILL)
                 self.close()
                 raise subprocess.TimeoutExpired(["deepspeed-ext", *args], demo_runner.TIMEOUT_S) from None
-            stdout, stderr = out.read_text(), err.read_text()
-        cmd = [sys.executable, "-m", "deepspeed_ext", *args]
-        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
-        return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+            return subprocess.CompletedProcess([sys.executable, "-m", "deepspeed_ext", *args], returncode,
+                                               out.read_text(), err.read_text())
 
     def _answer(self, timeout: float) -> dict:
         import selectors

@@ -5,8 +5,8 @@ signal that ended it). Used by ``harness.runner.cli``; a command costs tenths of
 
     .venv/bin/python cli_server.py
 
-Each line on stdin is a request: ``{"argv": [...], "env": {...}, "cwd": DIR or null, "stdout": FILE, "stderr":
-FILE}``. The answers, one JSON line each on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": N}``
+Each line on stdin is a request: ``{"argv": [...], "env": {...}, "stdout": FILE, "stderr": FILE}`` (the command
+runs in this process's directory). The answers, one JSON line each on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": N}``
 (negative: the signal that ended it) once it has ended.
 
 What is not imported here on purpose: DeepSpeed (commands read checkpoints without it, and what they read
@@ -35,7 +35,7 @@ def preload() -> None:
 
 
 def run_command(request: dict, answers: int) -> None:
-    """In the forked child: become ``python -m deepspeed_ext ARGV`` in the request's directory and environment,
+    """In the forked child: become ``python -m deepspeed_ext ARGV`` in the request's environment,
     with stdout and stderr in its files. Returns only by raising (SystemExit included), which ends the child as
     the command's own ending would end a fresh interpreter: exit code, atexit handlers, flushed output."""
     import runpy
@@ -47,8 +47,6 @@ def run_command(request: dict, answers: int) -> None:
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
         os.close(out)
-    if request.get("cwd"):
-        os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     sys.path[0] = os.getcwd()  # as ``python -m`` sets it, not this script's directory
