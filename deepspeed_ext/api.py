@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from deepspeed_ext.checkpoint.adapter_export import ADAPTER_OPTIONS
+from deepspeed_ext.checkpoint.adapter_export import prepare as prepare_adapters
 from deepspeed_ext.checkpoint.formats import FORMATS, TARGETS
 from deepspeed_ext.checkpoint.formats import open_checkpoint as _open_checkpoint
 from deepspeed_ext.checkpoint.source import CheckpointSource
@@ -32,7 +34,8 @@ def open_checkpoint(path: str | Path,
                     family: str | None = None,
                     dtype: str = "source",
                     mtp: str | None = None,
-                    format: str | None = None) -> CheckpointSource:
+                    format: str | None = None,
+                    base: str | Path | None = None) -> CheckpointSource:
     """Open the checkpoint at ``path``, whatever its format; nothing but metadata is read yet.
 
     ``tag``: the DeepSpeed tag (default: ``latest``). ``config``: an HF config (``config.json`` path or dict) to
@@ -43,10 +46,11 @@ def open_checkpoint(path: str | Path,
     ``num_hidden_layers`` (DeepSeek-V3's multi-token prediction): None refuses them, ``"drop"`` leaves them out,
     ``"keep"`` writes them back into an HF output.
     ``format``: which to read where the directory holds two (``deepspeed`` or ``huggingface`` in a Hugging Face
-    Trainer checkpoint). The result has ``info`` (a :class:`~deepspeed_ext.checkpoint.source.SourceInfo`),
+    Trainer checkpoint). ``base``: the base model (an HF directory) of a PEFT adapter directory (default: the local
+    directory its ``base_model_name_or_path`` names): the adapter is read as the ``PeftModel`` it makes. The result has ``info`` (a :class:`~deepspeed_ext.checkpoint.source.SourceInfo`),
     ``tensors()`` (full tensors, streamed one at a time) and ``summary()``.
     """
-    return _open_checkpoint(path, tag=tag, config=config, family=family, dtype=dtype, mtp=mtp, format=format)
+    return _open_checkpoint(path, tag=tag, config=config, family=family, dtype=dtype, mtp=mtp, format=format, base=base)
 
 
 def convert(source: CheckpointSource | str | Path,
@@ -65,7 +69,10 @@ def convert(source: CheckpointSource | str | Path,
     ``options``: the writer's options, e.g. ``overwrite``, ``progress``, ``check_finite`` for every format,
     ``dtype`` and ``max_shard_size`` for ``hf``, ``scan_layers``, ``dtype``, ``mesh``, ``with_optimizer``,
     ``compression``, ``ocdbt`` for ``maxtext``, ``distributed`` for ``universal`` (see the ``*Options``
-    classes). Returns the written checkpoint: the universal directory, the HF directory, or MaxText's
+    classes). An adapter checkpoint (peft LoRA, docs/adapters.md) is written as a PEFT adapter directory by ``hf``,
+    merged by ``hf`` with ``merge=True`` and by ``maxtext``; ``adapters`` picks adapters (default: the active ones),
+    ``base`` an HF base model whose weights to merge into (checked against the checkpoint's), ``adapter_config`` an
+    ``adapter_config.json`` for a checkpoint that records none. Returns the written checkpoint: the universal directory, the HF directory, or MaxText's
     ``OUT/0/items``.
 
     The output is built aside and published only when complete; it may not be, contain or lie inside the
@@ -85,6 +92,12 @@ def convert(source: CheckpointSource | str | Path,
         options["family"] = family
     if output is None and target.name != "universal":
         raise ValueError(f"to={to!r} needs an output directory")
+    adapter_options = {key: options.pop(key) for key in ADAPTER_OPTIONS if key in options}
+    source, adapter_model, adapters = prepare_adapters(source, target.name, **adapter_options)
+    if adapter_model is not None:
+        assert output is not None  # checked above: only the universal writer has a default
+        from deepspeed_ext.checkpoint.hf.peft_adapter import write_adapter
+        return write_adapter(source, adapter_model, adapters, output, target.write_options(**options))
     return target.write(source, output, target.write_options(**options))
 
 

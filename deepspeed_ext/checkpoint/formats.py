@@ -206,6 +206,7 @@ def open_checkpoint(path: str | Path,
                     dtype: str = "source",
                     mtp: str | None = None,
                     format: str | None = None,
+                    base: str | Path | None = None,
                     reads: str | None = None,
                     command: str | None = None) -> CheckpointSource:
     """The source at ``path`` in whatever format it is (or in ``format``, where the directory holds several).
@@ -213,7 +214,8 @@ def open_checkpoint(path: str | Path,
     ``config``: an HF config (a ``config.json`` path or its dict) to use instead of the recorded one, and for
     the formats that may lack one (HF weights without config.json, MaxText checkpoints not written by
     deepspeed-ext). ``family``: MaxText's model family. ``dtype``: the dtype HF weights are read in. ``mtp``:
-    HF layers past ``num_hidden_layers`` (:class:`~deepspeed_ext.checkpoint.source.OpenOptions`).
+    HF layers past ``num_hidden_layers`` (:class:`~deepspeed_ext.checkpoint.source.OpenOptions`). ``base``: a PEFT
+    adapter directory's base model (an HF directory).
     ``reads``: the one format the caller (``command``) reads; any other found is refused in one line saying
     what to do with it instead (:func:`not_read`).
     """
@@ -233,7 +235,7 @@ def open_checkpoint(path: str | Path,
         raise CheckpointError(f"{path}: {not_read(found[0], reads, command or 'this command')}")
     model_config = read_config(config) if isinstance(config, str | Path) else dict(config) if config else None
     return FORMATS[readable[0]].open(path, OpenOptions(tag=tag, model_config=model_config, family=family,
-                                                       dtype=dtype, mtp=mtp))
+                                                       dtype=dtype, mtp=mtp, base=base))
 
 
 def not_read(found: str, reads: str, command: str) -> str:

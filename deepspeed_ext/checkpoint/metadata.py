@@ -50,6 +50,9 @@ class UCInfo:
     #: What shapes a step as the engine ran it (:func:`~deepspeed_ext.checkpoint.engine_private.step_settings`:
     #: gradient clipping, accumulation, micro batch, precision), DeepSpeed's defaults applied.
     engine_settings: dict[str, Any] | None = None
+    #: The peft adapters the model had (``configs``: name -> its peft config as adapter_config.json holds it;
+    #: ``active``: the adapters it ran with). None: none (or not recorded).
+    adapters: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +69,7 @@ class UCInfo:
             **({COMMIT_KEY: COMMIT_FILE} if self.commit_marker else {}),
             **({"frozen_params": self.frozen} if self.frozen is not None else {}),
             **({"engine_settings": self.engine_settings} if self.engine_settings else {}),
+            **({"adapters": self.adapters} if self.adapters else {}),
         }
 
     @classmethod
@@ -87,7 +91,8 @@ class UCInfo:
                    commit_marker=bool(data.get(COMMIT_KEY)),
                    frozen=([str(name) for name in data["frozen_params"]]
                            if data.get("frozen_params") is not None else None),
-                   engine_settings=dict(data["engine_settings"]) if data.get("engine_settings") else None)
+                   engine_settings=dict(data["engine_settings"]) if data.get("engine_settings") else None,
+                   adapters=dict(data["adapters"]) if data.get("adapters") else None)
 
 
 def write_uc_info(directory: str | os.PathLike[str], info: UCInfo) -> Path:

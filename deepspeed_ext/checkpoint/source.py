@@ -71,6 +71,9 @@ class SourceInfo:
     #: What shapes a step as the engine that saved it ran it, where deepspeed-ext recorded it (gradient clipping,
     #: accumulation, micro batch, precision: :func:`~deepspeed_ext.checkpoint.engine_private.step_settings`).
     engine_settings: Mapping[str, Any] | None = None
+    #: peft adapters trained in it, as recorded (``configs``: each adapter's peft config, as adapter_config.json
+    #: holds it; ``active``: the adapters the model ran with), where known: :mod:`~deepspeed_ext.checkpoint.adapters`.
+    adapters: Mapping[str, Any] | None = None
 
     @property
     def has_optimizer(self) -> bool:
@@ -251,3 +254,6 @@ class OpenOptions:
     #: Hugging Face: decoder layers past ``num_hidden_layers`` (DeepSeek-V3's multi-token prediction): None
     #: refuses them, ``drop`` leaves them out, ``keep`` writes them back into an HF output.
     mtp: str | None = None
+    #: A PEFT adapter directory's base model (an HF directory; None: the local directory its
+    #: ``base_model_name_or_path`` names, if there is one).
+    base: str | Path | None = None

@@ -63,9 +63,14 @@ def cmd_to_maxtext(args: argparse.Namespace) -> int:
     from deepspeed_ext.checkpoint.maxtext import parse_mesh
     from deepspeed_ext.checkpoint.maxtext.orbax_io import import_orbax
     source = read_source(args.source, args.tag, args.config, args.family, libraries=import_orbax, mtp=args.mtp)
+    if args.with_optimizer:
+        from deepspeed_ext.checkpoint.adapter_export import adapter_model, refuse_optimizer_export
+        if adapter_model(source) is not None:
+            refuse_optimizer_export(source)
     items = write_output(source, args.output, "maxtext", args, family=args.family, scan_layers=args.scan_layers,
                    dtype=args.dtype, mesh=parse_mesh(args.mesh) if args.mesh is not None else None,
-                   with_optimizer=args.with_optimizer, compression=args.compression, ocdbt=args.ocdbt)
+                   with_optimizer=args.with_optimizer, compression=args.compression, ocdbt=args.ocdbt,
+                   **_adapter_options(args))
     if not args.quiet:
         from deepspeed_ext.checkpoint.families import get_family, infer_family
         family = get_family(args.family) if args.family else infer_family(source.info.model_config or {})
@@ -119,10 +124,46 @@ def cmd_to_hf(args: argparse.Namespace) -> int:
     source = read_source(args.source, args.tag, args.config, args.family, mtp=args.mtp)
     out = write_output(source, args.output, "hf", args, dtype=args.dtype, max_shard_size=args.max_shard_size,
                  tokenizer=args.tokenizer, quantize=args.quantize, fp8_block=_fp8_block(args.fp8_block),
-                 fp8_edge_tiles=args.fp8_edge_tiles, like=args.like)
-    if not args.quiet:
-        print(f"wrote HF checkpoint {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+                 fp8_edge_tiles=args.fp8_edge_tiles, like=args.like, **_adapter_options(args))
+    if args.quiet:
+        return 0
+    from deepspeed_ext.checkpoint.adapter_export import adapter_model
+    adapters = adapter_model(source, args.adapter_config)
+    if adapters is not None and not args.merge:
+        chosen = adapters.choose(args.adapter or (), str(args.source))
+        print(f"wrote PEFT adapter {out} ({'; '.join(adapters.adapters[a].describe() for a in chosen)}); load it with "
+              f"PeftModel.from_pretrained(base_model, {str(out)!r}); --merge writes the merged model")
+    else:
+        merged = " (the adapters merged into the base)" if adapters is not None else ""
+        print(f"wrote HF checkpoint {out}{merged}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
+
+
+def _adapter_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The adapter options a command was given (docs/adapters.md), for ``convert``."""
+    found: dict[str, Any] = {}
+    if getattr(args, "merge", False):
+        found["merge"] = True
+    if getattr(args, "adapter", None):
+        found["adapters"] = tuple(args.adapter)
+    if getattr(args, "base", None):
+        found["base"] = args.base
+    if getattr(args, "adapter_config", None):
+        found["adapter_config"] = args.adapter_config
+    return found
+
+
+def adapter_arguments(p: argparse.ArgumentParser, merge: bool) -> None:
+    """The options of a command that exports adapter checkpoints (peft LoRA: docs/adapters.md)."""
+    group = p.add_argument_group("adapter checkpoints (peft LoRA)")
+    if merge:
+        group.add_argument("--merge", action="store_true", help="write the merged model (base + scale * B @ A per "
+                           "adapted layer) instead of the PEFT adapter directory")
+    group.add_argument("--adapter", action="append", metavar="NAME", help="the adapter to write or merge (repeat for "
+                       "several; default: the active ones)")
+    group.add_argument("--base", help="the base model as an HF directory: its weights are merged into (checked "
+                       "against the checkpoint's frozen copy)")
+    group.add_argument("--adapter-config", help="an adapter_config.json, for a checkpoint that records no peft config")
 
 
 def _fp8_block(text: str) -> tuple[int, int]:
@@ -137,7 +178,8 @@ def _fp8_block(text: str) -> tuple[int, int]:
 
 
 def cmd_from_hf(args: argparse.Namespace) -> int:
-    source = read_source(args.source, None, args.config, dtype=args.dtype, mtp=args.mtp, reads="huggingface", command="from-hf")
+    source = read_source(args.source, None, args.config, dtype=args.dtype, mtp=args.mtp, reads="huggingface",
+                         command="from-hf", base=args.base)
     out = write_output(source, args.output, "universal", args, progress_label="from-hf")
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.info.layouts)} parameters, fresh optimizer state); "
@@ -230,6 +272,7 @@ def add_to_maxtext(sub: Any, family_help: str) -> None:
                    "(docs/maxtext.md)")
     p.add_argument("--config", help=CONFIG_HELP)
     mtp_option(p)
+    adapter_arguments(p, merge=False)
     writer_options(p)
     p.set_defaults(func=cmd_to_maxtext)
 
@@ -289,6 +332,7 @@ def add_to_hf(sub: Any, family_help: str) -> None:
     mtp_option(p, keep=True)
     p.add_argument("--config", help=CONFIG_HELP)
     p.add_argument("--family", help="MaxText sources: " + family_help)
+    adapter_arguments(p, merge=True)
     writer_options(p)
     p.set_defaults(func=cmd_to_hf)
 
@@ -308,6 +352,9 @@ def add_from_hf(sub: Any) -> None:
                    help="dtype of the stored weights (default: the files' dtype; block-FP8 and MXFP4 weights: the "
                    "dtype transformers dequantizes them to)")
     mtp_option(p)
+    p.add_argument("--base", help="SOURCE is a PEFT adapter directory (adapter_config.json): its base model, an HF "
+                   "directory (default: the local directory its base_model_name_or_path names); the output holds "
+                   "the PeftModel's parameters, the base frozen (docs/adapters.md)")
     writer_options(p)
     p.set_defaults(func=cmd_from_hf)
 

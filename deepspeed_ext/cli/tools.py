@@ -10,8 +10,12 @@ from deepspeed_ext.cli.common import (TAG_HELP, collect_garbage_again, command_p
                                       read_source, say_which_trainer_checkpoint)
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    source = read_source(args.checkpoint, args.tag, args.config, args.family, mtp=args.mtp)
+    source = read_source(args.checkpoint, args.tag, args.config, args.family, mtp=args.mtp, base=args.base)
     summary: dict[str, Any] = source.summary()
+    from deepspeed_ext.checkpoint.adapter_export import adapter_model
+    adapters = adapter_model(source)
+    if adapters is not None:  # a peft model's checkpoint: what its adapters are (docs/adapters.md)
+        summary.update(adapters.summary())
     layouts = source.info.layouts
     from deepspeed_ext.checkpoint.formats import FORMATS
     full_tensors = FORMATS[source.info.format].holds_full_tensors
@@ -116,5 +120,7 @@ def add_inspect(sub: Any, family_help: str) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     mtp_option(p)
     p.add_argument("--config", help="an HF config.json where the checkpoint has none (MaxText, HF)")
+    p.add_argument("--base", help="a PEFT adapter directory's base model (an HF directory; default: the local "
+                   "directory its base_model_name_or_path names)")
     p.add_argument("--family", help="MaxText: " + family_help)
     p.set_defaults(func=cmd_inspect)

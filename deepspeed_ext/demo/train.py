@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="save in the background (\"async_save\": true); the run waits for its last save at the end")
     p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression "
                    "(requires_grad=False: trained by no optimizer, as a LoRA model's base or a frozen embedding)")
+    p.add_argument("--lora", type=int, default=0, help="train peft LoRA adapters of this rank instead of the whole "
+                   "model (0: off); the base weights are frozen")
+    p.add_argument("--lora-alpha", type=float, help="the adapters' lora_alpha (default: twice the rank)")
+    p.add_argument("--lora-targets", default="all-linear", help="the modules adapted: peft's target_modules, "
+                   "comma-separated names or 'all-linear'")
+    p.add_argument("--lora-options", default="{}", help="more LoraConfig settings, as JSON (e.g. "
+                   "'{\"use_dora\": true}', '{\"modules_to_save\": [\"lm_head\"]}')")
     p.add_argument("--init-seed", type=int, default=1234, help="the seed the model's initial weights are drawn with "
                    "(a resume from another one relies on the checkpoint for every weight)")
     p.add_argument("--gradient-clipping", default="1.0", help="DeepSpeed's gradient_clipping (\"unset\": left out of "
@@ -124,6 +131,8 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         values = json.loads(Path(args.model_config).read_text())
         config = AutoConfig.for_model(values.pop("model_type"), **values)
     model = build_model(args.family, seed=args.init_seed, config=config)
+    if args.lora:
+        model = with_lora(model, args)
     if args.freeze:
         import re
         for name, param in model.named_parameters():
@@ -209,6 +218,17 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses,
                                                 **({hooks.result_key: probed} if hooks.after_step else {})}))
+
+
+def with_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """``model`` wrapped by peft with LoRA adapters as ``--lora*`` ask (its base weights frozen)."""
+    from peft import LoraConfig, get_peft_model
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, lora_dropout=0.0,
+                        target_modules=targets, task_type="CAUSAL_LM", **json.loads(args.lora_options))
+    # The adapters' own initial values from the same seed on every rank (peft draws lora_A at random).
+    torch.manual_seed(args.init_seed + 1)
+    return get_peft_model(model, config)
 
 
 def _optimizer_state_bytes(engine: Any) -> int:

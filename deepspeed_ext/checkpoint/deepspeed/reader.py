@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepspeed_ext.checkpoint import ranges, serialization
+from deepspeed_ext.checkpoint.adapters import adapters_beside
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment
 from deepspeed_ext.checkpoint.manifest import FilesChecked
@@ -81,7 +82,9 @@ class DeepSpeedCheckpoint(DeepSpeedTag):
                           fingerprints=recorded.fingerprints if recorded else None,
                           optimizer_settings=self._optimizer_settings(),
                           frozen=tuple(name for name in self.layouts if name in self.frozen_names),
-                          engine_settings=recorded.engine_settings if recorded else None)
+                          engine_settings=recorded.engine_settings if recorded else None,
+                          adapters=(recorded.adapters if recorded and recorded.adapters else
+                                    adapters_beside(self.tag_dir.parent)))
 
     def tensors(self) -> Iterator[LogicalTensor]:
         """One :class:`LogicalTensor` per optimizer parameter, in checkpoint order; nothing read yet. The files'

@@ -49,7 +49,13 @@ def parameter_problem(source: CheckpointSource) -> str | None:
 
 
 def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
-    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`)."""
+    """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`). A PEFT adapter directory is read on
+    its base model (``options.base``), as the ``PeftModel`` they make."""
+    from deepspeed_ext.checkpoint.hf.peft_adapter import PeftAdapterSource, adapter_base, is_peft_adapter
+    if is_peft_adapter(path):
+        base = adapter_base(path, options.base)
+        return PeftAdapterSource(path, HFCheckpoint(base, dtype=options.dtype, model_config=options.model_config,
+                                                    mtp=options.mtp))
     return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config, mtp=options.mtp)
 
 

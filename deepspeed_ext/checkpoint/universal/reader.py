@@ -317,7 +317,8 @@ class UniversalCheckpoint:
                               recorded.engine_settings if recorded else None, self.optimizer_state.get(keys.CLIP_GRAD),
                               states.get(keys.DS_VERSION), int(states.get(keys.DP_WORLD_SIZE) or 1)),
                           engine_settings=recorded.engine_settings if recorded else None,
-                          frozen=tuple(name for name in self.names if name in self.frozen))
+                          frozen=tuple(name for name in self.names if name in self.frozen),
+                          adapters=recorded.adapters if recorded else None)
 
     @cached_property
     def _scalars(self) -> tuple[str, ...]:

@@ -300,7 +300,8 @@ def _write_uc_info(source: CheckpointSource, partial: Path, written: Fingerprint
                kind="universal",
                fingerprints=written,
                frozen=list(info.frozen),
-               engine_settings=dict(info.engine_settings) if info.engine_settings else None))
+               engine_settings=dict(info.engine_settings) if info.engine_settings else None,
+               adapters=dict(info.adapters) if info.adapters else None))
 
 
 def write_fresh_model_states(directory: Path, global_steps: int) -> None:
