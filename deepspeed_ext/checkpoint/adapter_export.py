@@ -22,7 +22,8 @@ def adapter_model(source: CheckpointSource, adapter_config: str | Path | None = 
     """The adapters of ``source`` (None: it has none), with their peft configs as recorded, or ``adapter_config``
     (an ``adapter_config.json``) for the one adapter it has."""
     recorded = source.info.adapters or {}
-    model = find_adapters(source.info.layouts, recorded.get("configs") or {}, recorded.get("active") or ())
+    model = find_adapters(source.info.layouts, recorded.get("configs") or {}, recorded.get("active") or (),
+                          with_base=not _base_less(source))
     if model is None or adapter_config is None:
         return model
     if len(model.adapters) != 1:
@@ -33,6 +34,12 @@ def adapter_model(source: CheckpointSource, adapter_config: str | Path | None = 
     return model
 
 
+def _base_less(source: CheckpointSource) -> bool:
+    """A PEFT adapter directory read without its base model."""
+    from deepspeed_ext.checkpoint.hf.peft_adapter import PeftAdapterSource
+    return isinstance(source, PeftAdapterSource) and source.base is None
+
+
 def prepare(source: CheckpointSource, target: str, *, merge: bool = False, adapters: Iterable[str] = (),
             base: str | Path | CheckpointSource | None = None, adapter_config: str | Path | None = None,
             open_base: Callable[[str | Path], CheckpointSource] | None = None
@@ -41,6 +48,10 @@ def prepare(source: CheckpointSource, target: str, *, merge: bool = False, adapt
     is what is written, its adapter structure and the adapters chosen (else None and [])."""
     adapters = list(adapters)
     label = str(source.info.given)
+    if _base_less(source) and (target != "huggingface" or merge):
+        from deepspeed_ext.checkpoint.hf.peft_adapter import PeftAdapterSource, missing_base
+        assert isinstance(source, PeftAdapterSource)
+        raise missing_base(source)
     asked = merge or adapters or base is not None or adapter_config is not None
     model = adapter_model(source, adapter_config)
     if model is None:

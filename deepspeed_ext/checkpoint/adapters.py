@@ -181,9 +181,11 @@ class AdapterModel:
 
 
 def find_adapters(names: Iterable[str], configs: Mapping[str, Mapping[str, Any] | None] | None = None,
-                  active: Iterable[str] = ()) -> AdapterModel | None:
+                  active: Iterable[str] = (), with_base: bool = True) -> AdapterModel | None:
     """The adapter structure of a checkpoint whose parameters are ``names`` (None: no adapters). ``configs``: each
-    adapter's peft config where known (an adapter found in the names without one gets ``config=None``)."""
+    adapter's peft config where known (an adapter found in the names without one gets ``config=None``).
+    ``with_base``: the names are a whole model's (each adapted layer's base weight is among them), not an adapter
+    file's."""
     names = list(names)
     lora: dict[str, LoraModule] = {}
     saved: dict[str, SavedModule] = {}
@@ -225,7 +227,7 @@ def find_adapters(names: Iterable[str], configs: Mapping[str, Mapping[str, Any] 
     adapters = {a: LoraSettings(a, (configs or {}).get(a)) for a in adapter_names}
     model = AdapterModel(prefix, adapters, lora, saved, {}, tuple(active))
     model.plain = {name: model.unwrapped(name) for name in plain}
-    for module in lora.values():
+    for module in lora.values() if with_base else ():
         if "weight" not in module.base:
             raise CheckpointError(f"{module.module}: LoRA adapters without the base layer's weight "
                                   f"({module.module}.base_layer.weight) in the checkpoint")

@@ -60,6 +60,9 @@ class Scenario:
     warmup_steps: int = 0  # DeepSpeed's WarmupLR over that many steps (0: a constant rate)
     save_also: tuple[int, ...] = ()  # more steps to save after (``tag_dir`` stays ``save_at``'s; convert=False)
     freeze: str | None = None  # the demo's --freeze: a regular expression of parameter names trained by no optimizer
+    lora: int = 0  # the demo's --lora: peft LoRA adapters of this rank on a frozen base (0: the whole model trains)
+    lora_targets: str = "all-linear"  # the demo's --lora-targets
+    lora_options: str = "{}"  # the demo's --lora-options (more LoraConfig settings, JSON)
     gradient_clipping: str | None = None  # the demo's --gradient-clipping (None: its default, 1.0; "unset": left out)
     baseline: dict[int, float] = field(default_factory=dict)
     resumed: dict[tuple, dict[int, float]] = field(default_factory=dict)
@@ -100,7 +103,9 @@ class Scenario:
                                         ["--warmup-steps", str(self.warmup_steps)] if self.warmup_steps else []) + (
                                             ["--freeze", self.freeze] if self.freeze else []) + (
                                                 ["--gradient-clipping", self.gradient_clipping]
-                                                if self.gradient_clipping else [])
+                                                if self.gradient_clipping else []) + (
+                                                    ["--lora", str(self.lora), "--lora-targets", self.lora_targets,
+                                                     "--lora-options", self.lora_options] if self.lora else [])
 
     def train(self) -> Scenario:
         args = self.common(self.tp) + ["--save-dir", str(self.save_dir), "--save-at", str(self.save_at), "--result",

@@ -91,9 +91,10 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 class PeftAdapterSource:
     """A PEFT adapter directory on its base model, as a ``PeftModel`` names its parameters; ``adapter``: the name
-    the adapter is loaded under (peft's ``default``)."""
+    the adapter is loaded under (peft's ``default``). Without ``base``, the adapter's tensors alone (what inspect,
+    verify and to-hf's PEFT output need)."""
 
-    def __init__(self, path: Path, base: CheckpointSource, adapter: str = "default") -> None:
+    def __init__(self, path: Path, base: CheckpointSource | None, adapter: str = "default") -> None:
         self.path, self.base, self.adapter = path, base, adapter
         self.config = read_adapter_config(path / ADAPTER_CONFIG_FILE)
         if self.config.get("peft_type") != "LORA":
@@ -112,15 +113,16 @@ class PeftAdapterSource:
         self._weights = weights
         saved = [str(m) for m in (self.config.get("modules_to_save") or [])]
         self._live = {key: live_name(key, adapter, saved) for key in self._keys}
-        model = find_adapters(self._live.values(), {adapter: self.config}, [adapter])
+        model = find_adapters(self._live.values(), {adapter: self.config}, [adapter], with_base=False)
         if model is None:
             raise CheckpointError(f"{weights}: no LoRA weights (lora_A / lora_B) in the adapter")
         self.model = model
-        self._base_names = self._base_live_names()
+        self._base_names = self._base_live_names() if base is not None else {}
 
     def _base_live_names(self) -> dict[str, str]:
         """The base model's parameters under the PeftModel's names: a targeted layer's as ``base_layer``, a module
         saved whole as ``original_module``."""
+        assert self.base is not None
         lora = {module.removeprefix(PEFT_PREFIX) for module in self.model.lora}
         saved = {module.removeprefix(PEFT_PREFIX) for module in self.model.saved}
         found: dict[str, str] = {}
@@ -144,28 +146,29 @@ class PeftAdapterSource:
 
     @cached_property
     def info(self) -> SourceInfo:
-        base = self.base.info
-        layouts = {live: base.layouts[name] for name, live in self._base_names.items()}
+        base = self.base.info if self.base is not None else None
+        layouts = {live: base.layouts[name] for name, live in self._base_names.items()} if base else {}
         layouts.update(self._adapter_layouts)
         return SourceInfo(format="huggingface", given=self.path, path=self.path, layouts=layouts,
-                          states=(MASTER_WEIGHTS,), model_config=base.model_config,
+                          states=(MASTER_WEIGHTS,), model_config=base.model_config if base else None,
                           model_class="PeftModelForCausalLM", versions={"source": "PEFT adapter + HF base model"},
                           frozen=tuple(self._base_names.values()),
                           adapters={"configs": {self.adapter: self.config}, "active": [self.adapter]})
 
     @property
     def read_paths(self) -> list[Path]:
-        return [self.path, *self.base.read_paths]
+        return [self.path, *(self.base.read_paths if self.base is not None else [])]
 
     def summary(self) -> dict[str, Any]:
-        return {"kind": "PEFT adapter", "path": str(self.path), "base": str(self.base.info.given),
-                **self.model.summary()}
+        return {"kind": "PEFT adapter", "path": str(self.path),
+                "base": str(self.base.info.given) if self.base is not None else "not given (--base)"}
 
     def raise_if_damaged(self) -> None:
-        self.base.raise_if_damaged()
+        if self.base is not None:
+            self.base.raise_if_damaged()
 
     def tensors(self) -> Iterator[LogicalTensor]:
-        base = {tensor.name: tensor for tensor in self.base.tensors()}
+        base = {tensor.name: tensor for tensor in self.base.tensors()} if self.base is not None else {}
         for name, live in self._base_names.items():
             tensor = base[name]
             yield LogicalTensor(name=live, shape=tensor.shape, layout=tensor.layout, states=(MASTER_WEIGHTS,),
@@ -188,13 +191,20 @@ class PeftAdapterSource:
             return torch_dtype(handle.get_slice(key).get_dtype())
 
 
-def adapter_base(path: Path, base: str | Path | None) -> Path:
-    """The base model of the PEFT adapter at ``path``: ``base``, else the local directory its config names."""
+def adapter_base(path: Path, base: str | Path | None) -> Path | None:
+    """The base model of the PEFT adapter at ``path``: ``base``, else the local directory its config names, else
+    None (the adapter is read alone)."""
     if base is not None:
         return Path(base)
     named = read_adapter_config(path / ADAPTER_CONFIG_FILE).get("base_model_name_or_path")
     if named and (Path(named) / "config.json").is_file():
         return Path(named)
-    raise CheckpointError(f"{path}: a PEFT adapter (adapter_config.json): its base model's weights are not in it"
-                          f"{f' and {named!r} is not a local model directory' if named else ''}; pass --base "
-                          "BASE_MODEL_DIR (the HF model the adapter was trained on)")
+    return None
+
+
+def missing_base(source: PeftAdapterSource) -> CheckpointError:
+    """What a command that needs the base model's weights says of an adapter read alone."""
+    named = source.config.get("base_model_name_or_path")
+    return CheckpointError(f"{source.path}: a PEFT adapter (adapter_config.json): its base model's weights are not "
+                           f"in it{f' and {named!r} is not a local model directory' if named else ''}; pass --base "
+                           "BASE_MODEL_DIR (the HF model the adapter was trained on)")

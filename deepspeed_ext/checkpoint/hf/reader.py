@@ -28,6 +28,7 @@ from deepspeed_ext.checkpoint.hf.files import (
 )
 from deepspeed_ext.checkpoint.model_config import output_dtype, safetensors_dtype_code, torch_dtype
 from deepspeed_ext.checkpoint.quantization import STORAGE_CODES
+from deepspeed_ext.checkpoint.adapters import adapters_beside
 from deepspeed_ext.checkpoint.source import (
     CheckpointSource,
     OpenOptions,
@@ -42,7 +43,10 @@ from deepspeed_ext.module_inject.layout import TPLayout
 def parameter_problem(source: CheckpointSource) -> str | None:
     """``verify``'s model check (the format hook): how the parameters fail to fit transformers' model for the
     checkpoint's config, or None."""
+    from deepspeed_ext.checkpoint.adapters import find_adapters
     from deepspeed_ext.checkpoint.model_config import config_facts
+    if find_adapters(source.info.layouts, with_base=False) is not None:
+        return None  # a peft model's (or a PEFT adapter's) names: no transformers model of its own to fit
     assert source.info.model_config is not None
     shapes = {name: layout.shape for name, layout in source.info.layouts.items()}
     return config_facts(source.info.model_config, None, str(source.info.path)).mismatch(shapes)
@@ -54,8 +58,8 @@ def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     from deepspeed_ext.checkpoint.hf.peft_adapter import PeftAdapterSource, adapter_base, is_peft_adapter
     if is_peft_adapter(path):
         base = adapter_base(path, options.base)
-        return PeftAdapterSource(path, HFCheckpoint(base, dtype=options.dtype, model_config=options.model_config,
-                                                    mtp=options.mtp))
+        return PeftAdapterSource(path, None if base is None else HFCheckpoint(
+            base, dtype=options.dtype, model_config=options.model_config, mtp=options.mtp))
     return HFCheckpoint(path, dtype=options.dtype, model_config=options.model_config, mtp=options.mtp)
 
 
@@ -312,7 +316,9 @@ class HFCheckpoint:
                           states=(MASTER_WEIGHTS, ), model_config=self.model_config,
                           model_class=(self.model_config.get("architectures") or [None])[0],
                           versions={"source": "huggingface safetensors"},
-                          fingerprints=self._fingerprints())
+                          fingerprints=self._fingerprints(),
+                          # a peft model's whole state dict saved as a model: its adapters' configs beside it
+                          adapters=adapters_beside(self.path))
 
     def _fingerprints(self) -> Fingerprints | None:
         """The fingerprints deepspeed-ext wrote into the files' metadata, where every parameter has one and the
