@@ -59,6 +59,12 @@ class MergedSource:
                 raise CheckpointError(f"{source.info.given}: adapter {adapter!r}: DoRA on an embedding cannot be "
                                       "merged here; write the PEFT adapter instead (to-hf without --merge)")
             settings.scaling("", 1)  # the config is known: else one line on how to give it
+            unbiased = [m.module for m in model.lora.values() if adapter in m.b_bias and "bias" not in m.base]
+            if unbiased:
+                raise CheckpointError(f"{source.info.given}: adapter {adapter!r} trains a bias (lora_bias) on "
+                                      f"{unbiased[0]}, whose base layer has none: the merged model has nowhere to put "
+                                      "it (peft cannot merge it either); write the PEFT adapter instead (to-hf "
+                                      "without --merge)")
         self._names = self._merged_names()
 
     def _merged_names(self) -> dict[str, str]:

@@ -33,6 +33,8 @@ from deepspeed_ext.errors import CheckpointError
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+#: The layers whose base weights peft saves with an adapter that adapts them (a vocabulary may have been resized).
+EMBEDDING_LAYERS = ("embed_tokens", "lm_head")
 
 _LORA = re.compile(r"^(?P<module>.+)\.lora_(?P<part>A|B)\.(?P<adapter>[^.]+)\.(?P<key>weight|bias)$")
 _LORA_EMBEDDING = re.compile(r"^(?P<module>.+)\.lora_embedding_(?P<part>A|B)\.(?P<adapter>[^.]+)$")
@@ -141,12 +143,15 @@ class AdapterModel:
     active: tuple[str, ...] = ()
 
     def parameters_of(self, adapter: str) -> list[str]:
-        """The checkpoint names of ``adapter``'s own parameters (what its PEFT adapter holds)."""
+        """The checkpoint names of what ``adapter``'s PEFT adapter holds: its own parameters, and, as peft saves
+        them, the base weights of an embedding layer it adapts (``embed_tokens``, ``lm_head``)."""
         names = []
         for module in self.lora.values():
             for part in (module.a, module.b, module.b_bias, module.magnitude):
                 if adapter in part:
                     names.append(part[adapter])
+            if adapter in module.a and module.module.rsplit(".", 1)[-1] in EMBEDDING_LAYERS:
+                names += module.base.values()
         for saved in self.saved.values():
             names += saved.copies.get(adapter, {}).values()
         return names

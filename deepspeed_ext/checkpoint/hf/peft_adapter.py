@@ -117,7 +117,11 @@ class PeftAdapterSource:
         if model is None:
             raise CheckpointError(f"{weights}: no LoRA weights (lora_A / lora_B) in the adapter")
         self.model = model
-        self._base_names = self._base_live_names() if base is not None else {}
+        # An adapted embedding's base weights come with the adapter (peft saves them): the adapter's copy is the one
+        # peft loads, so it is the one read.
+        self._with_adapter = {live for live in self._live.values() if ".base_layer." in live}
+        self._base_names = {name: live for name, live in self._base_live_names().items()
+                            if live not in self._with_adapter} if base is not None else {}
 
     def _base_live_names(self) -> dict[str, str]:
         """The base model's parameters under the PeftModel's names: a targeted layer's as ``base_layer``, a module
@@ -152,7 +156,7 @@ class PeftAdapterSource:
         return SourceInfo(format="huggingface", given=self.path, path=self.path, layouts=layouts,
                           states=(MASTER_WEIGHTS,), model_config=base.model_config if base else None,
                           model_class="PeftModelForCausalLM", versions={"source": "PEFT adapter + HF base model"},
-                          frozen=tuple(self._base_names.values()),
+                          frozen=(*self._base_names.values(), *sorted(self._with_adapter)),
                           adapters={"configs": {self.adapter: self.config}, "active": [self.adapter]})
 
     @property
@@ -183,7 +187,8 @@ class PeftAdapterSource:
                     value: torch.Tensor = handle.get_tensor(key)
                 return value
             yield LogicalTensor(name=live, shape=self._keys[key], layout=self._adapter_layouts[live],
-                                states=(MASTER_WEIGHTS,), loader=load, dtype=dtype)
+                                states=(MASTER_WEIGHTS,), loader=load, dtype=dtype,
+                                trainable=live not in self._with_adapter)
 
     def _dtype(self, key: str) -> torch.dtype:
         from safetensors import safe_open
