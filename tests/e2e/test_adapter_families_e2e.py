@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from harness.adapters import live_logits, logits, merged_loaded, peft_loaded
+from harness.adapters import assert_every_state_restored, live_logits, logits, merged_loaded, peft_loaded
 from harness.runner import cli
 from harness.scenario import Load
 
@@ -47,13 +46,5 @@ def test_exports_have_the_live_logits(trained, tmp_path):
 
 
 def test_resume_at_dp1_restores_every_state(trained):
-    saved = trained.live_state()[0]
-    loads = [Load(1, 1, trained.universal_dir), Load(1, 1, trained.tag_dir, load_universal=False)]
-    for (ranks, losses), load in zip(trained.loaded_many(loads), loads, strict=True):
-        loaded = ranks[0]
-        assert set(loaded) == set(saved), (load, set(loaded) ^ set(saved))
-        for name, states in saved.items():
-            for state, value in states.items():
-                assert torch.equal(loaded[name][state], value), (load, name, state)
-        assert losses and all(abs(loss - trained.baseline[step]) <= LOSS_RTOL * abs(trained.baseline[step])
-                              for step, loss in losses.items()), (load, losses)
+    assert_every_state_restored(trained, [Load(1, 1, trained.universal_dir),
+                                          Load(1, 1, trained.tag_dir, load_universal=False)], LOSS_RTOL)

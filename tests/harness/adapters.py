@@ -50,3 +50,19 @@ def merged_loaded(directory: Path) -> torch.nn.Module:
     model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched keys
     return model
+
+
+def assert_every_state_restored(scenario, loads: list, rtol: float) -> None:
+    """Right after each load: every saved tensor (the frozen base's weights; each adapter's master and Adam
+    moments) equals the live one at save time, bit for bit; the next loss is the uninterrupted run's."""
+    saved = scenario.live_state()[0]
+    adapters = [name for name in saved if ".lora_" in name]
+    assert adapters and all(set(saved[name]) >= {"fp32", "exp_avg", "exp_avg_sq"} for name in adapters)
+    for (ranks, losses), load in zip(scenario.loaded_many(loads), loads, strict=True):
+        loaded = ranks[0]
+        assert set(loaded) == set(saved), (load, set(loaded) ^ set(saved))
+        for name, states in saved.items():
+            for state, value in states.items():
+                assert torch.equal(loaded[name][state], value), (load, name, state)
+        assert losses and all(abs(loss - scenario.baseline[step]) <= rtol * abs(scenario.baseline[step])
+                              for step, loss in losses.items()), (load, losses, scenario.baseline)
