@@ -82,8 +82,7 @@ class MergedSource:
             keys = copies[0] if copies else saved.original
             for key, name in keys.items():
                 merged[name] = model.unwrapped(f"{saved.module}.{key}")
-        order = list(self.source.info.layouts)
-        return dict(sorted(merged.items(), key=lambda item: order.index(item[0])))
+        return {name: merged[name] for name in self.source.info.layouts if name in merged}
 
     @property
     def info(self) -> SourceInfo:

@@ -107,7 +107,9 @@ class PeftAdapterSource:
         from safetensors import safe_open
         try:
             with safe_open(str(weights), framework="pt") as handle:
-                self._keys = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+                slices = {key: handle.get_slice(key) for key in handle.keys()}
+                self._keys = {key: tuple(piece.get_shape()) for key, piece in slices.items()}
+                self._dtypes = {key: torch_dtype(piece.get_dtype()) for key, piece in slices.items()}
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"{weights}: not a readable safetensors file: {exc}") from exc
         self._weights = weights
@@ -180,7 +182,7 @@ class PeftAdapterSource:
                                 trainable=False)
         from safetensors import safe_open
         for key, live in self._live.items():
-            dtype = self._dtype(key)
+            dtype = self._dtypes[key]
 
             def load(state: str, key: str = key) -> torch.Tensor:
                 with safe_open(str(self._weights), framework="pt") as handle:
@@ -189,11 +191,6 @@ class PeftAdapterSource:
             yield LogicalTensor(name=live, shape=self._keys[key], layout=self._adapter_layouts[live],
                                 states=(MASTER_WEIGHTS,), loader=load, dtype=dtype,
                                 trainable=live not in self._with_adapter)
-
-    def _dtype(self, key: str) -> torch.dtype:
-        from safetensors import safe_open
-        with safe_open(str(self._weights), framework="pt") as handle:
-            return torch_dtype(handle.get_slice(key).get_dtype())
 
 
 def adapter_base(path: Path, base: str | Path | None) -> Path | None:
