@@ -239,6 +239,12 @@ def find_adapters(names: Iterable[str], configs: Mapping[str, Mapping[str, Any] 
     return model
 
 
+def is_lora_factor(name: str) -> bool:
+    """Whether ``name`` is a LoRA factor (``lora_A``/``lora_B``, or an embedding's): r rows or columns, which a
+    tensor-parallel run keeps whole on every rank on one side of each layer by design."""
+    return bool(_LORA.match(name) or _LORA_EMBEDDING.match(name))
+
+
 def peft_key(name: str, adapter: str, prefix: str) -> str:
     """The key peft's ``save_pretrained`` writes ``adapter``'s parameter ``name`` under (``prefix``: the
     checkpoint's; the file's keys always start with ``base_model.model.``)."""

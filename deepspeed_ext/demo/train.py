@@ -224,8 +224,9 @@ def with_lora(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Modu
     """``model`` wrapped by peft with LoRA adapters as ``--lora*`` ask (its base weights frozen)."""
     from peft import LoraConfig, get_peft_model
     targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-    config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, lora_dropout=0.0,
-                        target_modules=targets, task_type="CAUSAL_LM", **json.loads(args.lora_options))
+    options = {"lora_dropout": 0.0, **json.loads(args.lora_options)}
+    config = LoraConfig(r=args.lora, lora_alpha=args.lora_alpha or 2 * args.lora, target_modules=targets,
+                        task_type="CAUSAL_LM", **options)
     # The adapters' own initial values from the same seed on every rank (peft draws lora_A at random).
     torch.manual_seed(args.init_seed + 1)
     return get_peft_model(model, config)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint.engine_private import stored_shape
+from deepspeed_ext.checkpoint.engine_private.autotp_layers import UPSTREAM_META_ATTR as UPSTREAM_META_ATTR
 from deepspeed_ext.errors import LayoutError
 from deepspeed_ext.module_inject.layout import TPLayout, num_kv_heads_of
 from deepspeed_ext.module_inject.upstream import layout_from_upstream_meta as layout_from_upstream_meta
@@ -33,8 +34,6 @@ from deepspeed_ext.module_inject.upstream import unsharded_weights as unsharded_
 LAYOUT_ATTR = "ds_ext_tp_layout"
 #: Set on a parameter whose layout's shards are not TP ranks (AutoEP experts: EP ranks): the shard it holds.
 SHARD_RANK_ATTR = "ds_ext_shard_rank"
-#: Attribute DeepSpeed (>= 0.18.9) attaches to AutoTP parameters.
-UPSTREAM_META_ATTR = "ds_autotp_universal_checkpoint_meta"
 
 
 def tag_autotp_model(model: torch.nn.Module,
@@ -59,22 +58,10 @@ def tag_autotp_model(model: torch.nn.Module,
         model_config = getattr(model, "config", None)
     num_kv_heads = num_kv_heads_of(model_config)
 
-    from deepspeed_ext.checkpoint.engine_private.autotp_layers import LayerReader, autotp_layers, layer_layouts
-    by_param: dict[int, TPLayout] = {}
-    for module_name, module, layer_tp, grain in autotp_layers(model, tp_size, tp_grain_size):
-        known = layer_layouts(module, LayerReader(module, layer_tp, num_kv_heads, grain, use_layer_sizes))
-        for key in ("weight", "bias"):
-            param = getattr(module, key, None)
-            if not isinstance(param, torch.nn.Parameter):
-                continue
-            layout = (known or {}).get(key)
-            if layout is None:
-                meta = getattr(param, UPSTREAM_META_ATTR, None)
-                if meta is None:
-                    raise LayoutError(f"AutoTP layer {module_name!r} ({type(module).__name__}) has a layout "
-                                      "deepspeed-ext cannot describe and DeepSpeed left no metadata for it")
-                layout = layout_from_upstream_meta(meta, layer_tp)
-            by_param[id(param)] = layout
+    from deepspeed_ext.checkpoint.engine_private.autotp_layers import autotp_param_layouts
+    from deepspeed_ext.module_inject.adapters_tp import adapter_layouts
+    by_param = autotp_param_layouts(model, tp_size, num_kv_heads, tp_grain_size, use_layer_sizes)
+    by_param.update(adapter_layouts(model, by_param))
 
     layouts: dict[str, TPLayout] = {}
     for name, param in model.named_parameters(remove_duplicate=True):

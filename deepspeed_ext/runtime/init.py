@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint import engine_private
+from deepspeed_ext.checkpoint.adapters import is_lora_factor
 from deepspeed_ext.checkpoint.metadata import UCInfo
 from deepspeed_ext.config import ExtConfig, load_ds_config
 from deepspeed_ext.errors import DeepSpeedExtError
+from deepspeed_ext.module_inject.adapters_tp import adapters_kept_under_autotp
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
 from deepspeed_ext.runtime import integrations
 from deepspeed_ext.runtime.background_save import can_save_in_background, wait_at_exit
@@ -54,12 +56,20 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     """
     ds_config = _ds_config_of_call(args, kwargs)
     ext = ExtConfig.from_ds_config(ds_config)
-    if ext.hooks_engine:
-        refuse_autoep_with_incompatible_transformers(ds_config)
-    result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
-    if ext.hooks_engine:
-        attach(result[0], ext, ds_config)
+    if not ext.hooks_engine:
+        plain: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
+        return plain
+    refuse_autoep_with_incompatible_transformers(ds_config)
+    engine_private.check_installed_deepspeed()
+    # AutoTP would replace each peft LoRA layer by a shard of its base weight; this keeps and cuts the adapters.
+    with adapters_kept_under_autotp(_tp_grain_size(ds_config)):
+        result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
+    attach(result[0], ext, ds_config)
     return result
+
+
+def _tp_grain_size(ds_config: dict[str, Any] | None) -> int:
+    return int(((ds_config or {}).get("tensor_parallel") or {}).get("tp", {}).get("tp_grain_size", 1) or 1)
 
 
 #: The newest DeepSpeed release whose AutoEP fails with transformers 5.23 and later; the newest transformers it runs.
@@ -161,8 +171,7 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
     """Tag ``engine.module`` and hook the engine's checkpoint methods. Returns the UC info."""
     engine_private.check_installed_deepspeed()  # a DeepSpeed release we cannot serve fails here, in one line
     tp_size, tp_rank = engine_private.model_parallel_info(engine)
-    grain = int(((ds_config or {}).get("tensor_parallel") or {}).get("tp", {}).get("tp_grain_size", 1) or 1)
-    layouts = tag_autotp_model(engine.module, tp_size=tp_size, tp_rank=tp_rank, tp_grain_size=grain)
+    layouts = tag_autotp_model(engine.module, tp_size=tp_size, tp_rank=tp_rank, tp_grain_size=_tp_grain_size(ds_config))
     layouts = _over_every_stage(engine, layouts)
     if engine_private.partitions_weights(engine):
         refuse_empty_shards_under_zero3(layouts)
@@ -180,7 +189,8 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
         logger.warning("AutoTP cannot shard %d parameters that are not nn.Linear weights (e.g. fused MoE expert "
                        "stacks); every TP rank keeps them whole, and checkpoints hold them as replicated: %s",
                        len(stacked), ", ".join(name_patterns(stacked)))
-    matrices = [name for name in unsharded_weights(layouts, min_ndim=2) if name not in stacked]
+    matrices = [name for name in unsharded_weights(layouts, min_ndim=2)
+                if name not in stacked and not is_lora_factor(name)]
     if matrices and engine.global_rank == 0:
         logger.warning("AutoTP left %d weight matrices whole on every TP rank (the tensor-parallel config does not "
                        "split them, or the layer cannot be split); checkpoints hold them as replicated: %s",

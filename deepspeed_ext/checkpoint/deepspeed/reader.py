@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepspeed_ext.checkpoint import ranges, serialization
-from deepspeed_ext.checkpoint.adapters import adapters_beside
+from deepspeed_ext.checkpoint.adapters import adapters_beside, is_lora_factor
 from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.deepspeed.layouts import Fragment
 from deepspeed_ext.checkpoint.manifest import FilesChecked
@@ -426,8 +426,10 @@ class DeepSpeedCheckpoint(DeepSpeedTag):
             "num_parameters": sum(layout.numel for layout in self.layouts.values()),
             **frozen_summary(self.layouts, self.frozen_names),
             **({"expert_parallel": self.experts.summary()} if self.experts is not None else {}),
-            # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard).
-            "unsharded_weights": name_patterns(unsharded_weights(self.layouts)),
+            # Weight matrices AutoTP kept whole on every TP rank (e.g. fused MoE experts it cannot shard); not the
+            # LoRA factors kept whole by design.
+            "unsharded_weights": name_patterns(name for name in unsharded_weights(self.layouts)
+                                               if not is_lora_factor(name)),
             # What a user resuming elsewhere needs (DeepSpeed's own loader fails at other degrees with an
             # assertion about a missing key).
             "resume": (f"DeepSpeed alone resumes it only at {self._degrees_text}; at other "

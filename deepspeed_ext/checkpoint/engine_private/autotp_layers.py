@@ -18,6 +18,8 @@ from deepspeed_ext.checkpoint.engine_private.engine import stored_shape
 from deepspeed_ext.errors import DeepSpeedExtError, LayoutError
 from deepspeed_ext.module_inject.layout import TPLayout, shard_sizes
 
+#: Attribute DeepSpeed (>= 0.18.9) attaches to AutoTP parameters: its own record of their split.
+UPSTREAM_META_ATTR = "ds_autotp_universal_checkpoint_meta"
 #: The base class of every AutoTP layer (``deepspeed.module_inject.layers``).
 TENSOR_PARALLEL_LAYER = "TensorParallel_Layer"
 
@@ -212,3 +214,66 @@ def layer_layouts(layer: torch.nn.Module, reader: LayerReader) -> dict[str, TPLa
     return None
 
 
+
+
+#: How a LoRA adapter pairs with each AutoTP layer it may sit on, by the layer's inputs and outputs: ``column`` (whole
+#: input, output split: lora_B is cut as the weight's rows), ``row`` (input split, output summed: lora_A is cut as the
+#: weight's columns), ``whole`` (whole input and whole output: the adapter stays whole). Most derived class first.
+_ADAPTER_SPLITS = (
+    ("LinearAllreduceWithReplicatedInput", "whole"),
+    ("LmHeadLinearAllreduce", None),  # an inference head; not trained
+    ("SubParamLinearAllreduce", "row"),
+    ("LinearAllreduce", "row"),
+    ("SubParamLinearLayer", "column"),
+    ("VocabParallelLinear", "column"),
+    ("SubParamColumnParallel", "column"),  # fused QKV, GateUpPack
+    ("conv_LinearLayer", None),
+    ("Yuan_LinearLayer", None),
+    ("LinearLayer", "column"),
+)
+
+
+def adapter_split(layer: torch.nn.Module) -> str | None:
+    """How a LoRA adapter over ``layer`` is split (see ``_ADAPTER_SPLITS``); None for a layer no adapter can pair with.
+    A column layer that gathers its output (``gather_output``) gives a whole output, so its adapter stays whole."""
+    names = _class_names(layer)
+    for class_name, split in _ADAPTER_SPLITS:
+        if class_name in names:
+            if split == "column" and getattr(layer, "gather_output", False):
+                return "whole"
+            return split
+    return None
+
+
+def mark_tensor_parallel(param: torch.nn.Parameter) -> None:
+    """Tell DeepSpeed ``param`` is one TP rank's shard: its gradient norm then sums every rank's part (a replicated
+    parameter counts once), as for AutoTP's own weights."""
+    from deepspeed.module_inject.layers import DS_TENSOR_MODEL_PARALLEL
+    setattr(param, DS_TENSOR_MODEL_PARALLEL, True)
+
+
+def is_autotp_layer(module: torch.nn.Module) -> bool:
+    return TENSOR_PARALLEL_LAYER in _class_names(module)
+
+
+def autotp_param_layouts(model: torch.nn.Module, tp_size: int, num_kv_heads: int | None, tp_grain_size: int = 1,
+                         use_layer_sizes: bool = True) -> dict[int, TPLayout]:
+    """``{id(param): layout}`` of every parameter of every AutoTP layer of ``model``: read from the layer's structure
+    (:func:`layer_layouts`), else from DeepSpeed's own per-parameter metadata; one line for a layer with neither."""
+    from deepspeed_ext.module_inject.upstream import layout_from_upstream_meta
+    by_param: dict[int, TPLayout] = {}
+    for module_name, module, layer_tp, grain in autotp_layers(model, tp_size, tp_grain_size):
+        known = layer_layouts(module, LayerReader(module, layer_tp, num_kv_heads, grain, use_layer_sizes))
+        for key in ("weight", "bias"):
+            param = getattr(module, key, None)
+            if not isinstance(param, torch.nn.Parameter):
+                continue
+            layout = (known or {}).get(key)
+            if layout is None:
+                meta = getattr(param, UPSTREAM_META_ATTR, None)
+                if meta is None:
+                    raise LayoutError(f"AutoTP layer {module_name!r} ({type(module).__name__}) has a layout "
+                                      "deepspeed-ext cannot describe and DeepSpeed left no metadata for it")
+                layout = layout_from_upstream_meta(meta, layer_tp)
+            by_param[id(param)] = layout
+    return by_param

@@ -20,6 +20,7 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
     "deepspeed.utils.groups": (
         ("get_tensor_model_parallel_world_size", "the AutoTP degree"),
         ("get_tensor_model_parallel_rank", "the AutoTP rank"),
+        ("get_tensor_model_parallel_group", "the collectives of LoRA adapters under AutoTP"),
     ),
     "deepspeed.utils.tensor_fragment": (
         ("tensor_fragment.get_hp_fragment", "ZeRO-1/2 fp32 fragments"),
@@ -37,6 +38,7 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "deepspeed.runtime.engine": (
         ("DeepSpeedEngine.save_checkpoint", "the save hook"),
+        ("DeepSpeedEngine._configure_tensor_parallel", "sharding LoRA adapters as AutoTP shards their base layers"),
         ("DeepSpeedEngine.load_checkpoint", "the load hook"),
         ("DeepSpeedEngine.zero_optimization", "the ZeRO stage"),
         ("DeepSpeedEngine.zero_optimization_stage", "the ZeRO stage"),
@@ -64,6 +66,7 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
         ("TensorParallel_Layer", "finding AutoTP's layers"),
         ("LinearLayer", "column-parallel layers' splits"),
         ("LinearAllreduce", "row-parallel layers' splits"),
+        ("DS_TENSOR_MODEL_PARALLEL", "the gradient norm of LoRA adapters cut under AutoTP"),
     ),
     "deepspeed.runtime.fp16.fused_optimizer": (("FP16_Optimizer", "stage-0 fp16/bf16 with a fused optimizer"), ),
     "deepspeed.runtime.fp16.unfused_optimizer": (("FP16_UnfusedOptimizer", "stage-0 fp16/bf16"), ),
