@@ -117,3 +117,14 @@ def test_dora_under_autotp_is_refused_in_one_line(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "use a LoRA variant (DoRA" in line]
     assert lines and "use_dora=False" in lines[0], proc.stderr[-2000:]
+
+
+def test_qwen3_tp2_adapters_with_frozen_grad_allreduce_norms_and_a_vocab_parallel_head(scenarios):
+    """Qwen3 (tied vocab-parallel embedding and head; q/k norms AutoTP gives a gradient all-reduce, frozen here) at
+    TP=2 ZeRO-2 trains as at TP=1 and resumes at TP=1 from its universal form with the uninterrupted losses."""
+    settings = dict(family="qwen3", zero=2, dtype="fp32", lora=4)
+    tp2 = scenarios("lora_qwen3_tp2", tp=2, **settings)
+    tp1 = scenarios("lora_qwen3_tp1", tp=1, convert=False, **settings)
+    assert close(tp2.baseline, tp1.baseline), (tp2.baseline, tp1.baseline)
+    resumed = tp2.resume(1, 1)
+    assert sorted(resumed) == [4, 5] and close(resumed, tp2.baseline), (resumed, tp2.baseline)

@@ -27,7 +27,8 @@ def around_autotp(before: Before, after: After) -> Iterator[None]:
     def configure_tensor_parallel(engine: Any, model: torch.nn.Module, tp_config: Any) -> Any:
         state = before(model)
         try:
-            result = original(engine, model, tp_config)
+            with _frozen_without_grad_hooks(model):
+                result = original(engine, model, tp_config)
         except BaseException:
             after(model, state, False)
             raise
@@ -40,6 +41,26 @@ def around_autotp(before: Before, after: After) -> Iterator[None]:
         yield
     finally:
         DeepSpeedEngine._configure_tensor_parallel = original
+
+
+#: The mark AutoTP (0.19) sets on a parameter it gave a gradient all-reduce hook, and skips one that has it.
+_GRAD_HOOK_MARK = "_ds_grad_allreduce_registered"
+
+
+@contextlib.contextmanager
+def _frozen_without_grad_hooks(model: torch.nn.Module) -> Iterator[None]:
+    """AutoTP gives the replicated parameters a partition_config marks ``grad_allreduce`` (Qwen3's q/k norms) a
+    gradient hook, which torch refuses on a frozen parameter (a LoRA model's base): the run fails at initialize.
+    A frozen parameter has no gradient to sum, so it passes as already hooked, and the mark goes once AutoTP ends."""
+    marked = [param for param in model.parameters()
+              if not param.requires_grad and not getattr(param, _GRAD_HOOK_MARK, False)]
+    for param in marked:
+        setattr(param, _GRAD_HOOK_MARK, True)
+    try:
+        yield
+    finally:
+        for param in marked:
+            delattr(param, _GRAD_HOOK_MARK)
 
 
 def _refresh_upstream_info(model: torch.nn.Module) -> None:
