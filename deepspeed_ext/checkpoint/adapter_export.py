@@ -23,7 +23,9 @@ def adapter_model(source: CheckpointSource, adapter_config: str | Path | None = 
     (an ``adapter_config.json``) for the one adapter it has."""
     recorded = source.info.adapters or {}
     model = find_adapters(source.info.layouts, recorded.get("configs") or {}, recorded.get("active") or (),
-                          with_base=not _base_less(source))
+                          with_base=False)
+    if model is not None and not _base_less(source):
+        model.base_saved(str(source.info.given))  # all or none: one line where only some are there
     if model is None or adapter_config is None:
         return model
     if len(model.adapters) != 1:
@@ -76,7 +78,16 @@ def prepare(source: CheckpointSource, target: str, *, merge: bool = False, adapt
         if base_source.info.format != "huggingface" or base_source.info.adapters:
             raise CheckpointError(f"{base_source.info.given}: --base must be the base model as an HF directory "
                                   "(config.json + safetensors)")
-    from deepspeed_ext.checkpoint.adapter_merge import MergedSource
+    from deepspeed_ext.checkpoint.adapter_merge import AdaptersOnBase, MergedSource
+    if not model.base_saved(label):  # saved without its frozen parameters: the base model gives them
+        if base_source is None:
+            raise CheckpointError(f"{label}: the checkpoint holds the adapters alone (its frozen base weights were "
+                                  "not saved: exclude_frozen_parameters, as the Trainer saves a peft model); pass "
+                                  "--base BASE_MODEL_DIR (the HF model the adapters were trained on)")
+        source = AdaptersOnBase(source, model, base_source)
+        model = adapter_model(source, adapter_config)
+        assert model is not None
+        base_source = None  # the base's weights are the only copy: nothing to check them against
     return MergedSource(source, model, chosen, base_source), None, []
 
 

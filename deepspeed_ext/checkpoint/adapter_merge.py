@@ -178,3 +178,41 @@ def _only_weights(name: str, load: Callable[[], torch.Tensor]) -> Callable[[str]
             raise KeyError(f"{name}: a merged weight has no state {state!r}")
         return load()
     return loader
+
+
+class AdaptersOnBase:
+    """An adapter checkpoint saved without its frozen parameters (the Trainer saves a peft model so) on the base model
+    ``base`` (an HF directory): the base's tensors under the adapted model's names, frozen, then the checkpoint's own.
+    What :class:`MergedSource` merges when the checkpoint holds no base weights of its own."""
+
+    def __init__(self, source: CheckpointSource, model: AdapterModel, base: CheckpointSource) -> None:
+        self.source, self.base = source, base
+        held = set(source.info.layouts)
+        names = model.base_live_names(base.info.layouts, f"{base.info.given} (--base of {source.info.given})")
+        self._base_names = {name: live for name, live in names.items() if live not in held}
+
+    @property
+    def info(self) -> SourceInfo:
+        info, base = self.source.info, self.base.info
+        layouts = {live: base.layouts[name] for name, live in self._base_names.items()}
+        layouts.update(info.layouts)
+        return dataclasses.replace(info, layouts=layouts, model_config=info.model_config or base.model_config,
+                                   frozen=(*info.frozen, *self._base_names.values()))
+
+    @property
+    def read_paths(self) -> list[Path]:
+        return [*self.source.read_paths, *self.base.read_paths]
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.source.summary(), "base": str(self.base.info.given)}
+
+    def raise_if_damaged(self) -> None:
+        self.source.raise_if_damaged()
+        self.base.raise_if_damaged()
+
+    def tensors(self) -> Iterator[LogicalTensor]:
+        for tensor in self.base.tensors():
+            live = self._base_names.get(tensor.name)
+            if live is not None:
+                yield dataclasses.replace(tensor, name=live, trainable=False)
+        yield from self.source.tensors()

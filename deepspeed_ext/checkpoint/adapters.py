@@ -171,6 +171,36 @@ class AdapterModel:
     def unwrapped(self, name: str) -> str:
         return name[len(self.prefix):] if name.startswith(self.prefix) else name
 
+    def base_saved(self, label: str) -> bool:
+        """Whether the checkpoint holds its adapted layers' base weights: all (True) or none (False: saved without its
+        frozen parameters, as the Trainer saves a peft model); one line where only some are there."""
+        without = [module.module for module in self.lora.values() if "weight" not in module.base]
+        if without and len(without) < len(self.lora):
+            raise CheckpointError(f"{label}: {without[0]}: LoRA adapters without the base layer's weight "
+                                  f"({without[0]}.base_layer.weight), which other adapted layers have")
+        return not without
+
+    def base_live_names(self, base_names: Iterable[str], label: str) -> dict[str, str]:
+        """A base model's parameter names -> the adapted model's: a targeted layer's as ``base_layer``, a module saved
+        whole as ``original_module``, each under this model's prefix. One line naming a layer the base lacks."""
+        lora = {self.unwrapped(module) for module in self.lora}
+        saved = {self.unwrapped(module) for module in self.saved}
+        base_names = list(base_names)
+        found: dict[str, str] = {}
+        for name in base_names:
+            module, _, leaf = name.rpartition(".")
+            if module in lora:
+                found[name] = f"{self.prefix}{module}.base_layer.{leaf}"
+            elif module in saved:
+                found[name] = f"{self.prefix}{module}.original_module.{leaf}"
+            else:
+                found[name] = self.prefix + name
+        missing = [m for m in sorted(lora | saved) if not any(n.startswith(m + ".") for n in base_names)]
+        if missing:
+            raise CheckpointError(f"{label}: the base model has no {missing[0]!r}, which the adapter adapts; wrong "
+                                  "--base?")
+        return found
+
     def summary(self) -> dict[str, Any]:
         """What ``inspect`` says of the adapters."""
         trainable = {n for adapter in self.adapters for n in self.parameters_of(adapter)}
@@ -182,7 +212,9 @@ class AdapterModel:
                                    + (f"; {len(self.saved)} modules saved whole" if self.saved else ""),
                 "adapter_parameters": f"{len(trainable)} adapter tensors; the rest is the frozen base model",
                 "adapter_exports": "to-hf writes the PEFT adapter (PeftModel.from_pretrained(base, OUT)); to-hf "
-                                   "--merge the merged model; to-maxtext the merged weights"}
+                                   "--merge the merged model; to-maxtext the merged weights"
+                                   + ("" if self.base_saved("") else " (both with --base BASE_MODEL_DIR: the "
+                                      "checkpoint holds the adapters alone, its frozen base weights were not saved)")}
 
 
 def find_adapters(names: Iterable[str], configs: Mapping[str, Mapping[str, Any] | None] | None = None,

@@ -126,25 +126,9 @@ class PeftAdapterSource:
                             if live not in self._with_adapter} if base is not None else {}
 
     def _base_live_names(self) -> dict[str, str]:
-        """The base model's parameters under the PeftModel's names: a targeted layer's as ``base_layer``, a module
-        saved whole as ``original_module``."""
+        """The base model's parameters under the PeftModel's names (``base_layer``, ``original_module``)."""
         assert self.base is not None
-        lora = {module.removeprefix(PEFT_PREFIX) for module in self.model.lora}
-        saved = {module.removeprefix(PEFT_PREFIX) for module in self.model.saved}
-        found: dict[str, str] = {}
-        for name in self.base.info.layouts:
-            module, _, leaf = name.rpartition(".")
-            if module in lora:
-                found[name] = f"{PEFT_PREFIX}{module}.base_layer.{leaf}"
-            elif module in saved:
-                found[name] = f"{PEFT_PREFIX}{module}.original_module.{leaf}"
-            else:
-                found[name] = PEFT_PREFIX + name
-        missing = [m for m in sorted(lora | saved) if not any(n.startswith(m + ".") for n in self.base.info.layouts)]
-        if missing:
-            raise CheckpointError(f"{self.base.info.given}: the base model has no {missing[0]!r}, which the adapter "
-                                  f"{self.path} adapts; wrong --base?")
-        return found
+        return self.model.base_live_names(self.base.info.layouts, f"{self.base.info.given} (base of {self.path})")
 
     @cached_property
     def _adapter_layouts(self) -> dict[str, TPLayout]:

@@ -1,10 +1,11 @@
 """A Hugging Face Trainer script as a user writes it, with deepspeed-ext enabled from the DeepSpeed config.
 
-Run under torchrun (``DS_ACCELERATOR=cpu``). One process per TP rank (DP=1), so the global batch is
-``--batch`` at every TP degree and runs at TP=1, 2 and 4 see the same data in the same order.
+Run under torchrun (``DS_ACCELERATOR=cpu``) with TP x DP processes; each DP rank takes ``--batch / DP`` sequences,
+so the global batch is ``--batch`` at every degree and runs at any TP and DP see the same data in the same order.
+``--lora R``: the model is a peft LoRA model (adapters of rank R on every linear layer, the base frozen).
 
     torchrun --nproc_per_node 2 hf_trainer.py --tp 2 --zero 1 --steps 6 --save-steps 3 --output-dir OUT \
-        --result losses.json [--resume OUT/checkpoint-3 | --resume latest] [--load-universal] [--no-ext]
+        --result losses.json [--resume OUT/checkpoint-3 | --resume latest] [--load-universal] [--no-ext] [--lora 4]
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--dp", type=int, default=1, help="the data-parallel degree (torchrun starts TP x DP processes)")
+    p.add_argument("--lora", type=int, default=0, help="train peft LoRA adapters of this rank (0: the whole model)")
     p.add_argument("--zero", type=int, default=1)
     p.add_argument("--family", default="llama")
     p.add_argument("--steps", type=int, default=6)
@@ -31,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-ext", action="store_true", help="without the deepspeed_ext section")
     p.add_argument("--async-save", action="store_true", help='"async_save": true in the deepspeed_ext section')
     p.add_argument("--save-total-limit", type=int, help="the Trainer's save_total_limit (it rotates checkpoint-N)")
+    p.add_argument("--fp32", action="store_true", help="train in fp32 (bf16=False) instead of bf16")
+    p.add_argument("--dump-logits", help="after training, the model's logits on the demo's eval batch (rank 0 writes)")
     p.add_argument("--result", required=True)
     return p.parse_args()
 
@@ -86,7 +91,7 @@ def main() -> None:
     if args.load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
     training = TrainingArguments(output_dir=args.output_dir,
-                                 per_device_train_batch_size=args.batch,
+                                 per_device_train_batch_size=args.batch // args.dp,
                                  max_steps=args.steps,
                                  save_steps=args.save_steps,
                                  save_strategy="steps",
@@ -95,7 +100,7 @@ def main() -> None:
                                  warmup_steps=2,
                                  lr_scheduler_type="linear",
                                  logging_steps=1,
-                                 bf16=True,
+                                 bf16=not args.fp32,
                                  use_cpu=True,
                                  deepspeed=ds_config,
                                  report_to=[],
@@ -122,10 +127,23 @@ def main() -> None:
             after_saves[state.global_step] = {"folders": folders, "complete": complete,
                                               "newest_complete": None if newest is None else Path(newest).name}
 
-    trainer = Trainer(model=build_model(args.family), args=training, train_dataset=TokenSequences(),
+    model = build_model(args.family)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(4321)  # peft draws lora_A at random: the same initial adapters on every rank and run
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
+                                                 lora_dropout=0.0, task_type="CAUSAL_LM"))
+    trainer = Trainer(model=model, args=training, train_dataset=TokenSequences(),
                       processing_class=tiny_tokenizer(), callbacks=[RecordLoss()])
     resume = True if args.resume == "latest" else args.resume
     trainer.train(resume_from_checkpoint=resume)
+    if args.dump_logits:  # every rank runs the forward (tensor parallelism's collectives); rank 0 keeps it
+        from deepspeed_ext.demo.models import eval_batch
+        trainer.model_wrapped.eval()
+        with torch.no_grad():
+            found = trainer.model_wrapped(input_ids=eval_batch()).logits.float()
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save(found, args.dump_logits)
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(args.result).write_text(json.dumps({"tp": args.tp, "losses": losses, "learning_rates": learning_rates,
