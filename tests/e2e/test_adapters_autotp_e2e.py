@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from harness.adapters import live_logits, logits, merged_loaded, peft_loaded
-from harness.runner import cli, torchrun_train
+from harness.runner import cli, read_losses, torchrun_train
 from harness.scenario import Load, assert_universal_matches_live
 
 TP2 = dict(tp=2, dp=1, zero=1, dtype="fp32", lora=4)
@@ -128,3 +128,18 @@ def test_qwen3_tp2_adapters_with_frozen_grad_allreduce_norms_and_a_vocab_paralle
     assert close(tp2.baseline, tp1.baseline), (tp2.baseline, tp1.baseline)
     resumed = tp2.resume(1, 1)
     assert sorted(resumed) == [4, 5] and close(resumed, tp2.baseline), (resumed, tp2.baseline)
+
+
+def test_the_gradient_norm_counts_cut_adapters_on_every_rank_and_whole_ones_once(tmp_path):
+    """The global gradient norm DeepSpeed clips with is the TP=1 run's at every step (ZeRO-1 and ZeRO-3): the cut
+    adapters' shares are summed over the TP ranks and the whole factors counted once, as for AutoTP's own weights."""
+    norms = {}
+    for tp, zero in ((1, 1), (2, 1), (2, 3)):
+        result = tmp_path / f"tp{tp}_zero{zero}.json"
+        torchrun_train(tp, ["--tp", str(tp), "--zero", str(zero), "--dtype", "fp32", "--steps", "2", "--lora", "4",
+                            "--record-grad-norms", "--result", str(result)], tmp_path / f"tp{tp}_zero{zero}.log")
+        norms[(tp, zero)] = json.loads(result.read_text())["grad_norms"]
+    expected = norms[(1, 1)]
+    assert len(expected) == 2 and all(value > 0 for value in expected.values()), expected
+    for key, found in norms.items():
+        assert all(abs(found[step] - value) <= 1e-5 * value for step, value in expected.items()), (key, norms)

@@ -191,6 +191,12 @@ def loss_scale(engine: Any, step: int) -> float | None:
     return float(scaler.cur_scale) if scaler is not None and hasattr(scaler, "cur_scale") else None
 
 
+def grad_norm(engine: Any, step: int) -> float | None:
+    """The global gradient norm the engine clipped with at this step."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 def writer_ended(engine: Any, limit_s: float = 120.0) -> None:
     """Wait until this rank's background writer has exited, without reaping it or asking how it went: the next
     ``engine.step()`` finds out, as it would at any later step, however fast the steps are against the writer."""
@@ -214,6 +220,8 @@ def run_with_probes(argv: list[str]) -> None:
     probes.add_argument("--also-save-synchronously")
     probes.add_argument("--save-errors")
     probes.add_argument("--writer-ends-before-next-step", action="store_true")
+    probes.add_argument("--record-grad-norms", action="store_true",
+                        help="the result's per-step record is the engine's global gradient norm, not the loss scale")
     args, rest = probes.parse_known_args(argv)
     if args.allow_cpu_fp16:
         allow_cpu_fp16()
@@ -250,8 +258,8 @@ def run_with_probes(argv: list[str]) -> None:
         before_save=before_save if args.dump or args.also_save_without_latest or args.also_save_synchronously
         else None,
         after_save=after_save if args.save_errors or args.writer_ends_before_next_step else None,
-        after_step=loss_scale,
-        result_key="loss_scales")
+        after_step=grad_norm if args.record_grad_norms else loss_scale,
+        result_key="grad_norms" if args.record_grad_norms else "loss_scales")
     train.run(rest, hooks)
 
 
