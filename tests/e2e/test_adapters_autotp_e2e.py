@@ -7,12 +7,14 @@ its PEFT and merged exports have the live model's logits. DoRA under AutoTP is r
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from harness.adapters import live_logits, logits, merged_loaded, peft_loaded
-from harness.runner import cli, read_losses, torchrun_train
+from harness.runner import cli, run_logged, torchrun_train
 from harness.scenario import Load, assert_universal_matches_live
 
 TP2 = dict(tp=2, dp=1, zero=1, dtype="fp32", lora=4)
@@ -143,3 +145,16 @@ def test_the_gradient_norm_counts_cut_adapters_on_every_rank_and_whole_ones_once
     assert len(expected) == 2 and all(value > 0 for value in expected.values()), expected
     for key, found in norms.items():
         assert all(abs(found[step] - value) <= 1e-5 * value for step, value in expected.items()), (key, norms)
+
+
+def test_a_frozen_adapter_a_second_engine_and_a_mixed_batch(tmp_path):
+    """A second adapter left frozen (with dropout) initializes; a second engine on the same model keeps the cut
+    adapters as they are and trains; peft's adapter_names= is refused in one line."""
+    worker = Path(__file__).resolve().parents[1] / "harness" / "workers" / "lora_autotp_edges.py"
+    result = tmp_path / "edges.json"
+    run_logged([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),
+                str(result)], tmp_path / "edges.log")
+    seen = json.loads(result.read_text())
+    assert seen["lora_B_rows_1"] == seen["lora_B_rows_2"] == 32, seen  # q_proj's 64 rows over 2 ranks, cut once
+    assert seen["loss_2"] < seen["loss_1"], seen
+    assert seen["mixed_batch"].startswith("UnsupportedGeometryError") and "adapter_names" in seen["mixed_batch"]

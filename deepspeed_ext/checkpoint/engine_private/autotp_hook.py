@@ -25,6 +25,8 @@ def around_autotp(before: Before, after: After) -> Iterator[None]:
     original = DeepSpeedEngine._configure_tensor_parallel
 
     def configure_tensor_parallel(engine: Any, model: torch.nn.Module, tp_config: Any) -> Any:
+        if getattr(model, "ds_autotp_parsed", False):  # sharded by an engine before (the Trainer's second): as it is
+            return original(engine, model, tp_config)
         state = before(model)
         try:
             with _frozen_without_grad_hooks(model):

@@ -223,6 +223,8 @@ _ADAPTER_SPLITS = (
     ("LinearAllreduceWithReplicatedInput", "whole"),
     ("LmHeadLinearAllreduce", None),  # an inference head; not trained
     ("SubParamLinearAllreduce", "row"),
+    ("Yuan_LinearAllreduce", None),  # head groups cut apart, not columns in a row
+    ("Conv_LinearALlreduce", None),
     ("LinearAllreduce", "row"),
     ("SubParamLinearLayer", "column"),
     ("VocabParallelLinear", "column"),
