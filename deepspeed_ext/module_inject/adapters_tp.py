@@ -222,18 +222,12 @@ def _return(model: torch.nn.Module, aside: _Aside, sharded: bool, grain: int) ->
         _cut(lora, split, base, tp_rank, group)
 
 
-def _refuse_mixed_batches(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """peft's mixed-batch forward (``adapter_names=``) visits the adapters in a set's order, which differs between
-    processes: the TP ranks would sum different adapters' sub-batches."""
-    if kwargs.get("adapter_names") is not None:
-        raise UnsupportedGeometryError("peft's adapter_names= (a batch mixing adapters) cannot run under AutoTP: each "
-                                       "TP rank would visit the adapters in another order; use set_adapter instead")
-
-
 def _cut(lora: LoraLinear, split: str, base: TPLayout, tp_rank: int, group: Any) -> None:
     """Cut every adapter of ``lora`` for this TP rank and give it the collectives of its split."""
-    if split != "whole":
-        lora.layer.register_forward_pre_hook(_refuse_mixed_batches, with_kwargs=True)
+    if split != "whole":  # peft visits a mixed batch's adapters in a set's order, which differs between processes
+        lora.refuse_mixed_batches(UnsupportedGeometryError(
+            "peft's adapter_names= (a batch mixing adapters) cannot run under AutoTP: each TP rank would visit the "
+            "adapters in another order and sum another adapter's sub-batch; use set_adapter instead"))
     for adapter in lora.adapter_names():
         lora_a, lora_b = lora.pair(adapter)
         dropout = lora.dropout_p(adapter)

@@ -56,6 +56,16 @@ class LoraLinear:
         dora = getattr(self.layer, "use_dora", None) or {}
         return sorted({str(name) for name in variant} | {str(name) for name, on in dora.items() if on})
 
+    def refuse_mixed_batches(self, why: Exception) -> None:
+        """Make peft's forward for a batch that mixes adapters (``adapter_names=``, which peft's forward hooks hand to
+        each layer) raise ``why`` in this layer instead of running."""
+        if not hasattr(self.layer, "_mixed_batch_forward"):
+            return  # this peft has no mixed batches
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise why
+        self.layer._mixed_batch_forward = refuse
+
     def detach(self) -> None:
         """Put the base layer where the LoRA layer was (AutoTP then shards it as it shards a plain model)."""
         setattr(self.parent, self.attribute, self.base)

@@ -39,9 +39,10 @@ def main() -> None:
         seen[f"loss_{engine_number}"] = float(loss)
         seen[f"lora_B_rows_{engine_number}"] = int(
             model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.shape[0])
+    model.eval()  # peft takes adapter_names= in eval mode only
     try:
         with torch.no_grad():
-            model(input_ids=ids, adapter_names=["default", "frozen"])
+            model(input_ids=ids, adapter_names=["default", "frozen"] * (len(ids) // 2))
         seen["mixed_batch"] = "ran"
     except Exception as exc:  # noqa: BLE001 (what was raised is what the test reads)
         seen["mixed_batch"] = f"{type(exc).__name__}: {exc}"
