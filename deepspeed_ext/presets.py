@@ -31,13 +31,14 @@ def tensor_parallel_preset(family: str) -> dict[str, Any]:
         ds_config["tensor_parallel"] = {"autotp_size": 2, **deepspeed_ext.tensor_parallel_preset("mixtral")}
     """
     from deepspeed_ext.checkpoint.families import family_names, get_family
-    if family in family_names() or family.replace("_", "-") in family_names():
+    from deepspeed_ext.errors import CheckpointError
+    try:
         return copy.deepcopy(dict(get_family(family).tensor_parallel or {}))
-    plan = _transformers_tp_plan(family)
+    except CheckpointError:
+        plan = _transformers_tp_plan(family)
     if plan is None:
-        from deepspeed_ext.errors import CheckpointError
         raise CheckpointError(f"unknown model family {family!r}: neither a deepspeed-ext family "
-                              f"({', '.join(family_names())}) nor a transformers model_type")
+                              f"({', '.join(family_names())}) nor a transformers model_type") from None
     return partition_config_from_tp_plan(plan)
 
 

@@ -237,7 +237,7 @@ def _cut(lora: LoraLinear, split: str, base: TPLayout, tp_rank: int, group: Any)
                                            "another mask; set its dropout to 0 or leave the layer out")
         for param, layout in pair_layouts(split, base, lora_a, lora_b):
             full = _from_first_rank(param.data, group)
-            param.data = layout.slice(full, tp_rank).contiguous().clone()
+            param.data = layout.slice(full, tp_rank).clone(memory_format=torch.contiguous_format)
             if not layout.is_replicated:
                 mark_tensor_parallel(param)
         if split == "column" and dropout == 0:

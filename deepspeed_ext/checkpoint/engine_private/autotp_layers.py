@@ -214,8 +214,6 @@ def layer_layouts(layer: torch.nn.Module, reader: LayerReader) -> dict[str, TPLa
     return None
 
 
-
-
 #: How a LoRA adapter pairs with each AutoTP layer it may sit on, by the layer's inputs and outputs: ``column`` (whole
 #: input, output split: lora_B is cut as the weight's rows), ``row`` (input split, output summed: lora_A is cut as the
 #: weight's columns), ``whole`` (whole input and whole output: the adapter stays whole). Most derived class first.
