@@ -20,6 +20,7 @@ from deepspeed_ext.checkpoint.metadata import UCInfo
 from deepspeed_ext.config import ExtConfig, load_ds_config
 from deepspeed_ext.errors import DeepSpeedExtError
 from deepspeed_ext.module_inject.adapters_tp import adapters_kept_under_autotp
+from deepspeed_ext.module_inject.inplace_outputs import inplace_outputs_cloned
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
 from deepspeed_ext.runtime import integrations
 from deepspeed_ext.runtime.background_save import can_save_in_background, wait_at_exit
@@ -62,7 +63,8 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     refuse_autoep_with_incompatible_transformers(ds_config)
     engine_private.check_installed_deepspeed()
     # AutoTP would replace each peft LoRA layer by a shard of its base weight; this keeps and cuts the adapters.
-    with adapters_kept_under_autotp(_tp_grain_size(ds_config)):
+    # Row-split layers whose output the family's model adds to in place (Llama 4's shared expert) get it cloned.
+    with adapters_kept_under_autotp(_tp_grain_size(ds_config)), inplace_outputs_cloned():
         result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
     attach(result[0], ext, ds_config)
     return result

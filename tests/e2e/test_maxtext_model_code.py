@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspeed_ext.checkpoint.families import family_names
+from deepspeed_ext.checkpoint.families import maxtext_family_names
 from deepspeed_ext.demo.models import VARIANTS
 from harness.maxtext import base_family, convert, hf_model, max_kl, maxtext_logits, torch_logits
 
 #: Per-token KL bounds (issue 17), and argmax equal.
 KL = {"float32": 1e-4, "bfloat16": 1e-3}
-#: Every family of the registry, and the test variants of one (deepseek-v3-yarn).
-FAMILIES = [*family_names(), *VARIANTS]
+#: Every family of the registry with a MaxText mapping, and the test variants of one (deepseek-v3-yarn).
+FAMILIES = [*maxtext_family_names(), *VARIANTS]
 #: fp32 scanned and unscanned, on one device; bf16 scanned, written with --mesh fsdp=2,tensor=2 storage chunks and
 #: restored onto MaxText's own sharding of a 4-device CPU mesh. DeepSeek-V3 with its own yarn RoPE: scanned fp32
 #: (only the MaxText settings differ from the plain-RoPE model).

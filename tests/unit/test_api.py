@@ -169,8 +169,9 @@ def test_the_family_registry_holds_everything_about_each_family():
     from deepspeed_ext.checkpoint.families import (FAMILY_MODULES, family_names, get_family, hf_expert_splits,
                                                    infer_family)
     assert family_names() == ["llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3",
-                              "gpt-oss", "deepseek-v3"]
-    assert len(FAMILY_MODULES) == 8
+                              "gpt-oss", "deepseek-v3", "qwen3.5", "qwen3.5-moe", "qwen3-next", "gemma4",
+                              "deepseek-v3.2", "glm-5", "llama4", "olmo3", "glm-4.5", "minimax-m2"]
+    assert len(FAMILY_MODULES) == 15
     for name in family_names():
         family = get_family(name)
         config = {"model_type": family.model_type}
@@ -178,6 +179,9 @@ def test_the_family_registry_holds_everything_about_each_family():
             config["rope_scaling"] = {"rope_type": family.rope_type, "factor": 8.0}
         assert infer_family(config) is family, name
     assert get_family("qwen3_moe") is get_family("qwen3-moe") and get_family("gpt_oss") is get_family("gpt-oss")
+    # An HF model_type finds its family, a text model's type without its "_text" too.
+    assert get_family("glm4_moe").name == "glm-4.5" and get_family("qwen3_5_moe").name == "qwen3.5-moe"
+    assert get_family("llama4_text").name == "llama4" and get_family("glm_moe_dsa").name == "glm-5"
     assert infer_family({"model_type": "llama", "rope_scaling": {"rope_type": "linear"}}).name == "llama"
     assert hf_expert_splits("qwen3_moe") == get_family("qwen3-moe").hf_expert_splits != ()
     assert hf_expert_splits("llama") == ()

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.cli import main
-from deepspeed_ext.checkpoint.families import family_names
+from deepspeed_ext.checkpoint.families import maxtext_family_names
 from deepspeed_ext.demo.models import FAMILIES, build_model, eval_batch
 from harness.cli import universal_in
 from harness.hf import SHARD, cli, load_hf, read_files, save_pretrained
@@ -103,7 +103,8 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 UNSCANNED = {"llama3.1", "mixtral", "gpt-oss"}
 
 
-@pytest.mark.parametrize("family, scan_layers", [(family, family not in UNSCANNED) for family in family_names()])
+@pytest.mark.parametrize("family, scan_layers",
+                         [(family, family not in UNSCANNED) for family in maxtext_family_names()])
 def test_hf_to_maxtext_to_hf_is_exact_but_the_scaled_query(tmp_path, caplog, family, scan_layers):
     """HF -> to-maxtext (fp32) -> to-hf, one command each: bit-exact except the query kernel of families
     that bake 1/sqrt(head_dim) into it (within 1 ulp; head_dim 8 makes the rounding real)."""

@@ -111,8 +111,9 @@ class Family:
     query_scaled: bool
     #: MaxText uses adjacent-pair (Meta/GPT-J) RoPE for this family (llama3.1): q/k heads are interleaved.
     rope_interleaved: bool
-    #: MaxText's model_name for the family (its config yml sets the decoder block and the family's switches).
-    maxtext_model: str
+    #: MaxText's model_name for the family (its config yml sets the decoder block and the family's switches); None:
+    #: no MaxText mapping (to-maxtext refuses the family, saying why in ``maxtext_note``).
+    maxtext_model: str | None
     #: The HF ``model_type`` the family reads (``config.json``).
     model_type: str = ""
     #: Among families of one model_type, the HF RoPE type that picks this one (None: the default).
@@ -130,6 +131,12 @@ class Family:
     tensor_parallel: Mapping[str, Any] | None = None
     #: DeepSpeed AutoEP's ``expert_parallel.preset_model`` for the family (None: AutoEP has no preset for it).
     expert_parallel: str | None = None
+    #: Without a MaxText mapping: why (MaxText has no such model, or which of MaxText's models it would be).
+    maxtext_note: str = ""
+    #: Module names (regular expressions over the name's tail, layer indices as ``\d+``) of row-split layers whose
+    #: output the model modifies in place, which an AutoTP layer's output forbids: the engine clones it (see
+    #: deepspeed_ext.module_inject.inplace_outputs).
+    inplace_outputs: tuple[str, ...] = ()
 
     def rules_for(self, tied: bool) -> tuple[Rule, ...]:
         return self.rules if tied else self.rules + self.untied_rules
@@ -145,7 +152,8 @@ def num_experts(config: Mapping[str, Any]) -> int:
 
 
 #: The family modules (under this package), each exporting ``FAMILIES``.
-FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3")
+FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_next",
+                  "gemma4", "deepseek_v32", "llama4", "olmo3", "glm4_moe", "minimax_m2")
 
 
 def _families() -> dict[str, Family]:
@@ -159,13 +167,35 @@ def family_names() -> list[str]:
     return list(_families())
 
 
+def maxtext_family_names() -> list[str]:
+    """The families deepspeed-ext writes and reads as MaxText checkpoints."""
+    return [name for name, family in _families().items() if family.maxtext_model]
+
+
+def require_maxtext(family: Family, source: str) -> Family:
+    """``family``, refused in one line when it has no MaxText mapping."""
+    if not family.maxtext_model:
+        raise CheckpointError(f"{source}: family {family.name} has no MaxText mapping ({family.maxtext_note}); "
+                              f"MaxText checkpoints are written for: {', '.join(maxtext_family_names())}")
+    return family
+
+
 def get_family(name: str) -> Family:
-    """The family called ``name`` (``qwen3_moe``, the HF spelling, is read as ``qwen3-moe``)."""
+    """The family called ``name`` (``qwen3_moe``, the HF spelling, is read as ``qwen3-moe``), or the family of the
+    HF ``model_type`` ``name`` (``glm4_moe``: glm-4.5; a text model's type without its ``_text``: ``qwen3_5_moe``)."""
     families = _families()
     family = families.get(name) or families.get(name.replace("_", "-"))
     if family is None:
+        by_type = [f for f in families.values() if f.model_type in (name, f"{name}_text")]
+        family = next((f for f in by_type if f.rope_type is None), None)
+    if family is None:
         raise CheckpointError(f"unknown model family {name!r}; known: {', '.join(families)}")
     return family
+
+
+def families_of_model_type(model_type: str | None) -> list[Family]:
+    """The families that read HF ``model_type`` (llama: llama and llama3.1)."""
+    return [family for family in _families().values() if model_type and family.model_type == model_type]
 
 
 def hf_expert_splits(model_type: str | None) -> tuple[ExpertSplit, ...]:

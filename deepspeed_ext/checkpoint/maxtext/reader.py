@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch only where tensors are handed over
 def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`): the checkpoint with its HF config
     and family, given, else what to-maxtext recorded."""
-    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.families import get_family, infer_family, require_maxtext
     items = maxtext_items(path)
     if items is None:
         raise CheckpointError(f"{path}: not a MaxText (Orbax) checkpoint (no _METADATA, no <step>/items)")
@@ -49,7 +49,7 @@ def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
         raise MissingConfigError(f"{items}: no model config recorded with this MaxText checkpoint (it was not written "
                                  "by deepspeed-ext); pass --config config.json (the model's HF config)")
     family_name = options.family or stored.get(FAMILY_KEY)
-    family = get_family(family_name) if family_name else infer_family(config)
+    family = require_maxtext(get_family(family_name) if family_name else infer_family(config, str(items)), str(items))
     # The fingerprints to-maxtext recorded describe what a read returns with the recorded config and family;
     # another config (--config, --family) reads the arrays differently, so the record does not apply.
     recorded = stored.get(FINGERPRINTS_KEY)

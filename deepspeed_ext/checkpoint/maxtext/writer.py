@@ -47,12 +47,12 @@ from deepspeed_ext.checkpoint.maxtext.writer_options import (COMPRESSIONS, DTYPE
 def write(source: CheckpointSource, out: str | Path, options: MaxTextOptions = MaxTextOptions()) -> Path:
     """Write ``source`` as a MaxText Orbax checkpoint at ``out``; returns ``out/0/items`` (MaxText's
     ``load_parameters_path``). One tensor is read when Orbax writes the leaf that needs it."""
-    from deepspeed_ext.checkpoint.families import get_family, infer_family
+    from deepspeed_ext.checkpoint.families import get_family, infer_family, require_maxtext
     from deepspeed_ext.checkpoint.model_config import ConfigFit
     info = source.info
     label = str(info.given)
     config = required_model_config(info)
-    family = get_family(options.family) if options.family else infer_family(config)
+    family = require_maxtext(get_family(options.family) if options.family else infer_family(config, label), label)
     tensors = {tensor.name: tensor for tensor in source.tensors()}
     import_orbax()  # before the config check's thread imports transformers (see import_orbax)
     fit = ConfigFit(config, {name: tuple(t.shape) for name, t in tensors.items()}, label)

@@ -1,0 +1,36 @@
+"""MiniMax-M2 / M2.1 (HF ``minimax_m2``): GQA attention whose q/k RMSNorms span the whole projection, partial rotary,
+and a routed expert block in every layer with a router bias (``e_score_correction_bias``, a buffer; sigmoid
+scores). transformers holds the experts fused ([E, 2I, H], [E, H, I]) under ``mlp``; its files keep the release's
+``block_sparse_moe.experts.<e>.w1|w3|w2.weight``, ``block_sparse_moe.gate.weight`` and
+``block_sparse_moe.e_score_correction_bias``.
+
+MaxText 0.2.5 has no MiniMax model: to-maxtext refuses the family.
+"""
+
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family
+from deepspeed_ext.checkpoint.families.mixtral import HF_FILES
+
+_L = "model.layers.{layer}"
+
+HF_NAMES = HF_FILES + (ExpertSplit(f"{_L}.mlp.e_score_correction_bias",
+                                   (f"{_L}.block_sparse_moe.e_score_correction_bias", )), )
+
+#: AutoTP for MiniMax-M2: its q/k norms normalize the whole q (k) projection, which no rank holding some heads can
+#: compute, so attention stays whole; every layer's MLP is routed experts (fused, whole) behind a router (whole).
+#: What is split is lm_head, by vocabulary.
+TENSOR_PARALLEL = {"partition_config": {
+    "use_default_specs": False,
+    "layer_specs": [{"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True}],
+}}
+
+MINIMAX_M2 = Family(name="minimax-m2",
+                    model_type="minimax_m2",
+                    rules=(),
+                    query_scaled=False,
+                    rope_interleaved=False,
+                    maxtext_model=None,
+                    maxtext_note="MaxText 0.2.5 has no MiniMax model",
+                    hf_expert_splits=HF_NAMES,
+                    tensor_parallel=TENSOR_PARALLEL)
+
+FAMILIES = (MINIMAX_M2, )

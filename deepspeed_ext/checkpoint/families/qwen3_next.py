@@ -1,0 +1,63 @@
+"""The hybrid Qwen families: Qwen3-Next (HF ``qwen3_next``), Qwen3.5 dense (``qwen3_5_text``) and Qwen3.5-MoE
+(``qwen3_5_moe_text``). ``layer_types`` interleaves gated-DeltaNet linear-attention layers (``linear_attn``) with
+gated full attention (``self_attn``: q_proj yields each head's query and its output gate side by side; per-head q/k
+norms; partial rotary). Qwen3-Next fuses the DeltaNet input projections per key head (``in_proj_qkvz``,
+``in_proj_ba``), Qwen3.5 keeps them apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). The MoE
+members add one shared expert behind a sigmoid gate (``shared_expert_gate``) to the routed experts; transformers
+holds those fused and its files write them one by one.
+
+MaxText 0.2.5 ships ``qwen3-next-80b-a3b`` and ``qwen3.5-35b-a3b`` / ``-397b-a17b``; deepspeed-ext does not map them
+yet.
+"""
+
+from deepspeed_ext.checkpoint.families import Family
+from deepspeed_ext.checkpoint.families.llama import ATTENTION_AND_HEAD_SPECS
+from deepspeed_ext.checkpoint.families.qwen3_moe import HF_EXPERTS
+
+#: AutoTP for the hybrid Qwen families: DeepSpeed refuses transformers' plan ("colwise_gather_output" on the DeltaNet
+#: projections, "packed_colwise", "moe_tp_experts"). Full attention is split by heads (a head's query and gate rows
+#: are adjacent, so they stay together), its per-head q/k norms whole with their gradients summed over TP; the dense
+#: MLPs and the shared experts are split. The DeltaNet layers, the shared-expert gate, the router and the fused
+#: experts stay whole.
+TENSOR_PARALLEL = {"partition_config": {
+    "use_default_specs": False,
+    "layer_specs": [
+        *ATTENTION_AND_HEAD_SPECS,
+        {"patterns": [r".*\.mlp\.(shared_expert\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.mlp\.(shared_expert\.)?down_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
+    ],
+}}
+
+_NOTE = "MaxText 0.2.5 has {}; deepspeed-ext does not map it yet"
+
+QWEN35 = Family(name="qwen3.5",
+                model_type="qwen3_5_text",
+                rules=(),
+                query_scaled=False,
+                rope_interleaved=False,
+                maxtext_model=None,
+                maxtext_note="MaxText 0.2.5 has no dense Qwen3.5 model",
+                tensor_parallel=TENSOR_PARALLEL)
+
+QWEN35_MOE = Family(name="qwen3.5-moe",
+                    model_type="qwen3_5_moe_text",
+                    rules=(),
+                    query_scaled=False,
+                    rope_interleaved=False,
+                    maxtext_model=None,
+                    maxtext_note=_NOTE.format("qwen3.5-35b-a3b / qwen3.5-397b-a17b"),
+                    hf_expert_splits=HF_EXPERTS,
+                    tensor_parallel=TENSOR_PARALLEL)
+
+QWEN3_NEXT = Family(name="qwen3-next",
+                    model_type="qwen3_next",
+                    rules=(),
+                    query_scaled=False,
+                    rope_interleaved=False,
+                    maxtext_model=None,
+                    maxtext_note=_NOTE.format("qwen3-next-80b-a3b"),
+                    hf_expert_splits=HF_EXPERTS,
+                    tensor_parallel=TENSOR_PARALLEL)
+
+FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)

@@ -1,0 +1,88 @@
+"""Tiny configs of the families released in 2025-26 (Qwen3.5 / Qwen3-Next, Gemma 4, DeepSeek-V3.2, GLM-5, Llama 4,
+OLMo 3, GLM-4.5, MiniMax-M2), built in code, each with the shapes that make its family what it is: hybrid linear /
+full attention layers, sliding and global layers with heads of their own size, latent attention with an indexer,
+interleaved dense and MoE layers, shared experts, router biases. Head counts divide by 2 and 3 wherever the family
+allows, so TP=2 and TP=3 cut whole heads; MLP widths (160) and the vocabulary (101) do not divide by 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Sizes every family here shares: the vocabulary and width of demo/models.py's tiny configs.
+COMMON: dict[str, Any] = dict(vocab_size=101, hidden_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _hybrid_qwen(model_type: str) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3-Next: three gated-DeltaNet layers, then full attention (the releases' cycle of 4)."""
+    settings: dict[str, Any] = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                    num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    if model_type == "qwen3_5_text":  # dense: two value heads per key head
+        settings.update(intermediate_size=160, linear_num_key_heads=6, linear_num_value_heads=12)
+    elif model_type == "qwen3_5_moe_text":
+        settings.update(linear_num_key_heads=6, linear_num_value_heads=12, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=48, shared_expert_intermediate_size=80)
+    else:  # qwen3_next: its fused projections, one value head per key head, 12 attention heads over 6 KV heads
+        settings.update(num_attention_heads=12, num_key_value_heads=6, intermediate_size=160,
+                        linear_num_key_heads=6, linear_num_value_heads=6, num_experts=6, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=96)
+    return settings
+
+
+def _mla_indexer(model_type: str) -> dict[str, Any]:
+    """DeepSeek-V3.2 / GLM-5: one dense layer, then MoE layers; latent attention with a sparse-attention indexer
+    that keeps 8 keys per query (fewer than the sequence, so the choice matters)."""
+    settings: dict[str, Any] = dict(num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=160,
+                                    n_shared_experts=1, num_experts_per_tok=2, index_topk=8, q_lora_rank=32,
+                                    kv_lora_rank=16)
+    if model_type == "deepseek_v32":  # 8 experts in 2 groups, top-1 group
+        settings.update(num_attention_heads=6, num_key_value_heads=6, n_routed_experts=8, n_group=2, topk_group=1,
+                        moe_intermediate_size=48, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                        index_n_heads=4, index_head_dim=8)
+    else:  # glm_moe_dsa: no groups, wider heads
+        settings.update(num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6, n_group=1, topk_group=1,
+                        moe_intermediate_size=32, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=16,
+                        index_n_heads=2, index_head_dim=16)
+    return settings
+
+
+#: Each family's settings beyond COMMON (the registry's spelling).
+SETTINGS: dict[str, Any] = {
+    "qwen3.5": lambda: _hybrid_qwen("qwen3_5_text"),
+    "qwen3.5-moe": lambda: _hybrid_qwen("qwen3_5_moe_text"),
+    "qwen3-next": lambda: _hybrid_qwen("qwen3_next"),
+    "deepseek-v3.2": lambda: _mla_indexer("deepseek_v32"),
+    "glm-5": lambda: _mla_indexer("glm_moe_dsa"),
+    # Five sliding layers and a global one whose heads are twice as wide; per-layer inputs (E2B / E4B); tied.
+    "gemma4": lambda: dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                           num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                           per_layer_config={"05": {"head_dim": 16}}, intermediate_size=160, sliding_window=8,
+                           vocab_size_per_layer_input=101, hidden_size_per_layer_input=8, tie_word_embeddings=True),
+    # Dense, MoE, dense, MoE (interleave step 2); RoPE left out of the 4th layer; attention in chunks of 8 tokens.
+    "llama4": lambda: dict(num_hidden_layers=4, interleave_moe_layer_step=2, no_rope_layer_interval=4,
+                           attention_chunk_size=8, num_attention_heads=12, num_key_value_heads=6, head_dim=8,
+                           intermediate_size=48, intermediate_size_mlp=160, num_local_experts=4,
+                           num_experts_per_tok=1),
+    # Three sliding-window layers and a global one; q/k norms over the whole projection.
+    "olmo3": lambda: dict(num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                          sliding_window=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=160,
+                          pad_token_id=0, eos_token_id=1),
+    # One dense layer then MoE layers (router bias, a shared expert); q/k/v biases, per-head q/k norms, half rotary.
+    "glm-4.5": lambda: dict(num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=12,
+                            num_key_value_heads=6, head_dim=8, attention_bias=True, use_qk_norm=True,
+                            partial_rotary_factor=0.5, intermediate_size=160, moe_intermediate_size=48,
+                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1),
+    # Every layer MoE (router bias, sigmoid scores); q/k norms over the whole projection; partial rotary.
+    "minimax-m2": lambda: dict(num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=6, head_dim=8,
+                               rotary_dim=4, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
+                               bos_token_id=1, eos_token_id=2),
+}
+
+
+def recent_tiny_config(family: str) -> Any:
+    """The tiny transformers config of ``family`` (a key of :data:`SETTINGS`), at the training sizes."""
+    from transformers import AutoConfig
+
+    from deepspeed_ext.checkpoint.families import get_family
+    return AutoConfig.for_model(get_family(family).model_type, **{**COMMON, **SETTINGS[family]()})
