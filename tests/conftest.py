@@ -18,7 +18,7 @@ E2E_DIR = Path(__file__).parent / "e2e"
 SPLIT_BY_FUNCTION = {"test_end_to_end.py", "test_optimizer_paths.py"}
 #: These files' tests are grouped by model family (their ``family`` parameter, or a ``family`` mark): a family's
 #: tests share its trained run.
-SPLIT_BY_FAMILY = {"test_model_families.py"}
+SPLIT_BY_FAMILY = {"test_model_families.py", "test_recent_families_e2e.py"}
 #: These files' tests (each a MaxText run or conversion of its own, sharing no fixture but trained scenarios) are
 #: each a group: as one group, tests/unit/test_maxtext.py alone was most of the fast tier's wall time, and
 #: test_maxtext_continue_e2e.py (a MaxText training run per test) 13 minutes of one worker.

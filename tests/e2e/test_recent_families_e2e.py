@@ -1,0 +1,86 @@
+"""Every family of the registry without test files of its own (2025-26's: Qwen3.5, Qwen3-Next, Gemma 4,
+DeepSeek-V3.2, GLM-5, Llama 4, OLMo 3, GLM-4.5, MiniMax-M2, and any family added after them), on every path at once:
+train with its AutoTP preset at TP=2 (fp32, ZeRO-1) -> to-universal -> resume at TP=1 and TP=3 from the universal
+form and straight from the checkpoint -> to-hf (transformers' logits) -> from-hf -> DeepSpeed; to-maxtext where
+deepspeed-ext maps the family to MaxText, else its one-line refusal.
+
+The family list comes from the registry, so a new family is tested here without a test naming it. A family's tests
+share its two trained runs (TP=2 and TP=1) and stay on one pytest-xdist worker (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspeed_ext.checkpoint.families import family_names, get_family
+from harness.hf import assert_to_hf_matches_live, cli
+from harness.scenario import Load, assert_universal_matches_live
+
+#: The families tests/e2e/test_model_families.py and the MaxText test files test one by one.
+ONE_BY_ONE = {"llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3", "gpt-oss",
+              "deepseek-v3"}
+RECENT = [family for family in family_names() if family not in ONE_BY_ONE]
+
+
+def trained(scenarios, family: str, tp: int = 2):
+    """The family's fp32 ZeRO-1 run at ``tp`` (5 steps, saved after step 3), trained once per test run."""
+    return scenarios(f"recent_{family}_tp{tp}", tp=tp, family=family, dtype="fp32", convert=tp != 1)
+
+
+@pytest.mark.parametrize("family", RECENT)
+def test_tp2_trains_as_tp1_and_converts_what_the_engine_held(scenarios, family):
+    """The preset splits without losing a gradient's sum: TP=2's losses are TP=1's within 1e-5 over the first 3
+    steps (fp32); the universal checkpoint holds what the live TP=2 engine held, every state of every parameter."""
+    split, whole = trained(scenarios, family), trained(scenarios, family, tp=1)
+    for step in (1, 2, 3):
+        assert abs(split.baseline[step] - whole.baseline[step]) <= 1e-5 * abs(whole.baseline[step]), (
+            step, split.baseline, whole.baseline)
+    assert assert_universal_matches_live(split) > 0
+
+
+@pytest.mark.parametrize("family", RECENT)
+def test_resumes_at_tp1_and_tp3_from_universal_and_directly(scenarios, family):
+    """Resumed at TP=1 from the universal form and straight from the TP=2 checkpoint (one state, bit for bit), and
+    at TP=3: the next losses are the uninterrupted run's (fp32: within 1e-4)."""
+    split = trained(scenarios, family)
+    (universal, universal_losses), (direct, direct_losses), (_, tp3_losses) = split.loaded_many(
+        [Load(1, 1, split.universal_dir), Load(1, 1, split.tag_dir, load_universal=False),
+         Load(3, 1, split.universal_dir)])
+    step = split.save_at + 1
+    for label, losses in (("universal", universal_losses), ("direct", direct_losses), ("TP=3", tp3_losses)):
+        assert abs(losses[step] - split.baseline[step]) <= 1e-4 * abs(split.baseline[step]), (label, losses)
+    for name, states in universal[0].items():
+        for state, value in states.items():
+            assert torch.equal(direct[0][name][state], value), f"{name}/{state}"
+
+
+@pytest.mark.parametrize("family", RECENT)
+def test_to_hf_gives_the_live_logits_and_from_hf_loads_them_back(scenarios, tmp_path, caplog, family):
+    """to-hf straight from the TP=2 checkpoint: transformers loads it without complaint and gives the live TP
+    engine's logits; from-hf of that output, loaded by DeepSpeed at TP=2, puts back every rank's weights."""
+    split = trained(scenarios, family)
+    assert_to_hf_matches_live(split, tmp_path, caplog)
+    cli("from-hf", str(tmp_path / "hf"), "-o", str(tmp_path / "from_hf"))
+    (loaded, _), = split.loaded_many([Load(2, 1, tmp_path / "from_hf", extra=("--steps", "1"))])
+    live = split.live_state()
+    for rank in range(2):
+        for name, states in live[rank].items():
+            assert torch.equal(loaded[rank][name]["fp32"], states["fp32"]), (rank, name)
+
+
+@pytest.mark.parametrize("family", RECENT)
+def test_to_maxtext_refuses_an_unmapped_family_in_one_line(scenarios, tmp_path, capsys, family):
+    """A family without a MaxText mapping is refused in one line saying why and naming the families that have one;
+    nothing is written. (A mapped family is written and checked by MaxText's own model code in
+    test_maxtext_model_code.py, which takes its families from the registry too.)"""
+    from deepspeed_ext.checkpoint.families import maxtext_family_names
+    from deepspeed_ext.cli import main
+    if get_family(family).maxtext_model:
+        return
+    split = trained(scenarios, family)
+    capsys.readouterr()
+    assert main(["to-maxtext", str(split.save_dir), "-o", str(tmp_path / "maxtext"), "--quiet"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and f"family {family} has no MaxText mapping (MaxText 0.2.5 has" in error[0], error
+    assert ", ".join(maxtext_family_names()) in error[0]
+    assert not (tmp_path / "maxtext").exists()
