@@ -29,10 +29,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from deepspeed_ext.checkpoint import engine_private
-from deepspeed_ext.checkpoint.engine_private.autotp_hook import around_autotp, collective_device, tp_process_group
+from deepspeed_ext.checkpoint.engine_private.autotp_hook import around_autotp, tp_process_group
 from deepspeed_ext.checkpoint.engine_private.autotp_layers import (
     adapter_split,
     autotp_param_layouts,
@@ -42,6 +41,12 @@ from deepspeed_ext.checkpoint.engine_private.autotp_layers import (
 from deepspeed_ext.errors import LayoutError, UnsupportedGeometryError
 from deepspeed_ext.module_inject.layout import TPLayout, num_kv_heads_of
 from deepspeed_ext.module_inject.peft_layers import LoraLinear, lora_layers, lora_linears
+from deepspeed_ext.module_inject.tp_collectives import (
+    GradSummedOverTP,
+    InputEntersTP,
+    OutputSummedOverTP,
+    from_first_rank,
+)
 
 __all__ = ["adapter_layouts", "adapters_kept_under_autotp", "pair_layouts"]
 
@@ -114,69 +119,6 @@ def adapter_layouts(model: torch.nn.Module, base_layouts: dict[int, TPLayout]) -
     return found
 
 
-# --------------------------------------------------------------------------- the collectives
-class _EnterTP(torch.autograd.Function):
-    """Identity forward; the gradient summed over the TP ranks (each rank's part of it is partial)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverTP(torch.autograd.Function):
-    """The sum over the TP ranks forward; the gradient passes unchanged (the sum is the same on every rank)."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
-        total = tensor.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _InputEntersTP:
-    """A forward pre-hook: the module's first input enters the TP region."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (_EnterTP.apply(args[0], self.group), *args[1:])  # type: ignore[no-untyped-call]
-
-
-class _OutputSummedOverTP:
-    """A forward hook: the module's output summed over the TP ranks."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        summed: torch.Tensor = _SumOverTP.apply(output, self.group)  # type: ignore[no-untyped-call]
-        return summed
-
-
-class _GradSummedOverTP:
-    """A tensor hook: a replicated parameter's partial gradient summed over the TP ranks."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=self.group)
-        return grad
-
-
 # --------------------------------------------------------------------------- the pass around AutoTP
 @dataclasses.dataclass
 class _Aside:
@@ -236,26 +178,18 @@ def _cut(lora: LoraLinear, split: str, base: TPLayout, tp_rank: int, group: Any)
                                            "on a layer AutoTP keeps whole on every TP rank, where each rank would draw "
                                            "another mask; set its dropout to 0 or leave the layer out")
         for param, layout in pair_layouts(split, base, lora_a, lora_b):
-            full = _from_first_rank(param.data, group)
+            full = from_first_rank(param.data, group)
             param.data = layout.slice(full, tp_rank).clone(memory_format=torch.contiguous_format)
             if not layout.is_replicated:
                 mark_tensor_parallel(param)
         if split == "column" and dropout == 0:
-            lora_b.register_forward_pre_hook(_InputEntersTP(group))
+            lora_b.register_forward_pre_hook(InputEntersTP(group))
         elif split == "column":
-            lora.dropout(adapter).register_forward_pre_hook(_InputEntersTP(group))
+            lora.dropout(adapter).register_forward_pre_hook(InputEntersTP(group))
             if lora_a.weight.requires_grad:  # a frozen adapter (inactive, or loaded for inference) has no gradient
-                lora_a.weight.register_hook(_GradSummedOverTP(group))
+                lora_a.weight.register_hook(GradSummedOverTP(group))
         elif split == "row":
-            lora_a.register_forward_hook(_OutputSummedOverTP(group))
-
-
-def _from_first_rank(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """``tensor`` as TP rank 0 holds it (a copy, on ``tensor``'s device)."""
-    device = collective_device(group, tensor.device)
-    moved = tensor.detach().to(device, copy=True).contiguous()
-    dist.broadcast(moved, src=dist.get_global_rank(group, 0), group=group)
-    return moved.to(tensor.device)
+            lora_a.register_forward_hook(OutputSummedOverTP(group))
 
 
 def adapters_kept_under_autotp(grain: int = 1) -> Any:

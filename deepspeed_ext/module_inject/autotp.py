@@ -60,8 +60,10 @@ def tag_autotp_model(model: torch.nn.Module,
 
     from deepspeed_ext.checkpoint.engine_private.autotp_layers import autotp_param_layouts
     from deepspeed_ext.module_inject.adapters_tp import adapter_layouts
+    from deepspeed_ext.module_inject.linear_attention_tp import linear_attention_layouts
     by_param = autotp_param_layouts(model, tp_size, num_kv_heads, tp_grain_size, use_layer_sizes)
     by_param.update(adapter_layouts(model, by_param))
+    by_param.update(linear_attention_layouts(model))
 
     layouts: dict[str, TPLayout] = {}
     for name, param in model.named_parameters(remove_duplicate=True):

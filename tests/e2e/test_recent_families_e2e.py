@@ -36,6 +36,17 @@ def test_tp2_trains_as_tp1_and_converts_what_the_engine_held(scenarios, family):
         assert abs(split.baseline[step] - whole.baseline[step]) <= 1e-5 * abs(whole.baseline[step]), (
             step, split.baseline, whole.baseline)
     assert assert_universal_matches_live(split) > 0
+    # Gated-DeltaNet linear attention (Qwen3.5, Qwen3-Next) is split by heads, all but the norm shared by the heads.
+    from deepspeed_ext.checkpoint.deepspeed import DeepSpeedCheckpoint
+    layouts = DeepSpeedCheckpoint(split.save_dir).layouts
+    deltanet = {name: layout for name, layout in layouts.items() if ".linear_attn." in name}
+    assert all(layout.is_replicated == name.endswith(".norm.weight") for name, layout in deltanet.items()), deltanet
+    if deltanet:  # the convolution's q, k and v channels, each split
+        from deepspeed_ext.demo.models import tiny_config
+        config = tiny_config(family)
+        key, value = (config.linear_num_key_heads * config.linear_key_head_dim,
+                      config.linear_num_value_heads * config.linear_value_head_dim)
+        assert layouts["model.layers.0.linear_attn.conv1d.weight"].sub_param_sizes == (key, key, value)
 
 
 @pytest.mark.parametrize("family", RECENT)
