@@ -77,9 +77,10 @@ def expert_parallel_preset(family: str) -> dict[str, Any]:
         ds_config["expert_parallel"] = {"enabled": True, "autoep_size": 2,
                                         **deepspeed_ext.expert_parallel_preset("mixtral")}
     """
-    from deepspeed_ext.checkpoint.families import get_family
+    from deepspeed_ext.checkpoint.families import family_names, get_family
     preset = get_family(family).expert_parallel
     if preset is None:
-        raise ValueError(f"family {family!r} has no DeepSpeed AutoEP preset (AutoEP serves MoE families: "
-                         "mixtral, qwen3-moe, deepseek-v3)")
-    return {"preset_model": preset}
+        served = [name for name in family_names() if get_family(name).expert_parallel is not None]
+        raise ValueError(f"family {family!r} has no DeepSpeed AutoEP preset (AutoEP serves the MoE families "
+                         f"{', '.join(served)})")
+    return {"preset_model": preset} if isinstance(preset, str) else copy.deepcopy(dict(preset))

@@ -1,8 +1,10 @@
 """The model's own parameter names for a checkpoint DeepSpeed AutoEP trained.
 
 AutoEP replaces each MoE block's experts and router by its own modules, so its checkpoints name them its way.
-Every AutoEP preset deepspeed-ext serves (mixtral, qwen3_moe, deepseek_v3) maps them from transformers' names the
-same way, one block at a time (``<block>`` is e.g. ``model.layers.3.mlp``):
+Every AutoEP preset deepspeed-ext serves (mixtral, qwen3_moe, qwen3_5_moe, deepseek_v3) maps them from transformers'
+names the same way, one block at a time (``<block>`` is e.g. ``model.layers.3.mlp``), but where a family's block
+names things otherwise (its ``Family.autoep_renamed``: Qwen3.5's one ``shared_expert``, MiniMax-M2's router bias
+held by the block):
 
 =====================================================  ==================================================
 AutoEP                                                  transformers (5.x)
@@ -51,12 +53,20 @@ def _block(name: str, suffix: str) -> str | None:
     return name[:-len(suffix) - 1] if name.endswith("." + suffix) else None
 
 
-def _model_name(name: str) -> tuple[str, int | None]:
+def _renames(model_type: str | None) -> tuple[tuple[str, str], ...]:
+    """The one-to-one renames for ``model_type``'s blocks: its family's own first (see
+    ``Family.autoep_renamed``), then the default ones (None: every family's own, for names that come from a model,
+    which pick the rename that applies to them)."""
+    from deepspeed_ext.checkpoint.families import autoep_renamed
+    return autoep_renamed(model_type) + _RENAMED
+
+
+def _model_name(name: str, renames: tuple[tuple[str, str], ...] = _RENAMED) -> tuple[str, int | None]:
     """The model's tensor an AutoEP tensor ``name`` is, and which part of a fused one (None: all of it)."""
     for index, part in enumerate(_FUSED_PARTS):
         if (block := _block(name, part)) is not None:
             return f"{block}.{_FUSED}", index
-    for autoep, model in _RENAMED:
+    for autoep, model in renames:
         if (block := _block(name, autoep)) is not None:
             return f"{block}.{model}", None
     return name, None
@@ -80,15 +90,16 @@ class ModelNamedSource:
 
     def __init__(self, source: CheckpointSource):
         self.source = source
-        self._plan = self._planned(list(source.info.layouts))
+        model_type = (source.info.model_config or {}).get("model_type")
+        self._plan = self._planned(list(source.info.layouts), _renames(model_type))
 
     @staticmethod
-    def _planned(names: list[str]) -> dict[str, tuple[str, ...]]:
+    def _planned(names: list[str], renames: tuple[tuple[str, str], ...]) -> dict[str, tuple[str, ...]]:
         """The model's name -> the source names it is made of, in the source's order (a fused tensor's parts in
         their order along dim 1)."""
         parts: dict[str, dict[int, str]] = {}
         for name in names:
-            model, part = _model_name(name)
+            model, part = _model_name(name, renames)
             parts.setdefault(model, {})[part or 0] = name
         for model, found in parts.items():
             if model.endswith("." + _FUSED) and len(found) != len(_FUSED_PARTS):
@@ -191,7 +202,7 @@ def autoep_name_map(model_names: list[str]) -> dict[str, tuple[str, int | None]]
         if (block := _block(name, _FUSED)) is not None:
             mapped.update({f"{block}.{part}": (name, index) for index, part in enumerate(_FUSED_PARTS)})
             continue
-        renamed = next((f"{block}.{autoep}" for autoep, model in _RENAMED
+        renamed = next((f"{block}.{autoep}" for autoep, model in _renames(None)
                         if (block := _block(name, model)) is not None and block in blocks), name)
         mapped[renamed] = (name, None)
     return mapped
@@ -270,13 +281,14 @@ def autoep_named(source: Reshards, engine_names: list[str]) -> Reshards:
     return AutoEPNamed(source)
 
 
-def model_named_fingerprints(fingerprints: Fingerprints) -> Fingerprints:
-    """Fingerprints under AutoEP's names, under the model's: renamed one to one, and ``w1`` + ``w3`` added up into
-    ``gate_up_proj`` (a fingerprint's count and sums add over the pieces of a tensor)."""
+def model_named_fingerprints(fingerprints: Fingerprints, model_type: str | None = None) -> Fingerprints:
+    """Fingerprints under AutoEP's names, under the model's (``model_type``'s): renamed one to one, and ``w1`` +
+    ``w3`` added up into ``gate_up_proj`` (a fingerprint's count and sums add over the pieces of a tensor)."""
     from deepspeed_ext.checkpoint.fingerprint import Fingerprint
     tensors: dict[str, dict[str, Fingerprint]] = {}
+    renames = _renames(model_type)
     for name, states in fingerprints.tensors.items():
-        model, part = _model_name(name)
+        model, part = _model_name(name, renames)
         if part is None:
             tensors[model] = dict(states)
             continue

@@ -92,7 +92,9 @@ def check_resume_fingerprints(engine: Any, load_path: str | os.PathLike[str] | N
     recorded_states = {state for states in recorded.tensors.values() for state in states} - {MODULE_WEIGHTS}
     found, problems = engine_fingerprints(engine, with_moments=len(recorded_states) > 1)
     if has_autoep_names(found.tensors) and not has_autoep_names(recorded.tensors):
-        found = model_named_fingerprints(found)  # an AutoEP engine resumed from the model's names (from-hf)
+        # An AutoEP engine resumed from the model's names (from-hf).
+        config = getattr(getattr(engine, "module", None), "config", None)
+        found = model_named_fingerprints(found, getattr(config, "model_type", None))
     checked, mismatches = compare(recorded, found)
     elapsed = time.perf_counter() - started
     if not mismatches and not problems:

@@ -20,6 +20,8 @@ from harness.scenario import Load, assert_universal_matches_live
 ONE_BY_ONE = {"llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3", "gpt-oss",
               "deepseek-v3"}
 RECENT = [family for family in family_names() if family not in ONE_BY_ONE]
+#: Those DeepSpeed's AutoEP runs (deepspeed_ext.expert_parallel_preset).
+AUTOEP = [family for family in RECENT if get_family(family).expert_parallel is not None]
 
 
 def trained(scenarios, family: str, tp: int = 2):
@@ -95,3 +97,25 @@ def test_to_maxtext_refuses_an_unmapped_family_in_one_line(scenarios, tmp_path, 
     assert len(error) == 1 and f"family {family} has no MaxText mapping (MaxText 0.2.5 has" in error[0], error
     assert ", ".join(maxtext_family_names()) in error[0]
     assert not (tmp_path / "maxtext").exists()
+
+
+@pytest.mark.parametrize("family", AUTOEP)
+def test_autoep_ep2_resumes_at_ep1_and_goes_to_hf(scenarios, tmp_path, family):
+    """AutoEP at EP=2 (DP=2, fp32) with the family's preset -> resumed at EP=1 without AutoEP's layers, from the
+    universal form: the next loss is the uninterrupted run's (1e-4); to-hf under transformers' names loads with
+    nothing missing and gives the AutoEP engine's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from deepspeed_ext.demo.models import eval_batch
+    ep2 = scenarios(f"recent_{family}_ep2", tp=1, dp=2, ep=2, family=family, dtype="fp32", steps=4)
+    (_, losses), = ep2.loaded_many([Load(1, 1, ep2.save_dir, extra=("--ep", "1"))])
+    step = ep2.save_at + 1
+    assert abs(losses[step] - ep2.baseline[step]) <= 1e-4 * abs(ep2.baseline[step]), (losses, ep2.baseline)
+    cli("to-hf", str(ep2.save_dir), "-o", str(tmp_path / "hf"))
+    model, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True,
+                                                          attn_implementation="eager")
+    assert not any(loading.values()), loading
+    with torch.no_grad():
+        logits = model(input_ids=eval_batch()).logits.float()
+    live = torch.load(ep2.dump_dir / "logits_tp_rank_00.pt", weights_only=True)
+    assert (logits - live).abs().max() <= 1e-4, (logits - live).abs().max()

@@ -129,14 +129,19 @@ class Family:
     #: Keys for a DeepSpeed config's ``tensor_parallel`` section that AutoTP needs for the family (a
     #: ``partition_config``; None: AutoTP's defaults work); users get them from deepspeed_ext.presets.
     tensor_parallel: Mapping[str, Any] | None = None
-    #: DeepSpeed AutoEP's ``expert_parallel.preset_model`` for the family (None: AutoEP has no preset for it).
-    expert_parallel: str | None = None
+    #: DeepSpeed AutoEP's ``expert_parallel.preset_model`` for the family, or the keys of the ``expert_parallel``
+    #: section (a preset and the settings that fit it to the family's MoE block); None: AutoEP cannot run it.
+    expert_parallel: str | Mapping[str, Any] | None = None
     #: Without a MaxText mapping: why (MaxText has no such model, or which of MaxText's models it would be).
     maxtext_note: str = ""
     #: Module names (regular expressions over the name's tail, layer indices as ``\d+``) of row-split layers whose
     #: output the model modifies in place, which an AutoTP layer's output forbids: the engine clones it (see
     #: deepspeed_ext.module_inject.inplace_outputs).
     inplace_outputs: tuple[str, ...] = ()
+    #: Where AutoEP names the family's MoE block otherwise than the names deepspeed_ext.checkpoint.expert_names
+    #: maps by default: (AutoEP's suffix, the model's suffix) under a block (Qwen3.5's ``shared_expert``, which
+    #: AutoEP holds as ``shared_experts``).
+    autoep_renamed: tuple[tuple[str, str], ...] = ()
 
     def rules_for(self, tied: bool) -> tuple[Rule, ...]:
         return self.rules if tied else self.rules + self.untied_rules
@@ -196,6 +201,12 @@ def get_family(name: str) -> Family:
 def families_of_model_type(model_type: str | None) -> list[Family]:
     """The families that read HF ``model_type`` (llama: llama and llama3.1)."""
     return [family for family in _families().values() if model_type and family.model_type == model_type]
+
+
+def autoep_renamed(model_type: str | None) -> tuple[tuple[str, str], ...]:
+    """The AutoEP renames of ``model_type``'s family (None: every family's; see :attr:`Family.autoep_renamed`)."""
+    families = families_of_model_type(model_type) if model_type else list(_families().values())
+    return tuple(dict.fromkeys(pair for family in families for pair in family.autoep_renamed))
 
 
 def hf_expert_splits(model_type: str | None) -> tuple[ExpertSplit, ...]:

@@ -20,6 +20,10 @@ TENSOR_PARALLEL = {"partition_config": {
     ],
 }}
 
+#: AutoEP: DeepSeek-V3's preset fits the MoE block as it is (grouped sigmoid routing with the router bias, shared
+#: experts).
+EXPERT_PARALLEL = "deepseek_v3"
+
 DEEPSEEK_V32 = Family(name="deepseek-v3.2",
                       model_type="deepseek_v32",
                       rules=(),
@@ -28,7 +32,8 @@ DEEPSEEK_V32 = Family(name="deepseek-v3.2",
                       maxtext_model=None,
                       maxtext_note="MaxText 0.2.5 has deepseek3.2-671b; deepspeed-ext does not map it yet",
                       hf_expert_splits=HF_EXPERTS,
-                      tensor_parallel=TENSOR_PARALLEL)
+                      tensor_parallel=TENSOR_PARALLEL,
+                      expert_parallel=EXPERT_PARALLEL)
 
 GLM5 = Family(name="glm-5",
               model_type="glm_moe_dsa",
@@ -38,6 +43,7 @@ GLM5 = Family(name="glm-5",
               maxtext_model=None,
               maxtext_note="MaxText 0.2.5 has no GLM model",
               hf_expert_splits=HF_EXPERTS,
-              tensor_parallel=TENSOR_PARALLEL)
+              tensor_parallel=TENSOR_PARALLEL,
+              expert_parallel=EXPERT_PARALLEL)
 
 FAMILIES = (DEEPSEEK_V32, GLM5)

@@ -32,6 +32,9 @@ GLM45 = Family(name="glm-4.5",
                maxtext_model=None,
                maxtext_note="MaxText 0.2.5 has no GLM model",
                hf_expert_splits=HF_EXPERTS,
-               tensor_parallel=TENSOR_PARALLEL)
+               tensor_parallel=TENSOR_PARALLEL,
+               # AutoEP: DeepSeek-V3's preset fits GLM-4.5's MoE block (sigmoid routing with the router bias, groups,
+               # shared experts).
+               expert_parallel="deepseek_v3")
 
 FAMILIES = (GLM45, )

@@ -23,6 +23,11 @@ TENSOR_PARALLEL = {"partition_config": {
     "layer_specs": [{"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True}],
 }}
 
+#: AutoEP: DeepSpeed 0.19.8 has no MiniMax-M2 preset (its minimax_m3 preset is for M3's clamped SwiGLU and shared
+#: experts). Mixtral's fits M2's block once the router scores with a sigmoid; the router bias, held by the block,
+#: is found where it is.
+EXPERT_PARALLEL = {"preset_model": "mixtral", "score_func": "sigmoid"}
+
 MINIMAX_M2 = Family(name="minimax-m2",
                     model_type="minimax_m2",
                     rules=(),
@@ -31,6 +36,9 @@ MINIMAX_M2 = Family(name="minimax-m2",
                     maxtext_model=None,
                     maxtext_note="MaxText 0.2.5 has no MiniMax model",
                     hf_expert_splits=HF_NAMES,
-                    tensor_parallel=TENSOR_PARALLEL)
+                    tensor_parallel=TENSOR_PARALLEL,
+                    expert_parallel=EXPERT_PARALLEL,
+                    # AutoEP moves the block's router bias into its router.
+                    autoep_renamed=(("router.e_score_correction_bias", "e_score_correction_bias"), ))
 
 FAMILIES = (MINIMAX_M2, )

@@ -31,6 +31,10 @@ TENSOR_PARALLEL = {"partition_config": {
 
 _NOTE = "MaxText 0.2.5 has {}; deepspeed-ext does not map it yet"
 
+#: AutoEP holds the block's one shared expert and its gate as ``shared_experts`` / ``shared_experts_gate``.
+AUTOEP_RENAMED = tuple((f"shared_experts.{p}_proj.weight", f"shared_expert.{p}_proj.weight")
+                       for p in ("gate", "up", "down")) + (("shared_experts_gate.weight", "shared_expert_gate.weight"), )
+
 QWEN35 = Family(name="qwen3.5",
                 model_type="qwen3_5_text",
                 rules=(),
@@ -48,7 +52,9 @@ QWEN35_MOE = Family(name="qwen3.5-moe",
                     maxtext_model=None,
                     maxtext_note=_NOTE.format("qwen3.5-35b-a3b / qwen3.5-397b-a17b"),
                     hf_expert_splits=HF_EXPERTS,
-                    tensor_parallel=TENSOR_PARALLEL)
+                    tensor_parallel=TENSOR_PARALLEL,
+                    expert_parallel="qwen3_5_moe",
+                    autoep_renamed=AUTOEP_RENAMED)
 
 QWEN3_NEXT = Family(name="qwen3-next",
                     model_type="qwen3_next",
@@ -58,6 +64,9 @@ QWEN3_NEXT = Family(name="qwen3-next",
                     maxtext_model=None,
                     maxtext_note=_NOTE.format("qwen3-next-80b-a3b"),
                     hf_expert_splits=HF_EXPERTS,
-                    tensor_parallel=TENSOR_PARALLEL)
+                    tensor_parallel=TENSOR_PARALLEL,
+                    # Qwen3.5-MoE's block: a softmax router, fused experts, one shared expert behind its gate.
+                    expert_parallel="qwen3_5_moe",
+                    autoep_renamed=AUTOEP_RENAMED)
 
 FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)
