@@ -1,4 +1,4 @@
-"""Model types deepspeed-ext has no family for yet (GLM-4.5's glm4_moe, OLMo 3), trained with AutoTP through the
+"""Model types deepspeed-ext has no family for (ERNIE 4.5 MoE, EXAONE 4), trained with AutoTP through the
 preset translated from their transformers tp_plan: TP=2 trains the model TP=1 trains (fp32, within 1e-5 after 3
 steps: no gradient lost its sum), splitting what the plan splits."""
 
@@ -23,9 +23,9 @@ def trained(model_type: str, tp: int, tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize("model_type, split", [
-    ("glm4_moe", {"model.layers.*.self_attn.q_proj.weight", "model.layers.*.self_attn.o_proj.weight",
-                  "model.layers.*.mlp.down_proj.weight", "model.layers.*.mlp.shared_experts.up_proj.weight"}),
-    ("olmo3", {"model.layers.*.mlp.gate_proj.weight", "model.layers.*.mlp.down_proj.weight", "lm_head.weight"}),
+    ("ernie4_5_moe", {"model.layers.*.self_attn.q_proj.weight", "model.layers.*.self_attn.o_proj.weight",
+                      "model.layers.*.mlp.down_proj.weight", "model.layers.*.mlp.shared_experts.up_proj.weight"}),
+    ("exaone4", {"model.layers.*.mlp.gate_proj.weight", "model.layers.*.self_attn.q_proj.weight", "lm_head.weight"}),
 ])
 def test_tp2_trains_as_tp1_with_the_translated_plan(model_type, split, tmp_path):
     whole, cut = trained(model_type, 1, tmp_path), trained(model_type, 2, tmp_path)

@@ -36,10 +36,10 @@ def test_split_styles_split_and_every_other_style_stays_whole():
 
 
 @pytest.mark.parametrize("model_type, split, whole", [
-    ("glm4_moe", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight"],
+    ("ernie4_5_moe", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight"],
      []),
-    ("olmo3", ["model.layers.0.mlp.up_proj.weight"], ["model.layers.0.self_attn.q_proj.weight"]),
-    ("minimax_m2", [], ["model.layers.0.self_attn.o_proj.weight"]),
+    ("olmo2", ["model.layers.0.mlp.up_proj.weight"], ["model.layers.0.self_attn.q_proj.weight"]),
+    ("exaone4", ["model.layers.0.self_attn.o_proj.weight"], ["model.layers.0.self_attn.q_norm.weight"]),
 ])
 def test_a_transformers_model_type_gets_its_plan_translated(model_type, split, whole):
     preset = deepspeed_ext.tensor_parallel_preset(model_type)
@@ -51,5 +51,9 @@ def test_a_transformers_model_type_gets_its_plan_translated(model_type, split, w
 
 def test_registry_families_keep_their_own_preset_and_unknown_names_get_one_line():
     assert deepspeed_ext.tensor_parallel_preset("qwen3_moe") == deepspeed_ext.tensor_parallel_preset("qwen3-moe")
+    # A registry family is found by its HF model_type too, and keeps its own preset (GLM-4.5's splits its dense MLPs).
+    glm = deepspeed_ext.tensor_parallel_preset("glm4_moe")
+    assert glm == deepspeed_ext.tensor_parallel_preset("glm-4.5")
+    assert specs_for(glm, "model.layers.0.mlp.gate_proj.weight")[0]["partition_type"] == "column"
     with pytest.raises(CheckpointError, match="neither a deepspeed-ext family .* nor a transformers model_type"):
         deepspeed_ext.tensor_parallel_preset("no_such_model")
