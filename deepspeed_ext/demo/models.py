@@ -44,8 +44,8 @@ def tiny_config(family: str = "llama", kv_heads: int = 4, *, maxtext_head_dim: i
     """
     family = family.replace("_", "-")
     from deepspeed_ext.demo.recent_families import SETTINGS, recent_tiny_config
-    if family in SETTINGS:  # 2025-26's families: their own head counts (no MaxText sizes: no MaxText mapping yet)
-        return recent_tiny_config(family)
+    if family in SETTINGS:  # 2025-26's families: their own head counts, and MaxText sizes where mapped
+        return recent_tiny_config(family, maxtext_head_dim)
     maxtext = maxtext_head_dim is not None
     head_dim = maxtext_head_dim or 4  # training: 64 / 16 heads
     if maxtext:

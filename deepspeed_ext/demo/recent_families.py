@@ -80,9 +80,27 @@ SETTINGS: dict[str, Any] = {
 }
 
 
-def recent_tiny_config(family: str) -> Any:
-    """The tiny transformers config of ``family`` (a key of :data:`SETTINGS`), at the training sizes."""
+#: The MaxText sizes of the families deepspeed-ext maps to MaxText (heads of ``head_dim``: 64 / it query heads, 32 /
+#: it KV heads, vocabulary 256, MLP 128), with the family's constants as MaxText's config sets them.
+MAXTEXT_SETTINGS: dict[str, Any] = {
+    # One whole cycle of MaxText's fixed pattern (three sliding-window layers, one global); plain RoPE.
+    "olmo3": lambda head_dim: dict(num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                   sliding_window=4, num_attention_heads=64 // head_dim,
+                                   num_key_value_heads=32 // head_dim, intermediate_size=128, vocab_size=256,
+                                   rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+}
+
+
+def recent_tiny_config(family: str, maxtext_head_dim: int | None = None) -> Any:
+    """The tiny transformers config of ``family`` (a key of :data:`SETTINGS`), at the training sizes, or with
+    ``maxtext_head_dim`` at the MaxText sizes (:data:`MAXTEXT_SETTINGS`)."""
     from transformers import AutoConfig
 
     from deepspeed_ext.checkpoint.families import get_family
-    return AutoConfig.for_model(get_family(family).model_type, **{**COMMON, **SETTINGS[family]()})
+    settings = {**COMMON, **SETTINGS[family]()}
+    if maxtext_head_dim is not None:
+        if family not in MAXTEXT_SETTINGS:
+            raise ValueError(f"family {family!r} has no MaxText sizes (no MaxText mapping)")
+        settings = {**COMMON, **MAXTEXT_SETTINGS[family](maxtext_head_dim)}
+    return AutoConfig.for_model(get_family(family).model_type, **settings)

@@ -13,6 +13,7 @@ import torch
 
 from deepspeed_ext.checkpoint import serialization
 from deepspeed_ext.checkpoint.families import maxtext_family_names
+from harness.families import ONE_BY_ONE
 from harness.hf import assert_to_hf_matches_live
 from harness.runner import cli
 from harness.scenario import (assert_losses_continue, assert_universal_matches_live, differences_from_upstream,
@@ -178,8 +179,9 @@ CONTINUED_IN_MAXTEXT = ("qwen3", "mixtral", "deepseek-v3")
 
 
 # Every family of the registry with a MaxText mapping but llama, whose round trip is
-# tests/e2e/test_maxtext_continue_e2e.py's.
-@pytest.mark.parametrize("family", [family for family in maxtext_family_names() if family != "llama"])
+# tests/e2e/test_maxtext_continue_e2e.py's, and the recent families, whose is test_recent_families_e2e.py's.
+@pytest.mark.parametrize("family", [family for family in maxtext_family_names()
+                                    if family != "llama" and family in ONE_BY_ONE])
 def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
     """Each family's DeepSpeed TP=2 run -> to-maxtext --with-optimizer (fp32, scanned, on a mesh) -> from-maxtext
     -> DeepSpeed resume at TP=1 continues the loss within 2e-3 (for the families of :data:`CONTINUED_IN_MAXTEXT`,

@@ -12,14 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepspeed_ext.checkpoint.families import family_names, get_family
+from deepspeed_ext.checkpoint.families import get_family
+from harness.families import RECENT
 from harness.hf import assert_to_hf_matches_live, cli
 from harness.scenario import Load, assert_universal_matches_live
-
-#: The families tests/e2e/test_model_families.py and the MaxText test files test one by one.
-ONE_BY_ONE = {"llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3", "gpt-oss",
-              "deepseek-v3"}
-RECENT = [family for family in family_names() if family not in ONE_BY_ONE]
 #: Those DeepSpeed's AutoEP runs (deepspeed_ext.expert_parallel_preset).
 AUTOEP = [family for family in RECENT if get_family(family).expert_parallel is not None]
 
@@ -82,21 +78,44 @@ def test_to_hf_gives_the_live_logits_and_from_hf_loads_them_back(scenarios, tmp_
 
 
 @pytest.mark.parametrize("family", RECENT)
-def test_to_maxtext_refuses_an_unmapped_family_in_one_line(scenarios, tmp_path, capsys, family):
-    """A family without a MaxText mapping is refused in one line saying why and naming the families that have one;
-    nothing is written. (A mapped family is written and checked by MaxText's own model code in
-    test_maxtext_model_code.py, which takes its families from the registry too.)"""
+def test_to_maxtext_and_back_resumes_or_refuses_in_one_line(scenarios, tmp_path, capsys, family):
+    """A family with a MaxText mapping: the TP=2 run -> to-maxtext --with-optimizer (fp32, scanned where the layer
+    count allows, on a mesh) -> from-maxtext gives back every universal tensor and step exactly, and DeepSpeed
+    resumes from it at TP=1 (next loss within 1e-4); MaxText's own model code reads such output in
+    test_maxtext_model_code.py. A family without one is refused in one line saying why and naming the families
+    that have one; nothing is written."""
     from deepspeed_ext.checkpoint.families import maxtext_family_names
+    from deepspeed_ext.checkpoint.universal import UniversalCheckpoint
     from deepspeed_ext.cli import main
-    if get_family(family).maxtext_model:
-        return
+    from deepspeed_ext.demo.models import tiny_config
+    from deepspeed_ext.errors import CheckpointError
     split = trained(scenarios, family)
-    capsys.readouterr()
-    assert main(["to-maxtext", str(split.save_dir), "-o", str(tmp_path / "maxtext"), "--quiet"]) == 2
-    error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and f"family {family} has no MaxText mapping (MaxText 0.2.5 has" in error[0], error
-    assert ", ".join(maxtext_family_names()) in error[0]
-    assert not (tmp_path / "maxtext").exists()
+    out = tmp_path / "maxtext"
+    if not get_family(family).maxtext_model:
+        capsys.readouterr()
+        assert main(["to-maxtext", str(split.save_dir), "-o", str(out), "--quiet"]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and f"family {family} has no MaxText mapping (MaxText 0.2.5 has" in error[0], error
+        assert ", ".join(maxtext_family_names()) in error[0]
+        assert not out.exists()
+        return
+    try:
+        get_family(family).layer_blocks(tiny_config(family).to_dict(), True)
+        scan = "--scan-layers"
+    except CheckpointError:  # a depth scanned MaxText cannot hold: unscanned (test_maxtext.py checks the refusal)
+        scan = "--no-scan-layers"
+    cli("to-maxtext", str(split.save_dir), "-o", str(out), "--dtype", "float32", "--with-optimizer", scan,
+        "--mesh", "fsdp=2,tensor=2")
+    cli("from-maxtext", str(out), "-o", str(tmp_path / "back"))
+    original, returned = UniversalCheckpoint(split.universal_dir), UniversalCheckpoint(tmp_path / "back")
+    assert sorted(original.names) == sorted(returned.names)
+    for name in original.names:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(original.load(name, state), returned.load(name, state)), (name, state)
+        assert int(original.step(name)) == int(returned.step(name))
+    (_, losses), = split.loaded_many([Load(1, 1, tmp_path / "back")])
+    step = split.save_at + 1
+    assert abs(losses[step] - split.baseline[step]) <= 1e-4 * abs(split.baseline[step]), (losses, split.baseline)
 
 
 @pytest.mark.parametrize("family", AUTOEP)
