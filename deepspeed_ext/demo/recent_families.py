@@ -89,6 +89,13 @@ MAXTEXT_SETTINGS: dict[str, Any] = {
                                    num_key_value_heads=32 // head_dim, intermediate_size=128, vocab_size=256,
                                    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
                                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # Dense, MoE, dense, MoE-without-RoPE: one whole cycle; attention in chunks of 4 of the test's 12 tokens.
+    "llama4": lambda head_dim: dict(num_hidden_layers=4, interleave_moe_layer_step=2, no_rope_layer_interval=4,
+                                    attention_chunk_size=4, num_attention_heads=64 // head_dim,
+                                    num_key_value_heads=32 // head_dim, head_dim=head_dim, intermediate_size=32,
+                                    intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+                                    vocab_size=256, rms_norm_eps=1e-5,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
 }
 
 

@@ -99,13 +99,13 @@ ROUND_TRIPS = [(family, scan_layers, deeper) for family in maxtext_family_names(
 def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers, deeper):
     """HF/universal tensors -> MaxText (fp32) -> back: bit-exact, except the query kernel of families that
     bake in 1/sqrt(D), within 1 ulp (head_dim 8 here: sqrt(8) is not a power of two), and gemma3's norms.
-    A depth scanned MaxText cannot hold (gpt-oss: whole pairs; olmo3: whole cycles of four) is refused by the writer
+    A depth scanned MaxText cannot hold (gpt-oss: whole pairs; olmo3, llama4: whole cycles of four) is refused by the writer
     with the way out, and written unscanned it reads back like any other."""
     from deepspeed_ext.checkpoint.maxtext import MaxTextCheckpoint, stored_model_info
     from deepspeed_ext.errors import CheckpointError
     depth = sized_config(family, 8).num_hidden_layers + 1 if deeper else None
     model = hf_model(family, head_dim=8, num_layers=depth)
-    whole_cycles = {"gpt-oss": 2, "olmo3": 4}
+    whole_cycles = {"gpt-oss": 2, "olmo3": 4, "llama4": 4}
     if scan_layers and family in whole_cycles and deeper:
         with pytest.raises(CheckpointError, match=f"not whole cycles of {whole_cycles[family]}.*--no-scan-layers"):
             convert(model, family, tmp_path / "out", scan_layers=True)

@@ -295,6 +295,11 @@ TRANSFORMS: dict[str, Transform] = {
                            row_axis=0),
     "expert_down": Transform(lambda x, d, f: x.transpose(0, 2, 1), lambda s, d: (s[0], s[2], s[1]),
                              lambda x, d, f: x.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]), row_axis=0),
+    # Llama 4: experts already [E, in, out]; the gate's columns, then the up projection's, along the last axis.
+    "first_columns": Transform(lambda x, d, f: x[..., :x.shape[-1] // 2], _half_last, _same, lambda s: s,
+                               join_axis=-1, row_axis=0),
+    "last_columns": Transform(lambda x, d, f: x[..., x.shape[-1] // 2:], _half_last, _same, lambda s: s,
+                              join_axis=-1, row_axis=0),
     # gpt-oss: experts already [E, in, out]; gate and up alternate along the last axis (weights and biases).
     "even_columns": Transform(lambda x, d, f: x[..., 0::2], _half_last, _same, lambda s: s, join_axis=-1,
                               interleaved=True, row_axis=0),
