@@ -89,6 +89,15 @@ MAXTEXT_SETTINGS: dict[str, Any] = {
                                    num_key_value_heads=32 // head_dim, intermediate_size=128, vocab_size=256,
                                    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1,
                                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # DeepSeek-V3's MaxText sizes (one dense layer, two MoE layers, MLA) and an indexer keeping 6 of the 12 tokens.
+    "deepseek-v3.2": lambda head_dim: dict(num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=64 // head_dim,
+                                           num_key_value_heads=64 // head_dim, intermediate_size=128,
+                                           moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                                           num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
+                                           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=head_dim,
+                                           v_head_dim=head_dim, index_n_heads=4, index_head_dim=16, index_topk=6,
+                                           vocab_size=256, rms_norm_eps=1e-6,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     # Dense, MoE, dense, MoE-without-RoPE: one whole cycle; attention in chunks of 4 of the test's 12 tokens.
     "llama4": lambda head_dim: dict(num_hidden_layers=4, interleave_moe_layer_step=2, no_rope_layer_interval=4,
                                     attention_chunk_size=4, num_attention_heads=64 // head_dim,

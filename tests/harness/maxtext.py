@@ -54,7 +54,7 @@ def sized_config(family: str, head_dim: int, num_layers: int | None = None):
         return config
     settings = {key: value for key, value in config.to_dict().items() if key != "model_type"}
     settings["num_hidden_layers"] = num_layers
-    for derived in ("layer_types", "no_rope_layers", "moe_layers"):  # per-layer lists rebuilt for the new depth
+    for derived in ("layer_types", "mlp_layer_types", "no_rope_layers", "moe_layers"):  # rebuilt for the new depth
         if derived in settings:
             settings[derived] = None
     return type(config)(**settings)

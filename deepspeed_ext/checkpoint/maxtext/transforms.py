@@ -169,6 +169,10 @@ def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
     return part.transpose(0, 2, 1)
 
 
+def _indexer_heads(dims: ModelDims) -> int:
+    return int(dims.config["index_n_heads"])
+
+
 def _embed_scale(dims: ModelDims) -> np.float32:
     """sqrt(hidden), as transformers' scaled embedding applies it: in the model's dtype (bf16 rounds it)."""
     scale = np.sqrt(np.float32(dims.hidden_size))
@@ -276,6 +280,10 @@ TRANSFORMS: dict[str, Transform] = {
                            lambda s, d: (s[1], d.num_heads, s[0] // d.num_heads),
                            lambda x, d, f: x.reshape(x.shape[0], -1).T, lambda s: (s[1] * s[2], s[0]),
                            row_axis=1, row_unit=lambda s, d: s[0] // d.num_heads, heads_in_rows=True),
+    # DeepSeek-V3.2's indexer query: [index_n_heads*X, q_lora] -> [q_lora, index_n_heads, X] (its own head count).
+    "indexer_head_rows": Transform(lambda x, d, f: x.T.reshape(x.shape[1], _indexer_heads(d), -1),
+                                   lambda s, d: (s[1], _indexer_heads(d), s[0] // _indexer_heads(d)),
+                                   lambda x, d, f: x.reshape(x.shape[0], -1).T, lambda s: (s[1] * s[2], s[0])),
     "head_columns": Transform(lambda x, d, f: x.T.reshape(d.num_heads, -1, x.shape[0]),
                               lambda s, d: (d.num_heads, s[1] // d.num_heads, s[0]),
                               lambda x, d, f: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1]),
