@@ -16,8 +16,9 @@ import torch
 #: mapping, so it is not in the family registry.
 AUTOTP_ONLY = ("phi3", )
 #: Test variants of a family (a config of its own, the family's mapping): deepseek-v3 with DeepSeek-V3's own yarn
-#: RoPE, whose MaxText settings differ from the plain RoPE model's.
-VARIANTS = {"deepseek-v3-yarn": "deepseek-v3"}
+#: RoPE, whose MaxText settings differ from the plain RoPE model's; Kimi-K2, which loads as deepseek_v3 with its own
+#: config (one expert group, one dense layer, yarn RoPE with Kimi's betas and theta, its routed scaling).
+VARIANTS = {"deepseek-v3-yarn": "deepseek-v3", "kimi-k2": "deepseek-v3"}
 
 
 def tiny_families() -> tuple[str, ...]:
@@ -107,7 +108,7 @@ def tiny_config(family: str = "llama", kv_heads: int = 4, *, maxtext_head_dim: i
         return GptOssConfig(**{**common, "max_position_embeddings": 131072}, **head, num_local_experts=4,
                             num_experts_per_tok=2, sliding_window=8)
     # deepseek-v3: MLA, one dense layer then two MoE layers (8 experts in 2 groups, top-1 group, 1 shared expert)
-    if family in ("deepseek-v3", "deepseek-v3-yarn"):
+    if family in ("deepseek-v3", "deepseek-v3-yarn", "kimi-k2"):
         from transformers import DeepseekV3Config
         if maxtext:
             extra["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
@@ -116,12 +117,18 @@ def tiny_config(family: str = "llama", kv_heads: int = 4, *, maxtext_head_dim: i
                                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
             extra["max_position_embeddings"] = 163840
+        group: dict[str, Any] = dict(n_group=2, topk_group=1)  # 8 experts in 2 groups, top-1 group
+        if family == "kimi-k2":  # Kimi-K2's config.json, shrunk: theta 50000, yarn x32 with betas 1/1, no groups
+            extra["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+                                        "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+            extra["max_position_embeddings"] = 131072
+            group = dict(n_group=1, topk_group=1, routed_scaling_factor=2.827)
         # MLA has one key per head: transformers requires num_key_value_heads == num_attention_heads.
         return DeepseekV3Config(**{**common, "num_hidden_layers": 3,
                                    "num_key_value_heads": common["num_attention_heads"], **extra},
                                 first_k_dense_replace=1, moe_intermediate_size=moe_width, n_routed_experts=8,
-                                n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=32,
-                                kv_lora_rank=16, qk_rope_head_dim=8 if maxtext else 4, qk_nope_head_dim=head_dim,
+                                n_shared_experts=1, num_experts_per_tok=2, **group, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8 if maxtext else 4, qk_nope_head_dim=head_dim,
                                 v_head_dim=head_dim, **eps(1e-6))
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join((*FAMILIES, *VARIANTS))}")
 
