@@ -30,6 +30,9 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "wkv_a/kernel": ("embed", None),
     "wq_b/kernel": (None, "q_heads", "kv"),
     "wkv_b/kernel": (None, "kv_heads", "kv_head_dim"),
+    "indexer/wk/kernel": ("embed", None),  # DeepSeek-V3.2's indexer (its wq_b is a wq_b/kernel above)
+    "indexer/weights_proj/kernel": ("embed", "q_heads"),
+    "indexer/k_norm/bias": ("norm", ),
     "shared_experts/wi_0/kernel": ("embed", "mlp"),
     "shared_experts/wi_1/kernel": ("embed", "mlp"),
     "shared_experts/wo/kernel": ("mlp", "embed"),
