@@ -198,11 +198,12 @@ def autoep_name_map(model_names: list[str]) -> dict[str, tuple[str, int | None]]
     own."""
     blocks = {block for name in model_names if (block := _block(name, _FUSED)) is not None}
     mapped: dict[str, tuple[str, int | None]] = {}
+    renames = _renames(None)
     for name in model_names:
         if (block := _block(name, _FUSED)) is not None:
             mapped.update({f"{block}.{part}": (name, index) for index, part in enumerate(_FUSED_PARTS)})
             continue
-        renamed = next((f"{block}.{autoep}" for autoep, model in _renames(None)
+        renamed = next((f"{block}.{autoep}" for autoep, model in renames
                         if (block := _block(name, model)) is not None and block in blocks), name)
         mapped[renamed] = (name, None)
     return mapped

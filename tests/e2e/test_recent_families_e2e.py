@@ -18,8 +18,11 @@ from harness.hf import assert_to_hf_matches_live, cli
 from harness.scenario import Load, assert_universal_matches_live
 #: Those DeepSpeed's AutoEP runs (deepspeed_ext.expert_parallel_preset), one per distinct way in: the AutoEP section
 #: and the names AutoEP gives the block (families alike in both run the same code; CI's minutes go elsewhere).
-AUTOEP = list({(repr(get_family(family).expert_parallel), get_family(family).autoep_renamed): family
-               for family in reversed(RECENT) if get_family(family).expert_parallel is not None}.values())[::-1]
+_AUTOEP_WAYS: dict[tuple[str, tuple], str] = {}
+for _family in RECENT:
+    if get_family(_family).expert_parallel is not None:
+        _AUTOEP_WAYS.setdefault((repr(get_family(_family).expert_parallel), get_family(_family).autoep_renamed), _family)
+AUTOEP = list(_AUTOEP_WAYS.values())
 
 
 def trained(scenarios, family: str, tp: int = 2):

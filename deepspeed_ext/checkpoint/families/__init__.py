@@ -101,6 +101,12 @@ class ExpertSplit:
     pieces: tuple[str, ...]  # the file's names, with "{layer}" and "{expert}"
 
 
+def partition_config(*specs: Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed ``tensor_parallel`` section's keys naming exactly these AutoTP layer specs (DeepSpeed's defaults
+    off): what a family's ``tensor_parallel`` preset holds."""
+    return {"partition_config": {"use_default_specs": False, "layer_specs": [dict(spec) for spec in specs]}}
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family's MaxText conventions."""

@@ -14,8 +14,8 @@ one by one (``mlp.experts.<e>.gate_proj.weight``, ...), as for Qwen3-MoE.
 from collections.abc import Mapping
 from typing import Any
 
-from deepspeed_ext.checkpoint.families import Family, LayerBlock, Rule, num_experts
-from deepspeed_ext.checkpoint.families.llama import EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families import Family, LayerBlock, Rule, num_experts, partition_config
+from deepspeed_ext.checkpoint.families.llama import EMBEDDING_AND_NORM, HEAD_SPEC, LM_HEAD, mlp_specs
 from deepspeed_ext.checkpoint.families.qwen3_moe import HF_EXPERTS
 
 _L = "model.layers.{layer}"
@@ -91,14 +91,7 @@ def _maxtext_extra(c: Mapping[str, Any]) -> dict[str, Any]:
 #: stays whole: the rotary key (the last qk_rope_head_dim outputs of kv_a_proj_with_mqa) is shared by every
 #: head and reaches attention without passing a column-parallel layer, so with heads split each rank would get
 #: a partial gradient for it and for the residual stream. The fused experts and the router stay whole too.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        {"patterns": [r".*\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.mlp\.(shared_experts\.)?down_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*mlp_specs(r"mlp\.(shared_experts\.)?"), HEAD_SPEC)
 
 DEEPSEEK_V3 = Family(name="deepseek-v3",
                      model_type="deepseek_v3",

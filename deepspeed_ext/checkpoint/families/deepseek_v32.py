@@ -31,16 +31,9 @@ def _maxtext_extra(c: Mapping[str, Any]) -> dict[str, Any]:
     return {**mla, "use_indexer": True, "indexer_n_heads": c["index_n_heads"],
             "indexer_head_dim": c["index_head_dim"], "indexer_topk": c["index_topk"]}
 
-#: AutoTP for MLA with an indexer: as DeepSeek-V3's preset (its rotary key, shared by every head, keeps attention
+#: AutoTP for MLA with an indexer: DeepSeek-V3's preset (its rotary key, shared by every head, keeps attention
 #: whole), the indexer whole with it; the dense MLPs and the shared experts are split, and lm_head by vocabulary.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        {"patterns": [r".*\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.mlp\.(shared_experts\.)?down_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
-    ],
-}}
+TENSOR_PARALLEL = DEEPSEEK_V3.tensor_parallel
 
 #: AutoEP: DeepSeek-V3's preset fits the MoE block as it is (grouped sigmoid routing with the router bias, shared
 #: experts).

@@ -7,21 +7,13 @@ files use the model's names (the tied head is not written).
 MaxText 0.2.5 ships ``gemma4-e2b`` / ``-e4b`` / ``-26b`` / ``-31b``; deepspeed-ext does not map them yet.
 """
 
-from deepspeed_ext.checkpoint.families import Family
+from deepspeed_ext.checkpoint.families import Family, partition_config
+from deepspeed_ext.checkpoint.families.llama import ATTENTION_SPECS, QK_NORM_SPEC, mlp_specs
 
 #: AutoTP for Gemma 4: DeepSpeed refuses transformers' plan (it lists "moe_tp_experts" entries even for the dense
 #: models). Attention is split by heads (q/k norms whole, gradients summed over TP) and the MLP (column, then row).
 #: The tied embedding and head, the per-layer-input embedding and its projections stay whole.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r".*\.mlp\.(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*ATTENTION_SPECS, *mlp_specs(r"mlp\."), QK_NORM_SPEC)
 
 GEMMA4 = Family(name="gemma4",
                 model_type="gemma4_text",

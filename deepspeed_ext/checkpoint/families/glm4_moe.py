@@ -7,22 +7,14 @@ its files write them one by one, as for Qwen3-MoE.
 MaxText 0.2.5 has no GLM model: to-maxtext refuses the family.
 """
 
-from deepspeed_ext.checkpoint.families import Family
-from deepspeed_ext.checkpoint.families.llama import ATTENTION_AND_HEAD_SPECS
+from deepspeed_ext.checkpoint.families import Family, partition_config
+from deepspeed_ext.checkpoint.families.llama import ATTENTION_AND_HEAD_SPECS, QK_NORM_SPEC, mlp_specs
 from deepspeed_ext.checkpoint.families.qwen3_moe import HF_EXPERTS
 
 #: AutoTP for GLM-4.5: DeepSpeed refuses transformers' plan ("packed_colwise", "moe_tp_experts"). Attention (with its
 #: biases), the dense MLPs and the shared experts are split; the per-head q/k norms stay whole with their gradients
 #: summed over TP. The router and the fused experts stay whole.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        *ATTENTION_AND_HEAD_SPECS,
-        {"patterns": [r".*\.mlp\.(shared_experts\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.mlp\.(shared_experts\.)?down_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*ATTENTION_AND_HEAD_SPECS, *mlp_specs(r"mlp\.(shared_experts\.)?"), QK_NORM_SPEC)
 
 GLM45 = Family(name="glm-4.5",
                model_type="glm4_moe",

@@ -1,5 +1,7 @@
 """Llama-style decoders (MaxText decoder_block "llama2"/"mistral"): Llama 2/3, Llama 3.1, Mistral."""
 
+from typing import Any
+
 from deepspeed_ext.checkpoint.families import Family, Rule
 
 _L = "model.layers.{layer}"
@@ -24,14 +26,25 @@ DENSE_MLP = (
     Rule(f"{_L}.mlp.down_proj.weight", f"{_M}/mlp/wo/kernel", "linear"),
 )
 
-#: AutoTP layer specs (DeepSpeed ``partition_config``) for Llama-style attention and an untied head: q/k/v split by
-#: output rows, o_proj by input columns, lm_head by vocabulary with its output gathered. MoE families whose
-#: tp_plan DeepSpeed refuses start from these.
-ATTENTION_AND_HEAD_SPECS = (
+#: AutoTP layer specs (DeepSpeed ``partition_config``) the families' presets are made of. Llama-style attention:
+#: q/k/v split by output rows, o_proj by input columns; an untied head: lm_head by vocabulary, its output gathered.
+#: MoE families whose tp_plan DeepSpeed refuses start from these.
+ATTENTION_SPECS = (
     {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
     {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
-    {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
 )
+HEAD_SPEC = {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True}
+ATTENTION_AND_HEAD_SPECS = (*ATTENTION_SPECS, HEAD_SPEC)
+#: Per-head q/k norms act on each rank's own heads: replicated, gradients summed over TP (without this the ranks'
+#: copies drift apart, which the converter refuses to merge).
+QK_NORM_SPEC = {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True}
+
+
+def mlp_specs(block: str) -> tuple[dict[str, Any], ...]:
+    """A gated MLP split column (gate_proj, up_proj) then row (down_proj): the specs for the MLPs whose module path
+    ends in ``block`` (a regular expression, e.g. ``r"mlp\.(shared_experts\.)?"`` for dense MLPs and shared experts)."""
+    return ({"patterns": [rf".*\.{block}(gate|up)_proj\.weight$"], "partition_type": "column"},
+            {"patterns": [rf".*\.{block}down_proj\.weight$"], "partition_type": "row"})
 
 LLAMA = Family(name="llama",
                model_type="llama",

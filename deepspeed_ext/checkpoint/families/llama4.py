@@ -12,12 +12,19 @@ cycles only); a MoE layer's block is ``Llama4MoEBlock_0`` (``MoeBlock_0``: route
 multiplication), so q/k need no permutation; the query is scaled at run time.
 """
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
 
-from deepspeed_ext.checkpoint.families import Family, LayerBlock, Rule
-from deepspeed_ext.checkpoint.families.llama import ATTENTION, ATTENTION_AND_HEAD_SPECS, EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families import Family, LayerBlock, Rule, cycle_blocks, partition_config
+from deepspeed_ext.checkpoint.families.llama import (
+    ATTENTION,
+    ATTENTION_AND_HEAD_SPECS,
+    EMBEDDING_AND_NORM,
+    LM_HEAD,
+    mlp_specs,
+)
 from deepspeed_ext.errors import CheckpointError
 
 _F = "model.layers.{layer}.feed_forward"
@@ -49,18 +56,11 @@ def _cycle(config: Mapping[str, Any]) -> int:
 
 
 def _blocks(config: Mapping[str, Any], scanned: bool) -> tuple[LayerBlock, ...]:
-    layers = int(config["num_hidden_layers"])
-
-    def kind(layer: int) -> str:
-        return "moe" if _is_moe(layer, config) else "dense"
-
-    if not scanned:
-        return tuple(LayerBlock(f"layers_{i}", (i, ), False, kind(i)) for i in range(layers))
-    cycle = _cycle(config)
-    if layers % cycle:
-        raise CheckpointError(f"{layers} decoder layers are not whole cycles of {cycle}, which scanned MaxText needs for "
-                              "this family; write it with --no-scan-layers")
-    return tuple(LayerBlock(f"layers/layers_{j}", tuple(range(j, layers, cycle)), True, kind(j)) for j in range(cycle))
+    """One stack per position in the cycle (scanned, whole cycles only) or ``layers_<i>``, each a MoE or a dense
+    block as its layers are (every layer of a stack is the same kind: the cycle is a multiple of the MoE step)."""
+    blocks = cycle_blocks(config, scanned, cycle=_cycle(config), remainder=None)
+    return tuple(dataclasses.replace(block, kind="moe" if _is_moe(block.layers[0], config) else "dense")
+                 for block in blocks)
 
 
 def _maxtext_extra(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,14 +101,7 @@ def _maxtext_extra(c: Mapping[str, Any]) -> dict[str, Any]:
 
 #: AutoTP for Llama 4: DeepSpeed refuses transformers' plan ("packed_rowwise", "moe_tp_experts"). Attention, the dense
 #: feed-forwards and the shared experts are split (column, then row); the router and the fused experts stay whole.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        *ATTENTION_AND_HEAD_SPECS,
-        {"patterns": [r".*\.feed_forward\.(shared_expert\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.feed_forward\.(shared_expert\.)?down_proj\.weight$"], "partition_type": "row"},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*ATTENTION_AND_HEAD_SPECS, *mlp_specs(r"feed_forward\.(shared_expert\.)?"))
 
 LLAMA4 = Family(name="llama4",
                 model_type="llama4_text",

@@ -7,7 +7,8 @@ scores). transformers holds the experts fused ([E, 2I, H], [E, H, I]) under ``ml
 MaxText 0.2.5 has no MiniMax model: to-maxtext refuses the family.
 """
 
-from deepspeed_ext.checkpoint.families import ExpertSplit, Family
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family, partition_config
+from deepspeed_ext.checkpoint.families.llama import HEAD_SPEC
 from deepspeed_ext.checkpoint.families.mixtral import HF_FILES
 
 _L = "model.layers.{layer}"
@@ -18,10 +19,7 @@ HF_NAMES = HF_FILES + (ExpertSplit(f"{_L}.mlp.e_score_correction_bias",
 #: AutoTP for MiniMax-M2: its q/k norms normalize the whole q (k) projection, which no rank holding some heads can
 #: compute, so attention stays whole; every layer's MLP is routed experts (fused, whole) behind a router (whole).
 #: What is split is lm_head, by vocabulary.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [{"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True}],
-}}
+TENSOR_PARALLEL = partition_config(HEAD_SPEC)
 
 #: AutoEP: DeepSpeed 0.19.8 has no MiniMax-M2 preset (its minimax_m3 preset is for M3's clamped SwiGLU and shared
 #: experts). Mixtral's fits M2's block once the router scores with a sigmoid; the router bias, held by the block,

@@ -7,7 +7,7 @@ original names, ``block_sparse_moe.experts.<e>.w1|w3|w2.weight`` and ``block_spa
 MaxText stacks the experts as ``wi_0``/``wi_1`` [E, H, I] and ``wo`` [E, I, H] ([E, L, ...] scanned).
 """
 
-from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule, num_experts
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule, num_experts, partition_config
 from deepspeed_ext.checkpoint.families.llama import ATTENTION, ATTENTION_AND_HEAD_SPECS, EMBEDDING_AND_NORM, LM_HEAD
 
 _L = "model.layers.{layer}.mlp"
@@ -30,7 +30,7 @@ HF_FILES = (
 #: AutoTP for Mixtral under transformers 5: DeepSpeed refuses the model's own tp_plan (its "packed_colwise"
 #: and "moe_tp_experts" styles), so the Linear layers are named. The fused 3-D experts are not nn.Linear
 #: weights and stay whole on every TP rank, as does the router.
-TENSOR_PARALLEL = {"partition_config": {"use_default_specs": False, "layer_specs": list(ATTENTION_AND_HEAD_SPECS)}}
+TENSOR_PARALLEL = partition_config(*ATTENTION_AND_HEAD_SPECS)
 
 MIXTRAL = Family(name="mixtral",
                  model_type="mixtral",

@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from deepspeed_ext.checkpoint.families import Family, Rule, cycle_blocks
-from deepspeed_ext.checkpoint.families.llama import DENSE_MLP, EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families import Family, Rule, cycle_blocks, partition_config
+from deepspeed_ext.checkpoint.families.llama import DENSE_MLP, EMBEDDING_AND_NORM, HEAD_SPEC, LM_HEAD, mlp_specs
 from deepspeed_ext.errors import CheckpointError
 
 _L = "model.layers.{layer}"
@@ -61,14 +61,7 @@ def _maxtext_extra(c: Mapping[str, Any]) -> dict[str, Any]:
 #: AutoTP for OLMo 3: DeepSpeed refuses transformers' plan ("colwise_gather_output" / "rowwise_split_input" around the
 #: q/k norms). Those norms normalize the whole q (k) projection, so a rank holding some heads cannot compute them:
 #: attention stays whole. The MLP is split (column, then row) and lm_head by vocabulary.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        {"patterns": [r".*\.mlp\.(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r"^lm_head\.weight$"], "partition_type": "column", "gather_output": True},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*mlp_specs(r"mlp\."), HEAD_SPEC)
 
 OLMO3 = Family(name="olmo3",
                model_type="olmo3",

@@ -5,8 +5,14 @@ and ``experts.down_proj`` [E, H, I]; MaxText keeps ``moe_block/wi_0``, ``wi_1`` 
 (stacked as [E, L, ...] when scanned).
 """
 
-from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule, num_experts
-from deepspeed_ext.checkpoint.families.llama import ATTENTION, ATTENTION_AND_HEAD_SPECS, EMBEDDING_AND_NORM, LM_HEAD
+from deepspeed_ext.checkpoint.families import ExpertSplit, Family, Rule, num_experts, partition_config
+from deepspeed_ext.checkpoint.families.llama import (
+    ATTENTION,
+    ATTENTION_AND_HEAD_SPECS,
+    EMBEDDING_AND_NORM,
+    LM_HEAD,
+    QK_NORM_SPEC,
+)
 from deepspeed_ext.checkpoint.families.qwen3 import QK_NORMS
 
 _L = "model.layers.{layer}.mlp"
@@ -28,15 +34,7 @@ HF_EXPERTS = (
 #: AutoTP for Qwen3-MoE: DeepSpeed refuses transformers' own tp_plan for it (its "moe_tp_experts" and
 #: "packed_colwise" styles), so the Linear layers are named. The fused 3-D experts are not nn.Linear weights
 #: and stay whole on every TP rank, as does the router.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        *ATTENTION_AND_HEAD_SPECS,
-        # q/k norms act on each rank's own heads: replicated, gradients summed over TP (without this the
-        # ranks' copies drift apart, which the converter refuses to merge).
-        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*ATTENTION_AND_HEAD_SPECS, QK_NORM_SPEC)
 
 QWEN3_MOE = Family(name="qwen3-moe",
                    model_type="qwen3_moe",

@@ -10,8 +10,10 @@ MaxText 0.2.5 ships ``qwen3-next-80b-a3b`` and ``qwen3.5-35b-a3b`` / ``-397b-a17
 yet.
 """
 
-from deepspeed_ext.checkpoint.families import Family
-from deepspeed_ext.checkpoint.families.llama import ATTENTION_AND_HEAD_SPECS
+import dataclasses
+
+from deepspeed_ext.checkpoint.families import Family, partition_config
+from deepspeed_ext.checkpoint.families.llama import ATTENTION_AND_HEAD_SPECS, QK_NORM_SPEC, mlp_specs
 from deepspeed_ext.checkpoint.families.qwen3_moe import HF_EXPERTS
 
 #: AutoTP for the hybrid Qwen families: DeepSpeed refuses transformers' plan ("colwise_gather_output" on the DeltaNet
@@ -19,15 +21,7 @@ from deepspeed_ext.checkpoint.families.qwen3_moe import HF_EXPERTS
 #: are adjacent, so they stay together), its per-head q/k norms whole with their gradients summed over TP; the dense
 #: MLPs and the shared experts are split. The DeltaNet layers, the shared-expert gate, the router and the fused
 #: experts stay whole.
-TENSOR_PARALLEL = {"partition_config": {
-    "use_default_specs": False,
-    "layer_specs": [
-        *ATTENTION_AND_HEAD_SPECS,
-        {"patterns": [r".*\.mlp\.(shared_expert\.)?(gate|up)_proj\.weight$"], "partition_type": "column"},
-        {"patterns": [r".*\.mlp\.(shared_expert\.)?down_proj\.weight$"], "partition_type": "row"},
-        {"patterns": [r".*\.self_attn\.[qk]_norm\.weight$"], "partition_type": "skip", "grad_allreduce": True},
-    ],
-}}
+TENSOR_PARALLEL = partition_config(*ATTENTION_AND_HEAD_SPECS, *mlp_specs(r"mlp\.(shared_expert\.)?"), QK_NORM_SPEC)
 
 _NOTE = "MaxText 0.2.5 has {}; deepspeed-ext does not map it yet"
 
@@ -44,29 +38,14 @@ QWEN35 = Family(name="qwen3.5",
                 maxtext_note="MaxText 0.2.5 has no dense Qwen3.5 model",
                 tensor_parallel=TENSOR_PARALLEL)
 
-QWEN35_MOE = Family(name="qwen3.5-moe",
-                    model_type="qwen3_5_moe_text",
-                    rules=(),
-                    query_scaled=False,
-                    rope_interleaved=False,
-                    maxtext_model=None,
-                    maxtext_note=_NOTE.format("qwen3.5-35b-a3b / qwen3.5-397b-a17b"),
-                    hf_expert_splits=HF_EXPERTS,
-                    tensor_parallel=TENSOR_PARALLEL,
-                    expert_parallel="qwen3_5_moe",
-                    autoep_renamed=AUTOEP_RENAMED)
+QWEN35_MOE = dataclasses.replace(QWEN35, name="qwen3.5-moe", model_type="qwen3_5_moe_text",
+                                 maxtext_note=_NOTE.format("qwen3.5-35b-a3b / qwen3.5-397b-a17b"),
+                                 hf_expert_splits=HF_EXPERTS, expert_parallel="qwen3_5_moe",
+                                 autoep_renamed=AUTOEP_RENAMED)
 
-QWEN3_NEXT = Family(name="qwen3-next",
-                    model_type="qwen3_next",
-                    rules=(),
-                    query_scaled=False,
-                    rope_interleaved=False,
-                    maxtext_model=None,
-                    maxtext_note=_NOTE.format("qwen3-next-80b-a3b"),
-                    hf_expert_splits=HF_EXPERTS,
-                    tensor_parallel=TENSOR_PARALLEL,
-                    # Qwen3.5-MoE's block: a softmax router, fused experts, one shared expert behind its gate.
-                    expert_parallel="qwen3_5_moe",
-                    autoep_renamed=AUTOEP_RENAMED)
+# Qwen3.5-MoE's block, the fused DeltaNet projections apart: AutoEP's qwen3_5_moe preset (a softmax router, fused
+# experts, one shared expert behind its gate) fits it too.
+QWEN3_NEXT = dataclasses.replace(QWEN35_MOE, name="qwen3-next", model_type="qwen3_next",
+                                 maxtext_note=_NOTE.format("qwen3-next-80b-a3b"))
 
 FAMILIES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)
