@@ -26,12 +26,16 @@ _T = TypeVar("_T")
 
 DTYPES = ("source", "bfloat16", "float32")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+#: Integer tensors a model holds (DeepSeek-V4's hash-routing table ``tid2eid``): indices, never cast.
+_INTEGER_DTYPES = {"int64": torch.int64, "int32": torch.int32}
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+                       torch.int32: "I32"}
 
 
 def output_dtype(choice: str, source_dtype: torch.dtype) -> torch.dtype:
-    """``--dtype``: ``source`` keeps the dtype the source model had; otherwise the named dtype."""
-    if choice == "source":
+    """``--dtype``: ``source`` keeps the dtype the source model had; otherwise the named dtype. An integer tensor
+    keeps its own (its values are indices, which another dtype would change, not round)."""
+    if choice == "source" or (choice in _TORCH_DTYPES and not source_dtype.is_floating_point):
         return source_dtype
     if choice not in _TORCH_DTYPES:
         raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)}, not {choice!r}")
@@ -39,16 +43,17 @@ def output_dtype(choice: str, source_dtype: torch.dtype) -> torch.dtype:
 
 
 def safetensors_dtype_code(dtype: torch.dtype) -> str:
-    """The safetensors header's name of ``dtype`` (``F32``, ``BF16``, ``F16``)."""
+    """The safetensors header's name of ``dtype`` (``F32``, ``BF16``, ``F16``, ``I64``, ``I32``)."""
     return _SAFETENSORS_DTYPES[dtype]
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """A dtype from its numpy/torch/safetensors name (``bfloat16``, ``float32``, ``BF16``, ...)."""
     name = str(name).replace("torch.", "")
-    by_name = {**_TORCH_DTYPES, **{code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}}
+    by_name = {**_TORCH_DTYPES, **_INTEGER_DTYPES, **{code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}}
     if name not in by_name:
-        raise CheckpointError(f"unsupported tensor dtype {name!r} (supported: float32, bfloat16, float16)")
+        raise CheckpointError(f"unsupported tensor dtype {name!r} (supported: float32, bfloat16, float16, int64, "
+                              "int32)")
     return by_name[name]
 
 
@@ -106,9 +111,23 @@ def _expected_parameters(config: Any) -> dict[str, tuple[int, ...]] | None:
 
 def linear_weights(config: Any) -> set[str]:
     """The ``<module>.weight`` names of the ``nn.Linear`` modules of transformers' model for ``config`` (what its
-    FP8 quantizer replaces), built on the meta device."""
+    FP8 quantizer replaces: plain ones, and block-diagonal grouped ones such as DeepSeek-V4's ``o_a_proj``), built
+    on the meta device. Modules the model keeps out of quantization
+    (``_keep_in_fp32_modules``: DeepSeek-V3.2's indexer ``weights_proj``, DeepSeek-V4's compressor projections,
+    which their releases ship unquantized) are left out: transformers' quantizer leaves them ``nn.Linear``, which
+    an FP8 weight would not load into."""
     model = _meta_model(config)
-    return {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    from deepspeed_ext.checkpoint.transformers_private import keep_in_fp32_modules
+    kept = keep_in_fp32_modules(model)
+    return {f"{name}.weight" for name, module in model.named_modules() if is_quantizable_linear(module)
+            and not any(name == key or name.endswith("." + key) for key in kept)}
+
+
+def is_quantizable_linear(module: torch.nn.Module) -> bool:
+    """A linear layer transformers' FP8 quantizer replaces: an ``nn.Linear``, or a subclass of it that is a
+    block-diagonal grouped linear (its FP8 form keeps the groups)."""
+    return type(module) is torch.nn.Linear or (isinstance(module, torch.nn.Linear)
+                                               and "GroupedLinear" in type(module).__name__)
 
 
 def shapes_mismatch(expected: Mapping[str, tuple[int, ...]], have: Mapping[str, tuple[int, ...]],
@@ -283,8 +302,8 @@ class ConfigFit(StreamCheck):
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's floating-point buffers that its state dict saves (DeepSeek-V3's router
-    ``e_score_correction_bias``): model state no optimizer steps, which checkpoints carry as tensors."""
+    """The module's buffers that its state dict saves (DeepSeek-V3's router ``e_score_correction_bias``,
+    DeepSeek-V4's int64 hash-routing table ``tid2eid``): model state no optimizer steps, which checkpoints carry as
+    tensors in their own dtype."""
     persistent = set(module.state_dict(keep_vars=True))
-    return {name: buffer for name, buffer in module.named_buffers()
-            if name in persistent and buffer.is_floating_point()}
+    return {name: buffer for name, buffer in module.named_buffers() if name in persistent}

@@ -13,6 +13,11 @@ The formats, as the files and ``config.json``'s ``quantization_config`` hold the
   shape ``[E, in, out]``) is stored transposed, in blocks of 32 values along ``K``: ``<name>_blocks [.., N, K/32,
   16]`` (uint8, two E2M1 values a byte, the low nibble first) and ``<name>_scales [.., N, K/32]`` (E8M0 bytes,
   bias 127). ``W[.., k, n] = e2m1(nibble) * 2 ** (scale - 127)``.
+* **FP4 in an FP8 checkpoint** (DeepSeek-V4's experts, ``expert_dtype: fp4``): a weight ``W [.., R, C]`` stored
+  ``int8`` ``[.., R, C/2]``, two E2M1 values a byte (the low nibble first), with block scales beside it as FP8
+  weights have them (DeepSeek-V4: E8M0, one per 32 values of a row); the tile is the weight's shape over the
+  scales' grid, as transformers derives it. DeepSeek-V4's release names an FP8 weight's scales ``x.scale`` (for
+  ``x.weight``), which is read as ``x.weight_scale_inv`` is.
 
 Dequantization is computed as transformers computes it (``q.float() * scale.float()`` elementwise for FP8; the
 E2M1 value times a power of two for MXFP4), so the fp32 values are bit-equal to transformers' and a narrower
@@ -38,6 +43,10 @@ from deepspeed_ext.errors import CheckpointError
 FP8 = "fp8"
 MXFP4 = "mxfp4"
 METHODS = (FP8, MXFP4)
+#: A :class:`QuantizedTensor`'s method for packed E2M1 weights with block scales in an FP8 checkpoint.
+FP4 = "fp4"
+#: DeepSeek-V4's release: ``x.scale`` holds the block scales of ``x.weight``.
+RELEASE_SCALE_SUFFIX = ".scale"
 #: ``quantization_config`` key and the config entries transformers' quantizers read.
 CONFIG_KEY = "quantization_config"
 FP8_SCALE_SUFFIX = "_scale_inv"
@@ -57,7 +66,8 @@ DEFAULT_FP8_BLOCK = (128, 128)
 GPT_OSS_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 
 #: safetensors' codes of the dtypes quantized weights are stored in.
-STORAGE_CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0"}
+STORAGE_CODES = {torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8", torch.float8_e8m0fnu: "F8_E8M0",
+                 torch.int8: "I8"}
 
 #: (shape, safetensors dtype code) of a tensor in the files.
 Header = tuple[tuple[int, ...], str]
@@ -70,7 +80,7 @@ class QuantizedTensor:
     """One model tensor the files hold quantized: its packed data and its scales."""
 
     name: str  # the dequantized tensor's name (what a model parameter is called in the files)
-    method: str  # FP8 or MXFP4
+    method: str  # FP8, FP4 or MXFP4
     data: str  # the file tensor of packed values
     scales: str  # the file tensor of scales
     shape: tuple[int, ...]  # dequantized
@@ -146,12 +156,14 @@ def pair_tensors(scheme: QuantizationScheme, headers: Mapping[str, Header], wher
                 if weight not in headers:
                     raise CheckpointError(f"{where(name)}: scale {name!r} has no weight {weight!r} beside it")
                 continue
-            if code != "F8_E4M3":
+            if code not in ("F8_E4M3", "I8") or _release_scale(name, headers):
                 continue
-            scales = name + FP8_SCALE_SUFFIX
-            if scales not in headers:
-                raise CheckpointError(f"{where(name)}: FP8 weight {name!r} has no scale tensor {scales!r}")
-            found[name] = _fp8_tensor(scheme, name, shape, scales, headers[scales], where)
+            scales = _scales_of(name, headers)
+            if scales is None:
+                raise CheckpointError(f"{where(name)}: {'FP4' if code == 'I8' else 'FP8'} weight {name!r} has no "
+                                      f"scale tensor {name + FP8_SCALE_SUFFIX!r}")
+            found[name] = (_fp4_tensor(name, shape, scales, headers[scales], where) if code == "I8" else
+                           _fp8_tensor(scheme, name, shape, scales, headers[scales], where))
     else:
         for name, (shape, code) in headers.items():
             if name.endswith(MX_SCALES_SUFFIX):
@@ -168,6 +180,40 @@ def pair_tensors(scheme: QuantizationScheme, headers: Mapping[str, Header], wher
                 raise CheckpointError(f"{where(name)}: MXFP4 blocks {name!r} have no scales {scales!r}")
             found[stem] = _mxfp4_tensor(stem, name, shape, code, scales, headers[scales], where)
     return found
+
+
+def _release_scale(name: str, headers: Mapping[str, Header]) -> bool:
+    """Whether ``name`` is the scales of a quantized ``x.weight`` under the release's ``x.scale``."""
+    if not name.endswith(RELEASE_SCALE_SUFFIX):
+        return False
+    weight = headers.get(name[:-len(RELEASE_SCALE_SUFFIX)] + ".weight")
+    return weight is not None and weight[1] in ("F8_E4M3", "I8")
+
+
+def _scales_of(name: str, headers: Mapping[str, Header]) -> str | None:
+    """The scale tensor of quantized weight ``name``: ``<name>_scale_inv``, or the release's ``x.scale``."""
+    if name + FP8_SCALE_SUFFIX in headers:
+        return name + FP8_SCALE_SUFFIX
+    release = name[:-len(".weight")] + RELEASE_SCALE_SUFFIX if name.endswith(".weight") else None
+    return release if release in headers else None
+
+
+def _fp4_tensor(name: str, shape: tuple[int, ...], scales: str, scale_header: Header,
+                where: Callable[[str], str]) -> QuantizedTensor:
+    """Packed E2M1 ``[.., R, C/2]`` (int8) with block scales ``[.., R / bm, C / bn]``: the tile is the weight's
+    shape over the scales' grid."""
+    scale_shape, scale_code = scale_header
+    if not _scale_dtype_ok(scale_code):
+        raise CheckpointError(f"{where(scales)}: FP4 scale {scales!r} has dtype {scale_code}; expected F32, BF16, "
+                              "F16, F8_E8M0 or U8 (E8M0 bytes)")
+    full = (*shape[:-1], 2 * shape[-1]) if len(shape) >= 2 else tuple(shape)
+    grid = tuple(scale_shape)
+    if (len(full) < 2 or len(grid) != len(full) or grid[:-2] != full[:-2] or not all(grid[-2:])
+            or full[-2] % grid[-2] or full[-1] % grid[-1]):
+        raise CheckpointError(f"{where(scales)}: {scales!r} has shape {list(scale_shape)}, which is no grid of "
+                              f"whole tiles over FP4 weight {name!r} of {list(full)} values (stored {list(shape)})")
+    block = (full[-2] // grid[-2], full[-1] // grid[-1])
+    return QuantizedTensor(name, FP4, name, scales, full, block, fp8_output_dtype(scale_code))
 
 
 def _fp8_tensor(scheme: QuantizationScheme, name: str, shape: tuple[int, ...], scales: str, scale_header: Header,
@@ -231,6 +277,8 @@ def dequantize_rows(tensor: QuantizedTensor, read: SliceReader, first: int, last
         index = _lead_index(tensor.shape[:-2], lead)
         if tensor.method == FP8:
             parts.append(_fp8_rows(tensor, read, index, local, stop))
+        elif tensor.method == FP4:
+            parts.append(_fp4_rows(tensor, read, index, local, stop))
         else:
             parts.append(_mxfp4_rows(tensor, read, index, local, stop))
         row = lead * per_lead + stop
@@ -256,6 +304,16 @@ def _fp8_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...]
     else:
         scales = read(tensor.scales, (*index, slice(grid_first, grid_stop)))
     return fp8_dequantize(q, scales, tensor.block, first - grid_first * bm)
+
+
+def _fp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
+              stop: int) -> torch.Tensor:
+    """Rows ``[first, stop)`` of a packed E2M1 weight: its bytes unpacked, times their tiles' scales."""
+    bm = tensor.block[0]
+    packed = read(tensor.data, (*index, slice(first, stop)))
+    grid_first, grid_stop = first // bm, -(-stop // bm)
+    scales = read(tensor.scales, (*index, slice(grid_first, grid_stop)))
+    return fp8_dequantize(unpack_e2m1(packed.view(torch.uint8)), scales, tensor.block, first - grid_first * bm)
 
 
 def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
@@ -333,8 +391,8 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
 
 def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], row_offset: int = 0
                    ) -> torch.Tensor:
-    """``q [rows, cols]`` times its tile's scale (``scale_inv``'s rows start ``row_offset`` rows above ``q``'s
-    first), elementwise in fp32 as transformers computes it."""
+    """``q [rows, cols]`` (FP8 values, or E2M1 values unpacked to fp32) times its tile's scale (``scale_inv``'s rows
+    start ``row_offset`` rows above ``q``'s first), elementwise in fp32 as transformers computes it."""
     rows, cols = q.shape
     scale = e8m0_to_float(scale_inv).repeat_interleave(block[0], 0)[row_offset:row_offset + rows]
     return q.to(torch.float32) * scale.repeat_interleave(block[1], 1)[:, :cols]

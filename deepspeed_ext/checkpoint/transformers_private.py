@@ -1,4 +1,5 @@
-"""transformers' internals deepspeed-ext reads, fenced: its causal-LM class mappings (``modeling_auto``), which
+"""transformers' internals deepspeed-ext reads, fenced: its causal-LM class mappings (``modeling_auto``) and the
+modules a model keeps out of quantization (``_keep_in_fp32_modules``), which
 are not part of its documented API. (What deepspeed-ext patches of transformers and Accelerate at ``enable`` is
 the runtime's, in its own fence: :mod:`deepspeed_ext.runtime.integrations`.)
 
@@ -46,3 +47,9 @@ def causal_lm_class_name(model_type: str) -> str | None:
 def causal_lm_class(config: Any) -> Any:
     """transformers' causal-LM class for a config object; ``KeyError`` where there is none."""
     return check_installed_transformers().MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def keep_in_fp32_modules(model: Any) -> tuple[str, ...]:
+    """The module names a transformers model keeps out of quantization (its class attribute
+    ``_keep_in_fp32_modules``, which its quantizers read; not documented API): empty where it has none."""
+    return tuple(getattr(model, "_keep_in_fp32_modules", None) or ())

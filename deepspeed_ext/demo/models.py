@@ -12,13 +12,16 @@ from typing import Any
 
 import torch
 
+from deepspeed_ext.demo.recent_families import MAXTEXT_VARIANTS
+
 #: A family trained with AutoTP only (explicit partition specs, see :func:`tensor_parallel_section`): no MaxText
 #: mapping, so it is not in the family registry.
 AUTOTP_ONLY = ("phi3", )
 #: Test variants of a family (a config of its own, the family's mapping): deepseek-v3 with DeepSeek-V3's own yarn
 #: RoPE, whose MaxText settings differ from the plain RoPE model's; Kimi-K2, which loads as deepseek_v3 with its own
 #: config (one expert group, one dense layer, yarn RoPE with Kimi's betas and theta, its routed scaling).
-VARIANTS = {"deepseek-v3-yarn": "deepseek-v3", "kimi-k2": "deepseek-v3"}
+#: Gemma 4 as the E2B (per-layer inputs, shared KV) and the 26B (MoE) are, beside its 31B-like MaxText config.
+VARIANTS = {"deepseek-v3-yarn": "deepseek-v3", "kimi-k2": "deepseek-v3", **MAXTEXT_VARIANTS}
 
 
 def tiny_families() -> tuple[str, ...]:
@@ -45,7 +48,7 @@ def tiny_config(family: str = "llama", kv_heads: int = 4, *, maxtext_head_dim: i
     """
     family = family.replace("_", "-")
     from deepspeed_ext.demo.recent_families import SETTINGS, recent_tiny_config
-    if family in SETTINGS:  # 2025-26's families: their own head counts, and MaxText sizes where mapped
+    if family in SETTINGS or family in MAXTEXT_VARIANTS:  # 2025-26's: their own head counts, MaxText sizes if mapped
         return recent_tiny_config(family, maxtext_head_dim)
     maxtext = maxtext_head_dim is not None
     head_dim = maxtext_head_dim or 4  # training: 64 / 16 heads
@@ -147,6 +150,12 @@ def build_model(family: str = "llama", seed: int = 1234, config: Any = None) -> 
                 # DeepSeek's router bias starts at zero and is tuned outside the optimizer; a pretrained model has
                 # it set, so give it values that steer the expert choice, as a real checkpoint's do.
                 buffer.copy_(0.1 * torch.randn(buffer.shape))
+            elif name.endswith("tid2eid"):
+                # DeepSeek-V4's hash routing table (token id -> its experts) starts at zero, every token on expert
+                # 0 twice; a release ships a table of distinct experts per token, so give it one.
+                vocab, top_k = buffer.shape
+                experts = getattr(model.config, "n_routed_experts", top_k)
+                buffer.copy_(torch.rand(vocab, experts).argsort(dim=-1)[:, :top_k])
     return model
 
 

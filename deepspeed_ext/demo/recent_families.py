@@ -1,7 +1,8 @@
 """Tiny configs of the families released in 2025-26 (Qwen3.5 / Qwen3-Next, Gemma 4, DeepSeek-V3.2, GLM-5, Llama 4,
-OLMo 3, GLM-4.5, MiniMax-M2), built in code, each with the shapes that make its family what it is: hybrid linear /
-full attention layers, sliding and global layers with heads of their own size, latent attention with an indexer,
-interleaved dense and MoE layers, shared experts, router biases. Head counts divide by 2 and 3 wherever the family
+OLMo 3, GLM-4.5, MiniMax-M2, DeepSeek-V4), built in code, each with the shapes that make its family what it is: hybrid
+linear / full attention layers, sliding and global layers with heads of their own size, latent attention with an
+indexer, interleaved dense and MoE layers, shared experts, router biases, compressed attention, hash routing and
+hyper-connections. Head counts divide by 2 and 3 wherever the family
 allows, so TP=2 and TP=3 cut whole heads; MLP widths (160) and the vocabulary (101) do not divide by 3.
 """
 
@@ -77,7 +78,30 @@ SETTINGS: dict[str, Any] = {
     "minimax-m2": lambda: dict(num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=6, head_dim=8,
                                rotary_dim=4, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2,
                                bos_token_id=1, eos_token_id=2),
+    # A heavily compressed layer, a compressed sparse one (its indexer keeps 2 of the 4 compressed entries of a
+    # 16-token sequence) and a sliding-window one; a hash-routed MoE layer, then top-k ones; one shared KV head,
+    # 12 query heads in 6 output groups; 4 hyper-connection streams. Compression every 4 / 8 tokens, so the test's
+    # sequences fill whole windows of both. Expert widths of 32: whole blocks of the release's FP4 experts.
+    "deepseek-v4": lambda: dict(num_hidden_layers=3, layer_types=["heavily_compressed_attention",
+                                                                  "compressed_sparse_attention", "sliding_attention"],
+                                mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=8,
+                                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                                num_attention_heads=12, num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.25,
+                                q_lora_rank=32, o_groups=6, o_lora_rank=8, index_n_heads=4, index_head_dim=8,
+                                index_topk=2, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2,
+                                n_shared_experts=1),
 }
+
+
+def _maxtext_hybrid_qwen(head_dim: int, **settings: Any) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5-MoE at the MaxText sizes: two value heads per DeltaNet key head, key and value heads of
+    different widths, a quarter of each attention head rotated."""
+    return dict(num_attention_heads=64 // head_dim, num_key_value_heads=32 // head_dim, head_dim=head_dim,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, vocab_size=256, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                **settings)
 
 
 #: The MaxText sizes of the families deepspeed-ext maps to MaxText (heads of ``head_dim``: 64 / it query heads, 32 /
@@ -105,18 +129,56 @@ MAXTEXT_SETTINGS: dict[str, Any] = {
                                     intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
                                     vocab_size=256, rms_norm_eps=1e-5,
                                     rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # Gemma 4 as the 31B is (MaxText's gemma4 decoder, which scans): one cycle of five sliding layers and a global
+    # one with twice-wide heads, fewer KV heads and its keys as values; no per-layer inputs (the training config's
+    # E2B-like ones are MaxText's gemma4_small, which does not scan); transformers' RoPE; tied, logits capped at 30.
+    "gemma4": lambda head_dim: dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                                    sliding_window=4, num_attention_heads=64 // head_dim,
+                                    num_key_value_heads=32 // head_dim, head_dim=head_dim, global_head_dim=2 * head_dim,
+                                    num_global_key_value_heads=16 // head_dim, attention_k_eq_v=True,
+                                    intermediate_size=128, hidden_size_per_layer_input=0, vocab_size=256,
+                                    rms_norm_eps=1e-6, final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # Two whole cycles of three gated-DeltaNet layers and full attention (Qwen3-Next: and two linear layers past
+    # them, which MaxText scans apart); MoE everywhere, the shared expert as wide as a routed one.
+    "qwen3-next": lambda head_dim: _maxtext_hybrid_qwen(head_dim, num_hidden_layers=10),
+    "qwen3.5-moe": lambda head_dim: _maxtext_hybrid_qwen(head_dim, num_hidden_layers=8),
+    # Gemma 4 as the E2B is (MaxText's gemma4_small decoder, unscanned): two cycles of four sliding layers and a
+    # global one, per-layer inputs, the last four layers reading their keys and values from earlier layers with
+    # double-wide MLPs; untied without a logit cap (MaxText caps a tied head's logits only).
+    "gemma4-e2b": lambda head_dim: dict(
+        num_hidden_layers=10, layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2, sliding_window=4,
+        num_attention_heads=64 // head_dim, num_key_value_heads=32 // head_dim, head_dim=head_dim,
+        global_head_dim=2 * head_dim, intermediate_size=128, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256, num_kv_shared_layers=4, use_double_wide_mlp=True, vocab_size=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, final_logit_softcapping=None),
+    # Gemma 4 as the 26B is: the MoE block beside the dense MLP, two whole cycles (MaxText scans the sliding layers
+    # over cycles x positions), one global KV head whose keys are its values; untied without a logit cap.
+    "gemma4-moe": lambda head_dim: dict(
+        num_hidden_layers=12, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2, sliding_window=4,
+        num_attention_heads=64 // head_dim, num_key_value_heads=32 // head_dim, head_dim=head_dim,
+        global_head_dim=2 * head_dim, num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=128,
+        hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, vocab_size=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        final_logit_softcapping=None),
 }
+
+#: Test variants at the MaxText sizes only: another config of a registry family (its mapping), each covering a part
+#: of the family's MaxText mapping the family's own MaxText config leaves out.
+MAXTEXT_VARIANTS = {"gemma4-e2b": "gemma4", "gemma4-moe": "gemma4"}
 
 
 def recent_tiny_config(family: str, maxtext_head_dim: int | None = None) -> Any:
     """The tiny transformers config of ``family`` (a key of :data:`SETTINGS`), at the training sizes, or with
-    ``maxtext_head_dim`` at the MaxText sizes (:data:`MAXTEXT_SETTINGS`)."""
+    ``maxtext_head_dim`` at the MaxText sizes (:data:`MAXTEXT_SETTINGS`; a :data:`MAXTEXT_VARIANTS` name too)."""
     from transformers import AutoConfig
 
     from deepspeed_ext.checkpoint.families import get_family
-    settings = {**COMMON, **SETTINGS[family]()}
-    if maxtext_head_dim is not None:
+    if maxtext_head_dim is None:
+        if family in MAXTEXT_VARIANTS:
+            raise ValueError(f"test variant {family!r} has MaxText sizes only")
+        settings = {**COMMON, **SETTINGS[family]()}
+    else:
         if family not in MAXTEXT_SETTINGS:
             raise ValueError(f"family {family!r} has no MaxText sizes (no MaxText mapping)")
         settings = {**COMMON, **MAXTEXT_SETTINGS[family](maxtext_head_dim)}
-    return AutoConfig.for_model(get_family(family).model_type, **settings)
+    return AutoConfig.for_model(get_family(MAXTEXT_VARIANTS.get(family, family)).model_type, **settings)

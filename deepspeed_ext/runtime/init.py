@@ -21,6 +21,7 @@ from deepspeed_ext.config import ExtConfig, load_ds_config
 from deepspeed_ext.errors import DeepSpeedExtError
 from deepspeed_ext.module_inject.adapters_tp import adapters_kept_under_autotp
 from deepspeed_ext.module_inject.inplace_outputs import inplace_outputs_cloned
+from deepspeed_ext.module_inject.grouped_attention_tp import grouped_attention_split
 from deepspeed_ext.module_inject.linear_attention_tp import linear_attention_split
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
 from deepspeed_ext.runtime import integrations
@@ -65,9 +66,10 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
     engine_private.check_installed_deepspeed()
     # AutoTP would replace each peft LoRA layer by a shard of its base weight; this keeps and cuts the adapters.
     # Row-split layers whose output the family's model adds to in place (Llama 4's shared expert) get it cloned;
-    # gated-DeltaNet linear attention (Qwen3.5, Qwen3-Next), which AutoTP cannot split, is split by heads.
+    # gated-DeltaNet linear attention (Qwen3.5, Qwen3-Next) and DeepSeek-V4's grouped-output attention, which
+    # AutoTP cannot split, are split by heads.
     with adapters_kept_under_autotp(_tp_grain_size(ds_config)), inplace_outputs_cloned(), \
-            linear_attention_split(logger.warning):
+            linear_attention_split(logger.warning), grouped_attention_split(logger.warning):
         result: tuple[Any, ...] = _deepspeed_initialize()(*args, **kwargs)
     attach(result[0], ext, ds_config)
     return result

@@ -19,12 +19,27 @@ KL = {"float32": 1e-4, "bfloat16": 1e-3}
 FAMILIES = [*maxtext_family_names(), *VARIANTS]
 #: fp32 scanned and unscanned, on one device; bf16 scanned, written with --mesh fsdp=2,tensor=2 storage chunks and
 #: restored onto MaxText's own sharding of a 4-device CPU mesh (the ten families of 2025; the later ones are written
-#: with a mesh in test_recent_families_e2e.py's MaxText round trip). DeepSeek-V3 with its own yarn RoPE: scanned fp32
-#: (only the MaxText settings differ from the plain-RoPE model).
+#: with a mesh in test_recent_families_e2e.py's MaxText round trip). The test variants in fp32, scanned where MaxText
+#: scans them: DeepSeek-V3 with its own yarn RoPE and Kimi-K2 (only the MaxText settings differ), Gemma 4 as the E2B
+#: (unscanned) and the 26B are.
 CASES = [(family, scan, dtype) for family in FAMILIES if family not in VARIANTS
          for scan, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16"))
          if dtype == "float32" or family in ONE_BY_ONE]
-CASES += [(variant, True, "float32") for variant in VARIANTS]
+
+
+def _scanned_in_maxtext(variant: str) -> bool:
+    """Whether MaxText scans the variant's layers (Gemma 4's small-model decoder does not)."""
+    from deepspeed_ext.checkpoint.families import get_family
+    from deepspeed_ext.demo.models import tiny_config
+    from deepspeed_ext.errors import CheckpointError
+    try:
+        get_family(base_family(variant)).layer_blocks(tiny_config(variant, maxtext_head_dim=16).to_dict(), True)
+    except CheckpointError:
+        return False
+    return True
+
+
+CASES += [(variant, _scanned_in_maxtext(variant), "float32") for variant in VARIANTS]
 
 
 @pytest.mark.parametrize("family, scan_layers, dtype", CASES,

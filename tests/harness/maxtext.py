@@ -37,13 +37,15 @@ def hf_model(family: str, head_dim: int = 16, num_layers: int | None = None) -> 
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(6.0)  # peaky attention: RoPE / scaling mistakes become visible
-            elif "norm" in name:
+            elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's: scales
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
             elif name.endswith(("bias", "sinks")):  # transformers initializes these to zero: make them count
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: steers the expert choice
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (a buffer, 1 at init)
+                buffer.copy_(0.5 + torch.rand(buffer.shape, generator=generator))
     return model
 
 

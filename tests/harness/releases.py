@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepspeed_ext.checkpoint import quantization
+from deepspeed_ext.checkpoint.model_config import is_quantizable_linear
 from harness.hf import save_pretrained as save
 
 
@@ -43,9 +44,21 @@ def _config(directory: Path, **values: Any) -> None:
     path.write_text(json.dumps(config, indent=2))
 
 
-def _linear_names(model: torch.nn.Module) -> set[str]:
-    names = {f"{name}.weight" for name, module in model.named_modules() if type(module) is torch.nn.Linear}
-    return {name for name in names if not name.startswith("lm_head")}
+def _linear_names(model: torch.nn.Module, directory: Path) -> set[str]:
+    """The names ``save_pretrained`` gave in ``directory`` to ``model``'s linear weights (those transformers'
+    quantizer replaces: ``nn.Linear``, and grouped ones such as DeepSeek-V4's ``o_a_proj``), but the output
+    projection and the modules the model keeps out of quantization (``_keep_in_fp32_modules``, as transformers'
+    quantizer does). Found by value: some families' files rename them (DeepSeek-V4's ``attn.wq_a``)."""
+    kept = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    weights = [module.weight.detach() for name, module in model.named_modules()
+               if is_quantizable_linear(module) and not name.startswith("lm_head")
+               and not any(name == key or name.endswith("." + key) for key in kept)]
+    found = set()
+    for file in sorted(directory.glob("*.safetensors")):
+        for name, value in load_file(file).items():
+            if any(value.shape == weight.shape and torch.equal(value, weight) for weight in weights):
+                found.add(name)
+    return found
 
 
 def fp8_tensors(name: str, value: torch.Tensor, block: tuple[int, int], edge_tiles: bool) -> dict[str, torch.Tensor]:
@@ -75,7 +88,7 @@ def write_fp8(model: torch.nn.Module, directory: Path, block: tuple[int, int] = 
     """``model`` saved as a block-FP8 release: every linear weight but the output projection quantized (the
     experts one by one, as DeepSeek-V3 ships them)."""
     save(model, directory)
-    linear = _linear_names(model)
+    linear = _linear_names(model, directory)
     expert = ".experts."
 
     def edit(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

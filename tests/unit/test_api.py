@@ -170,8 +170,8 @@ def test_the_family_registry_holds_everything_about_each_family():
                                                    infer_family)
     assert family_names() == ["llama", "llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral", "gemma3",
                               "gpt-oss", "deepseek-v3", "qwen3.5", "qwen3.5-moe", "qwen3-next", "gemma4",
-                              "deepseek-v3.2", "glm-5", "llama4", "olmo3", "glm-4.5", "minimax-m2"]
-    assert len(FAMILY_MODULES) == 15
+                              "deepseek-v3.2", "glm-5", "llama4", "olmo3", "glm-4.5", "minimax-m2", "deepseek-v4"]
+    assert len(FAMILY_MODULES) == 16
     for name in family_names():
         family = get_family(name)
         config = {"model_type": family.model_type}

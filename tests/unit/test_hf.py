@@ -41,7 +41,9 @@ def test_hf_to_universal_to_hf_gives_back_the_files(tmp_path, caplog, family, dt
     for name, param in params.items():
         assert sorted(f.name for f in (zero / name).iterdir()) == ["fp32.pt"], name  # fresh optimizer
         stored = serialization.load(zero / name / "fp32.pt")["param"]
-        assert stored.dtype == dtype and torch.equal(stored, param.detach()), name
+        # an integer buffer (DeepSeek-V4's hash-routing table) keeps its own dtype
+        assert stored.dtype == (dtype if param.is_floating_point() else param.dtype), name
+        assert torch.equal(stored, param.detach()), name
 
     original, written = read_files(tmp_path / "hf"), read_files(tmp_path / "out")
     assert sorted(written) == sorted(original)

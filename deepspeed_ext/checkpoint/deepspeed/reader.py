@@ -301,8 +301,9 @@ class DeepSpeedCheckpoint(DeepSpeedTag):
         May be a view into the memory-mapped optimizer file; sinks copy what they keep.
         """
         self._release_in_flight()
-        if name in self.buffers:
-            buffer = self.buffers[name].float()
+        if name in self.buffers:  # fp32, as the masters are; an integer buffer (indices) in its own dtype
+            buffer = self.buffers[name]
+            buffer = buffer.float() if buffer.is_floating_point() else buffer
             return buffer if state == MASTER_WEIGHTS else torch.zeros_like(buffer)
         layout = self.layouts[name]
         if name in self.frozen:

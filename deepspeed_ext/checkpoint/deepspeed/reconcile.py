@@ -138,12 +138,11 @@ def layouts(uc_info: UCInfo | None, upstream_info: Mapping[str, Any] | None,
 
 
 def buffers(model_states: Sequence[Mapping[str, Any]], model_files: Mapping[int, Path]) -> dict[str, torch.Tensor]:
-    """The model's persistent floating-point buffers, from TP rank 0's module state dict (its ``buffer_names``),
-    refused where another TP rank's copy differs."""
+    """The model's persistent buffers (floating-point, or integer as DeepSeek-V4's hash-routing table), from TP rank
+    0's module state dict (its ``buffer_names``), refused where another TP rank's copy differs."""
     module = model_states[0].get(keys.MODULE) or {}
     names = model_states[0].get(keys.BUFFER_NAMES) or []
-    found = {name: module[name] for name in names
-             if torch.is_tensor(module.get(name)) and module[name].is_floating_point() and module[name].numel()}
+    found = {name: module[name] for name in names if torch.is_tensor(module.get(name)) and module[name].numel()}
     for tp in range(1, len(model_states)):
         other = model_states[tp].get(keys.MODULE) or {}
         for name, buffer in found.items():

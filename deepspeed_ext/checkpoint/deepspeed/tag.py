@@ -379,9 +379,9 @@ class DeepSpeedTag:
 
     @cached_property
     def buffers(self) -> dict[str, torch.Tensor]:
-        """The model's persistent floating-point buffers (the module state dict's non-parameters, such as
-        DeepSeek-V3's router ``e_score_correction_bias``): state the optimizer does not step but the model needs.
-        They are carried as tensors with zero Adam moments; every TP rank's copy must agree."""
+        """The model's persistent buffers (the module state dict's non-parameters, such as DeepSeek-V3's router
+        ``e_score_correction_bias`` or DeepSeek-V4's int64 ``tid2eid``): state the optimizer does not step but the
+        model needs. They are carried as tensors with zero Adam moments; every TP rank's copy must agree."""
         return reconcile.buffers([self.rank_model_states(tp) for tp in range(self.tp_degree)],
                                  self.files.model_files)
 

@@ -37,10 +37,19 @@ class Rule:
     #: Scanned: the axis the layers are stacked on (MaxText moves nnx.Param stacks to axis 1; other
     #: collections keep axis 0).
     scan_axis: int = 1
+    #: More HF parameters whose rows follow ``hf``'s into this one leaf: the transform takes them stacked on axis 0,
+    #: in this order, and its inverse gives them back so (Qwen3.5's ``in_proj_qkv`` and ``in_proj_z``, which MaxText
+    #: holds as one kernel laid out per key head).
+    fused: tuple[str, ...] = ()
 
     @property
     def per_layer(self) -> bool:
         return LAYER in self.hf
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The HF parameters of the leaf, in the order their rows are stacked: ``hf``, then ``fused``."""
+        return (self.hf, *self.fused)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,10 @@ class LayerBlock:
     layers: tuple[int, ...]  # HF decoder layer indices, in stack order
     stacked: bool  # scanned: the layers are stacked on axis 1 (else exactly one layer)
     kind: str = ""  # which rules apply: those whose ``block`` is None or this kind
+    #: Stacked: the stack's extent on consecutive axes from the scan axis on, ``layers`` in row-major order over
+    #: them (empty: one axis). MaxText nests a scan in a scan for Qwen3-Next's linear-attention layers: (cycles,
+    #: layers per cycle).
+    stack: tuple[int, ...] = ()
 
 
 def plain_blocks(config: Mapping[str, Any], scanned: bool) -> tuple[LayerBlock, ...]:
@@ -126,6 +139,9 @@ class Family:
     rope_type: str | None = None
     #: Rules for the untied output projection; dropped when the model ties it to the embedding.
     untied_rules: tuple[Rule, ...] = ()
+    #: Where which parameters a model has depends on its config (Gemma 4: per-layer inputs, KV-shared layers, an MoE
+    #: block), the rules of a config, which replace ``rules`` (None: ``rules`` for every config).
+    config_rules: Callable[[Mapping[str, Any]], tuple[Rule, ...]] | None = None
     #: How transformers' files split the model's fused expert parameters (none: the files use the model's names).
     hf_expert_splits: tuple[ExpertSplit, ...] = ()
     #: MaxText settings beyond the sizes every family shares, from the HF config (see maxtext.maxtext_settings).
@@ -148,9 +164,20 @@ class Family:
     #: maps by default: (AutoEP's suffix, the model's suffix) under a block (Qwen3.5's ``shared_expert``, which
     #: AutoEP holds as ``shared_experts``).
     autoep_renamed: tuple[tuple[str, str], ...] = ()
+    #: Where a release names its files otherwise than transformers' ``save_pretrained`` does (what to-hf writes, and
+    #: :attr:`hf_expert_splits` maps): (the release's name prefix, save_pretrained's), the first that starts a name
+    #: applying (DeepSeek-V4's ``layers.`` for ``model.layers.``, ``embed.weight`` for ``model.embed_tokens.weight``).
+    hf_release_prefixes: tuple[tuple[str, str], ...] = ()
+    #: The name prefix of a release's multi-token-prediction layers where they are not decoder layers past
+    #: ``num_hidden_layers`` as DeepSeek-V3's are (DeepSeek-V4's ``mtp.``): set aside as those are (``--mtp``).
+    hf_mtp_prefix: str | None = None
 
-    def rules_for(self, tied: bool) -> tuple[Rule, ...]:
-        return self.rules if tied else self.rules + self.untied_rules
+    def rules_for(self, tied: bool, config: Mapping[str, Any] | None = None) -> tuple[Rule, ...]:
+        """The rules of a model (``config``: its HF config, which families with :attr:`config_rules` need)."""
+        if self.config_rules is not None and config is None:
+            raise CheckpointError(f"internal: family {self.name}'s parameters depend on the model config")
+        rules = self.rules if self.config_rules is None else self.config_rules(config or {})
+        return rules if tied else rules + self.untied_rules
 
 
 def num_experts(config: Mapping[str, Any]) -> int:
@@ -164,7 +191,7 @@ def num_experts(config: Mapping[str, Any]) -> int:
 
 #: The family modules (under this package), each exporting ``FAMILIES``.
 FAMILY_MODULES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss", "deepseek_v3", "qwen3_next",
-                  "gemma4", "deepseek_v32", "llama4", "olmo3", "glm4_moe", "minimax_m2")
+                  "gemma4", "deepseek_v32", "llama4", "olmo3", "glm4_moe", "minimax_m2", "deepseek_v4")
 
 
 def _families() -> dict[str, Family]:
@@ -218,6 +245,12 @@ def autoep_renamed(model_type: str | None) -> tuple[tuple[str, str], ...]:
 def hf_expert_splits(model_type: str | None) -> tuple[ExpertSplit, ...]:
     """How ``model_type``'s HF files split its fused expert parameters (none: the files use the model's names)."""
     return next((f.hf_expert_splits for f in _families().values() if f.model_type == model_type), ())
+
+
+def hf_release_naming(model_type: str | None) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """``model_type``'s release naming: :attr:`Family.hf_release_prefixes` and :attr:`Family.hf_mtp_prefix`."""
+    family = next((f for f in _families().values() if f.model_type == model_type), None)
+    return (family.hf_release_prefixes, family.hf_mtp_prefix) if family is not None else ((), None)
 
 
 def infer_family(model_config: Mapping[str, Any], source: str = "model config") -> Family:

@@ -108,7 +108,7 @@ def _split_of(param: str, splits: tuple[ExpertSplit, ...]) -> tuple[ExpertSplit,
     for split in splits:
         match = _pattern(split.param).match(param)
         if match:
-            return split, match.group("layer")
+            return split, match.groupdict().get("layer") or ""  # a top-level parameter has no layer
     return None
 
 
@@ -139,7 +139,7 @@ def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
         for split, piece, pattern in patterns:
             match = pattern.match(name)
             if match:
-                param = split.param.replace(LAYER, match.group("layer"))
+                param = split.param.replace(LAYER, match.groupdict().get("layer") or "")
                 found = params.setdefault(param, {})
                 if found is None or (_is_rename(split) and found):
                     raise CheckpointError(f"{source}: holds {param} under two names")
@@ -162,6 +162,22 @@ def group_file_names(names: Iterable[str], splits: tuple[ExpertSplit, ...],
             raise CheckpointError(f"{source}: {split.pieces[p].replace(LAYER, layer).replace(EXPERT, str(e))} is "
                                   f"missing ({len(missing)} expert tensors of {param} in all)")
     return params
+
+
+def release_renames(names: Iterable[str], prefixes: tuple[tuple[str, str], ...], source: str) -> dict[str, str]:
+    """``{the release's name: save_pretrained's}`` of the ``names`` a release spells otherwise (a family's
+    :attr:`~deepspeed_ext.checkpoint.families.Family.hf_release_prefixes`: the first prefix that starts a name)."""
+    names = list(names)
+    renamed = {}
+    for name in names:
+        for release, saved in prefixes:
+            if name.startswith(release):
+                renamed[name] = saved + name[len(release):]
+                break
+    both = sorted(set(renamed.values()) & set(names))
+    if both:
+        raise CheckpointError(f"{source}: holds {both[0]} under two names (the release's and save_pretrained's)")
+    return renamed
 
 
 # --------------------------------------------------------------------------- sink

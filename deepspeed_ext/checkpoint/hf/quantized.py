@@ -65,8 +65,13 @@ def quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
                                             FileTensor(entry.name + q.FP8_SCALE_SUFFIX, param, grid, torch.float32),
                                             q.FP8, (bm, bn))
         not_converted = sorted({"lm_head", *skipped})
-        return {"quant_method": q.FP8, "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [bm, bn], "modules_to_not_convert": not_converted}
+        written = {"quant_method": q.FP8, "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [bm, bn], "modules_to_not_convert": not_converted}
+        if model_config.get("expert_dtype") is not None:
+            # DeepSeek-V4's config says its release's experts are FP4 (transformers moves a top-level expert_dtype
+            # into the quantization_config); these are FP8 like every other weight written here.
+            written["expert_dtype"] = q.FP8
+        return written
     if options.quantize == q.MXFP4:
         if model_config.get("model_type") != "gpt_oss":
             raise CheckpointError(f"{label}: --quantize mxfp4 writes gpt-oss's experts as its release does; this is a "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint import output
-from deepspeed_ext.checkpoint.families import hf_expert_splits
+from deepspeed_ext.checkpoint.families import hf_expert_splits, hf_release_naming
 from deepspeed_ext.checkpoint.fingerprint import Fingerprints
 from deepspeed_ext.checkpoint.hf.files import (
     CONFIG_FILE,
@@ -25,6 +25,7 @@ from deepspeed_ext.checkpoint.hf.files import (
     SINGLE_FILE,
     TIED_PAIR,
     group_file_names,
+    release_renames,
 )
 from deepspeed_ext.checkpoint.model_config import output_dtype, safetensors_dtype_code, torch_dtype
 from deepspeed_ext.checkpoint.quantization import STORAGE_CODES
@@ -70,6 +71,12 @@ def _layer_index(name: str) -> int | None:
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _layer_order(layer: str) -> tuple[str, int]:
+    """``model.layers.10`` after ``model.layers.9``."""
+    prefix, _, index = layer.rpartition(".")
+    return prefix, int(index) if index.isdigit() else -1
 
 
 class HFCheckpoint:
@@ -125,6 +132,13 @@ class HFCheckpoint:
                   if name not in scales and name not in self.quantized_tensors
                   and not (found and name.endswith(quantization.ACTIVATION_SCALE_SUFFIXES))}
         stored.update((tensor.name, tensor.data) for tensor in found.values())
+        # A release that names its files otherwise than save_pretrained (DeepSeek-V4's) is read under
+        # save_pretrained's names, which the family's hf_expert_splits map to the model's.
+        prefixes, self._mtp_prefix = hf_release_naming(self.model_config.get("model_type"))
+        renames = release_renames(stored, prefixes, str(self.path))
+        #: save_pretrained's name -> the release's, for the tensors the release names otherwise (to-hf --like).
+        self.release_names = {saved: release for release, saved in renames.items()}
+        stored = {renames.get(name, name): at for name, at in stored.items()}
         #: Tensors that are not the model's: logical name -> stored name.
         self.set_aside: dict[str, str] = {}
         self.multimodal: Any = None
@@ -140,7 +154,7 @@ class HFCheckpoint:
                     text[model_name] = at
             stored = text
         self.mtp, self.mtp_layers = mtp, self._layers_past_decoder(stored, mtp, str(self.path))
-        for name in [n for n in stored if _layer_index(n) in self.mtp_layers]:
+        for name in [n for n in stored if self._mtp_layer(n) is not None]:
             self.set_aside[name] = stored.pop(name)
         self._stored = stored
         self._file_of = {name: self._stored_file[at] for name, at in stored.items()}
@@ -152,20 +166,36 @@ class HFCheckpoint:
         else:
             self._tied_head = False
 
+    def whole_name(self, param: str) -> str | None:
+        """The name the files store model parameter ``param`` under, as they spell it, where they store it whole
+        (None: in expert pieces, or not at all)."""
+        if param not in self._pieces:
+            return None
+        pieces = self._pieces[param]
+        name = param if pieces is None else pieces.get(RENAMED)
+        return None if name is None else self.release_names.get(name, name)
+
     @property
     def kept(self) -> bool:
         """Whether the tensors set aside go back into an HF output (``mtp="keep"``)."""
         return self.mtp == "keep" and bool(self.set_aside)
 
-    def _layers_past_decoder(self, names: Mapping[str, str], mtp: str | None, source: str) -> set[int]:
-        """The decoder layer indices past ``num_hidden_layers`` (DeepSeek-V3 releases keep their multi-token-
-        prediction layer there); refused unless ``mtp`` says what to do with them."""
+    def _mtp_layer(self, name: str) -> str | None:
+        """The multi-token-prediction layer ``name`` belongs to, as the files prefix it: a decoder layer past
+        ``num_hidden_layers`` (``model.layers.61``, DeepSeek-V3's releases) or one under the family's own prefix
+        (``mtp.0``, DeepSeek-V4's); None for the model's tensors."""
+        if self._mtp_prefix and name.startswith(self._mtp_prefix):
+            return self._mtp_prefix + name[len(self._mtp_prefix):].split(".", 1)[0]
+        index, count = _layer_index(name), self.model_config.get("num_hidden_layers")
+        return f"model.layers.{index}" if index is not None and isinstance(count, int) and index >= count else None
+
+    def _layers_past_decoder(self, names: Mapping[str, str], mtp: str | None, source: str) -> set[str]:
+        """The multi-token-prediction layers (:meth:`_mtp_layer`: DeepSeek-V3's past ``num_hidden_layers``,
+        DeepSeek-V4's ``mtp.<i>``); refused unless ``mtp`` says what to do with them."""
         count = self.model_config.get("num_hidden_layers")
-        if not isinstance(count, int):
-            return set()
-        past = {index for name in names if (index := _layer_index(name)) is not None and index >= count}
+        past = {layer for name in names if (layer := self._mtp_layer(name)) is not None}
         if past and mtp is None:
-            listed = ", ".join(f"model.layers.{i}.*" for i in sorted(past))
+            listed = ", ".join(f"{layer}.*" for layer in sorted(past, key=_layer_order))
             predicted = self.model_config.get("num_nextn_predict_layers")
             what = (f"the multi-token-prediction layer{'s' if len(past) > 1 else ''} (num_nextn_predict_layers="
                     f"{predicted})" if predicted else f"{len(past)} layer(s)")
@@ -401,13 +431,13 @@ class HFCheckpoint:
         notes = []
         if self.multimodal is not None:
             kinds = sorted({name.split(".")[1] if name.startswith("model.") else name.split(".")[0]
-                            for name in self.set_aside if _layer_index(name) not in self.mtp_layers})
-            count = sum(1 for name in self.set_aside if _layer_index(name) not in self.mtp_layers)
+                            for name in self.set_aside if self._mtp_layer(name) is None})
+            count = sum(1 for name in self.set_aside if self._mtp_layer(name) is None)
             notes.append(f"read the text model ({self.multimodal.prefix}*); ignored {count} tensors of "
                          f"{', '.join(kinds)} (to-hf --like {self.path} puts them back)")
         if self.mtp_layers:
-            count = sum(1 for name in self.set_aside if _layer_index(name) in self.mtp_layers)
+            count = sum(1 for name in self.set_aside if self._mtp_layer(name) is not None)
             what = "kept for the HF output" if self.mtp == "keep" else "dropped"
             notes.append(f"{what}: {count} tensors of the multi-token-prediction layer(s) "
-                         f"{', '.join(f'model.layers.{i}' for i in sorted(self.mtp_layers))}")
+                         f"{', '.join(sorted(self.mtp_layers, key=_layer_order))}")
         return notes

@@ -43,11 +43,15 @@ def like_layout(like: HFCheckpoint, params: list[LogicalTensor],
     if detail is not None:
         raise CheckpointError(f"{like.path}: not the model of {label} (--like): the source's parameters against "
                               f"the release's: {detail}")
-    if like.multimodal is not None:
+    if like.multimodal is not None or like.release_names:  # its multimodal naming, its own spelling (DeepSeek-V4)
         for entries in pieces.values():
             for i, entry in enumerate(entries):
                 assert isinstance(entry, FileTensor)
-                entries[i] = FileTensor(like.multimodal.stored_name(entry.name), entry.param, entry.shape, entry.dtype,
+                if like.multimodal is not None:
+                    name = like.multimodal.stored_name(entry.name)
+                else:  # a whole tensor under the name the release gives it (of the names transformers reads)
+                    name = (entry.expert is None and like.whole_name(entry.param)) or entry.name
+                entries[i] = FileTensor(like.release_names.get(name, name), entry.param, entry.shape, entry.dtype,
                                         entry.expert, entry.piece, entry.pieces)
     extra_tensors = []
     for name in like.set_aside:

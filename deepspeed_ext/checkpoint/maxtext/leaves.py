@@ -15,7 +15,7 @@ from deepspeed_ext.checkpoint.families import LAYER, Family, Rule
 from deepspeed_ext.checkpoint.fingerprint import Fingerprint, Fingerprints
 from deepspeed_ext.checkpoint.maxtext.names import (PARAMS_COLLECTION)
 from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, SlabWriter
-from deepspeed_ext.checkpoint.maxtext.plan import Leaf
+from deepspeed_ext.checkpoint.maxtext.plan import Leaf, stacked_shape
 from deepspeed_ext.checkpoint.maxtext.sharding import shard_shape, storage_chunk
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, TRANSFORMS, ModelDims, RowBlocks,
                                                          exact_bf16_scale, from_maxtext, row_blocks, to_maxtext)
@@ -77,29 +77,32 @@ class LeafArrays:
         rule = leaf.rule
         assert rule is not None  # plan_leaves gives every leaf its rule
         layers = leaf.layers or ()
-        names = [rule.hf] if leaf.layers is None else [rule.hf.replace(LAYER, str(layer)) for layer in layers]
+        # Per layer, the HF tensors the leaf holds (more than one where the rule fuses several).
+        groups = [rule.sources] if leaf.layers is None else [
+            tuple(hf.replace(LAYER, str(layer)) for hf in rule.sources) for layer in layers]
         if leaf.stacked and leaf.scan_axis != 1:  # small non-parameter variables stacked on axis 0: whole
-            return self._whole_stack(leaf, rule, names, state, leaf_dtype)
+            return self._whole_stack(leaf, rule, groups, state, leaf_dtype)
         if not leaf.stacked:
-            names = names[:1]  # an unscanned layer's leaf holds its one layer
-        plan, write_shape = self._row_plan(leaf, rule, state, tuple(self.hf_shapes[names[0]]))
-        stack_axis = 1 if leaf.stacked else None
+            groups = groups[:1]  # an unscanned layer's leaf holds its one layer
+        plan, write_shape = self._row_plan(leaf, rule, state, self._hf_shape(groups[0]))
+        per_layer_ndim = len(leaf.shape) - len(leaf.stack_axes)
 
-        def blocks() -> Iterator[tuple[tuple[int | slice, ...], str, int, int]]:
-            for position, name in enumerate(names):
+        def blocks() -> Iterator[tuple[tuple[int | slice, ...], tuple[str, ...], int, int]]:
+            for position, group in enumerate(groups):
                 for first, last in plan.ranges() if plan.axis is not None else [(0, 1)]:
-                    index: list[int | slice] = [slice(None)] * (len(leaf.shape) - (stack_axis is not None))
+                    index: list[int | slice] = [slice(None)] * per_layer_ndim
                     if plan.axis is not None:
                         index[plan.axis] = slice(first, last)
-                    if stack_axis is not None:
-                        index.insert(stack_axis, position)
-                    yield tuple(index), name, first, last
+                    if leaf.stacked:
+                        index[leaf.scan_axis:leaf.scan_axis] = leaf.stack_index(position)
+                    yield tuple(index), group, first, last
 
-        def slab(block: tuple[tuple[int | slice, ...], str, int, int]) -> tuple[tuple[int | slice, ...], np.ndarray]:
-            index, name, first, last = block
-            return index, self.stored_block(rule, name, state, leaf_dtype, plan, first, last)
+        def slab(block: tuple[tuple[int | slice, ...], tuple[str, ...], int, int]
+                 ) -> tuple[tuple[int | slice, ...], np.ndarray]:
+            index, group, first, last = block
+            return index, self.stored_block(rule, group, state, leaf_dtype, plan, first, last)
 
-        def produced(produce: Callable[[tuple[tuple[int | slice, ...], str, int, int]], _Produced]
+        def produced(produce: Callable[[tuple[tuple[int | slice, ...], tuple[str, ...], int, int]], _Produced]
                      ) -> Generator[_Produced, None, None]:
             yield from _in_order(self.producers, blocks(), produce)
             self.bar.update(1)
@@ -110,13 +113,18 @@ class LeafArrays:
         return LazyLeaf(leaf.shape, leaf_dtype, None, write_shape, slabs=lambda: produced(slab),
                         write_slabs=write_slabs)
 
-    def _whole_stack(self, leaf: Leaf, rule: Rule, names: list[str], state: str, leaf_dtype: np.dtype) -> LazyLeaf:
+    def _hf_shape(self, group: tuple[str, ...]) -> tuple[int, ...]:
+        """The shape of a leaf's HF tensors of one layer, stacked on axis 0 (one tensor: its shape)."""
+        return stacked_shape([tuple(self.hf_shapes[name]) for name in group], self.source)
+
+    def _whole_stack(self, leaf: Leaf, rule: Rule, groups: list[tuple[str, ...]], state: str,
+                     leaf_dtype: np.dtype) -> LazyLeaf:
         """A stack on an axis other than 1 (small non-parameter variables, on axis 0), produced whole."""
 
         def produce_stack() -> np.ndarray:
             plan = RowBlocks(None)
-            array = np.stack([self.stored_block(rule, name, state, leaf_dtype, plan, 0, 1) for name in names],
-                             leaf.scan_axis)
+            array = np.stack([self.stored_block(rule, group, state, leaf_dtype, plan, 0, 1) for group in groups],
+                             leaf.scan_axis).reshape(leaf.shape)
             self.bar.update(1)
             return array
 
@@ -125,17 +133,17 @@ class LeafArrays:
     def _row_plan(self, leaf: Leaf, rule: Rule, state: str,
                   hf_shape: tuple[int, ...]) -> tuple[RowBlocks, tuple[int, ...]]:
         """How a tensor of ``leaf`` is streamed, and the leaf's storage chunk (one layer thick for a stack)."""
-        # The leaf of one tensor (one layer's, for a stack on axis 1): its storage chunk without the layer axis.
-        chunk = list(storage_chunk(leaf, self.mesh) or leaf.shape)
-        if leaf.stacked:
-            del chunk[1]
+        # The leaf of one tensor (one layer's, for a stack): its storage chunk without the stack's axes.
+        stack = leaf.stack_axes
+        chunk = [c for axis, c in enumerate(storage_chunk(leaf, self.mesh) or leaf.shape) if axis not in stack]
         per_mesh = shard_shape(leaf, self.mesh) if self.mesh else None
-        if per_mesh is not None and leaf.stacked:
-            per_mesh = per_mesh[:1] + per_mesh[2:]
+        if per_mesh is not None:
+            per_mesh = tuple(c for axis, c in enumerate(per_mesh) if axis not in stack)
         plan = row_blocks(rule.kind, state, hf_shape, self.dims, per_mesh, self.block_bytes)
         if plan.axis is not None:
             chunk[plan.axis] = plan.chunk
-        return plan, (tuple(chunk[:1] + [1] + chunk[1:]) if leaf.stacked else tuple(chunk))
+        chunk[leaf.scan_axis:leaf.scan_axis] = [1] * len(stack)
+        return plan, tuple(chunk)
 
     def _module_scale(self, rule: Rule, name: str) -> float | None:
         """The factor ``name``'s bf16 leaf of ``rule`` takes from the module's weights with the masters' very bits
@@ -170,10 +178,14 @@ class LeafArrays:
                                   f"rounded (rows {low}-{high}); convert from the masters (module_weights=False)")
         return masters.numpy().reshape(shape), None
 
-    def stored_block(self, rule: Rule, name: str, state: str, leaf_dtype: np.dtype, plan: RowBlocks, first: int,
-                     last: int) -> np.ndarray:
-        """Units ``[first, last)`` of HF tensor ``name`` in the leaf's layout and dtype (all of it where the plan
-        streams nothing); its read-back fingerprint is recorded as it goes."""
+    def stored_block(self, rule: Rule, group: tuple[str, ...], state: str, leaf_dtype: np.dtype, plan: RowBlocks,
+                     first: int, last: int) -> np.ndarray:
+        """Units ``[first, last)`` of the HF tensor ``group`` names (one, or those a rule fuses) in the leaf's
+        layout and dtype (all of it where the plan streams nothing); its read-back fingerprint is recorded as it
+        goes."""
+        if len(group) > 1:
+            return self._fused_block(rule, group, state, leaf_dtype)
+        (name, ) = group
         hf_shape = tuple(self.hf_shapes[name])
         dims = self.dims
         transform = TRANSFORMS[rule.kind]
@@ -205,6 +217,20 @@ class LeafArrays:
         # returns (its dtype widened as it is summed); otherwise the read is undone in fp32, as from-maxtext does.
         self.read_back.add(name, state, rule, low, stored if transform.rearranges else
                            from_maxtext(rule.kind, stored.astype(np.float32), block_dims, self.family, state))
+        return stored
+
+    def _fused_block(self, rule: Rule, group: tuple[str, ...], state: str, leaf_dtype: np.dtype) -> np.ndarray:
+        """The leaf (one layer's) of the HF tensors a rule fuses, made whole from their fp32 values (they are
+        interleaved in it: no block of it is a block of one tensor's rows); each tensor's read-back fingerprint
+        is that of its rows of the leaf undone."""
+        arrays = [np.asarray(self.load(name, state), dtype=np.float32) for name in group]
+        stored = _contiguous_as(to_maxtext(rule.kind, np.concatenate(arrays), self.dims, self.family, state),
+                                leaf_dtype)
+        rows = np.cumsum([array.shape[0] for array in arrays])[:-1]
+        del arrays
+        read = from_maxtext(rule.kind, stored.astype(np.float32), self.dims, self.family, state)
+        for name, part in zip(group, np.split(read, rows), strict=True):
+            self.read_back.add(name, state, rule, 0, part)
         return stored
 
 

@@ -65,4 +65,7 @@ PARAM_ROOTS = tuple("/".join((*prefix, PARAMS_COLLECTION, "")) for prefix in (PA
 MODEL_AUX_KEY = "nnx_aux"
 MODEL_AUX_MODEL = "model"
 #: The decoder subtrees that hold scanned stacks (``decoder/<stack>/...``) in MaxText's families.
-SCANNED_STACKS = ("layers", "dense_layers", "moe_layers")
+SCANNED_STACKS = ("layers", "dense_layers", "moe_layers", "scanned_blocks")
+#: Stacks that MaxText scans inside a block (``.../<stack>/...``): Qwen3-Next's linear-attention layers and Gemma 4's
+#: sliding-window ones, one more stack axis inside each cycle's stack (and the only one in ``layers_remainder``).
+NESTED_STACKS = ("local_layers", )

@@ -33,6 +33,11 @@ if TYPE_CHECKING:  # torch only where tensors are handed over
     from deepspeed_ext.module_inject.layout import TPLayout
 
 
+#: Where one part of an HF tensor comes from: its rule, the leaf, the layer's index on the leaf's stack axes (None:
+#: unstacked), and which of the rule's sources it is.
+_Part = tuple[Rule, str, tuple[int, ...] | None, int]
+
+
 def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     """The format registry's reader (:mod:`deepspeed_ext.checkpoint.formats`): the checkpoint with its HF config
     and family, given, else what to-maxtext recorded."""
@@ -150,21 +155,26 @@ class MaxTextCheckpoint:
         except (KeyError, IndexError, TypeError, ValueError, FileNotFoundError):
             return 0  # params-only checkpoints need no step
 
-    def _plan(self) -> dict[str, list[tuple[Rule, str, int | None]]]:
-        """HF name -> the (rule, leaf, layer index inside a stack) its parts come from, in rule order."""
-        sources: dict[str, list[tuple[Rule, str, int | None]]] = {}
+    def _plan(self) -> dict[str, list[_Part]]:
+        """HF name -> the (rule, leaf, layer's index in a stack, which of the rule's sources) its parts come from,
+        in rule order."""
+        sources: dict[str, list[_Part]] = {}
         #: Where a leaf's weights sit in the tree when not at params/<leaf> (nnx_aux, above).
         self._tree_paths: dict[str, tuple[str, ...]] = {}
         blocks = layer_blocks(self.family, self.dims, self.scan_layers)
-        for rule in self.family.rules_for(self.dims.tied):
-            places: list[tuple[str, str, int | None]] = []
+        for rule in self.family.rules_for(self.dims.tied, self.dims.config):
+            places: list[tuple[str, str, tuple[int, ...] | None, int]] = []
             if not rule.per_layer:
-                places.append((rule.hf, f"{rule.collection}/{rule.path}", None))
+                places.extend((hf, f"{rule.collection}/{rule.path}", None, part)
+                              for part, hf in enumerate(rule.sources))
             for block in rule_blocks(rule, blocks) if rule.per_layer else []:
                 leaf = f"{rule.collection}/{rule.path.replace(LAYERS, block.path)}"
+                stack = block.stack or (len(block.layers), )
                 for position, layer in enumerate(block.layers):
-                    places.append((rule.hf.replace(LAYER, str(layer)), leaf, position if block.stacked else None))
-            for hf, leaf, index in places:
+                    index = tuple(int(i) for i in np.unravel_index(position, stack)) if block.stacked else None
+                    places.extend((hf.replace(LAYER, str(layer)), leaf, index, part)
+                                  for part, hf in enumerate(rule.sources))
+            for hf, leaf, index, part in places:
                 path = leaf.split("/", 1)[1]
                 if leaf not in self.stored and rule.collection != PARAMS_COLLECTION and path in self._aux:
                     self.stored[leaf] = tuple(self._aux[path].shape)
@@ -173,8 +183,8 @@ class MaxTextCheckpoint:
                 if leaf not in self.stored:
                     raise CheckpointError(f"{self.items}: MaxText leaf {leaf!r} (for {hf}) is missing; wrong "
                                           f"--family ({self.family.name}) or config?")
-                sources.setdefault(hf, []).append((rule, leaf, index))
-        used = {leaf for parts in sources.values() for _, leaf, _ in parts}
+                sources.setdefault(hf, []).append((rule, leaf, index, part))
+        used = {leaf for parts in sources.values() for _, leaf, _, _ in parts}
         extra = sorted(set(self.stored) - used)
         if extra:
             raise CheckpointError(f"{self.items}: {len(extra)} MaxText arrays have no place in family "
@@ -188,13 +198,16 @@ class MaxTextCheckpoint:
             self._cache[path] = np.asarray(self._restore(path, np.ndarray, np.float32), dtype=np.float32)
         return self._cache[path]
 
-    def _hf_shape(self, parts: list[tuple[Rule, str, int | None]]) -> tuple[int, ...]:
+    def _hf_shape(self, parts: list[_Part]) -> tuple[int, ...]:
         shapes = []
-        for rule, leaf, index in parts:
+        for rule, leaf, index, part in parts:
             shape = self.stored[leaf]
             if index is not None:
-                shape = shape[:rule.scan_axis] + shape[rule.scan_axis + 1:]
-            shapes.append(TRANSFORMS[rule.kind].hf_shape(shape))
+                shape = shape[:rule.scan_axis] + shape[rule.scan_axis + len(index):]
+            shape = TRANSFORMS[rule.kind].hf_shape(shape)
+            if len(rule.sources) > 1:  # this tensor's rows of the fused ones
+                shape = (self._fused_rows(rule)[part], *shape[1:])
+            shapes.append(shape)
         axis = TRANSFORMS[parts[0][0].kind].join_axis
         if axis is None:
             return shapes[0]
@@ -205,17 +218,28 @@ class MaxTextCheckpoint:
         """The full fp32 HF tensor ``name`` (or one of its Adam moments), undone from MaxText's layout."""
         prefix = PARAMS_PREFIX if state == MASTER_WEIGHTS else MOMENT_PREFIX[state]
         pieces = []
-        for rule, leaf, index in self._sources[name]:
+        for rule, leaf, index, part in self._sources[name]:
             if state != MASTER_WEIGHTS and rule.collection != PARAMS_COLLECTION:
                 # Outside the optimizer (DeepSeek's router bias): no moments, as a never-stepped Adam has.
-                pieces.append(np.zeros(self._hf_shape([(rule, leaf, index)]), np.float32))
+                pieces.append(np.zeros(self._hf_shape([(rule, leaf, index, part)]), np.float32))
                 continue
             where = self._tree_paths.get(leaf) if state == MASTER_WEIGHTS else None
             array = self._leaf(where or (*prefix, *leaf.split("/")))
-            if index is not None:
-                array = np.take(array, index, axis=rule.scan_axis)
-            pieces.append(from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state))
+            for i in index or ():  # each take drops the stack axis it indexes: the next one is at the same axis
+                array = np.take(array, i, axis=rule.scan_axis)
+            piece = from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state)
+            if len(rule.sources) > 1:  # this tensor's rows of the fused ones
+                bounds = np.cumsum((0, *self._fused_rows(rule)))
+                piece = piece[bounds[part]:bounds[part + 1]]
+            pieces.append(piece)
         return np.ascontiguousarray(join_parts(self._sources[name][0][0].kind, pieces))
+
+    def _fused_rows(self, rule: Rule) -> tuple[int, ...]:
+        """The rows of each of the HF tensors ``rule`` fuses into its leaf."""
+        rows = TRANSFORMS[rule.kind].fused_rows
+        if rows is None:
+            raise CheckpointError(f"internal: transform {rule.kind!r} of fused {rule.sources} does not split them")
+        return rows(self.dims)
 
     @cached_property
     def layouts(self) -> dict[str, TPLayout]:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deepspeed_ext.checkpoint import orbax_private, output
-from deepspeed_ext.checkpoint.maxtext.names import ITEM, METADATA, PARAM_ROOTS, SCANNED_STACKS, STEP_DIR
+from deepspeed_ext.checkpoint.maxtext.names import (ITEM, METADATA, NESTED_STACKS, PARAM_ROOTS, SCANNED_STACKS,
+                                                    STEP_DIR)
 from deepspeed_ext.checkpoint.maxtext.orbax_io import LazyLeaf, restore_leaf, save_items
 from deepspeed_ext.checkpoint.maxtext.plan import Leaf
 from deepspeed_ext.checkpoint.maxtext.sharding import shard_shape
@@ -99,7 +100,8 @@ class _Rechunk:
         if root is None:
             return None
         parts = tuple(name[len(root):].split("/"))
-        leaf = Leaf(parts, shape, None, None, stacked=len(parts) > 2 and parts[1] in SCANNED_STACKS)
+        rank = (len(parts) > 2 and parts[1] in SCANNED_STACKS) + sum(part in NESTED_STACKS for part in parts[:-1])
+        leaf = Leaf(parts, shape, None, None, stacked=rank > 0, stack_rank=max(rank, 1))
         try:
             return shard_shape(leaf, self.mesh)
         except CheckpointError:

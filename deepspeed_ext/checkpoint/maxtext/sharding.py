@@ -36,6 +36,24 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "shared_experts/wi_0/kernel": ("embed", "mlp"),
     "shared_experts/wi_1/kernel": ("embed", "mlp"),
     "shared_experts/wo/kernel": ("mlp", "embed"),
+    "shared_expert/wi_0/kernel": ("embed", "mlp"),  # Qwen3-Next / Qwen3.5's one shared expert, and its gate
+    "shared_expert/wi_1/kernel": ("embed", "mlp"),
+    "shared_expert/wo/kernel": ("mlp", "embed"),
+    "shared_expert_gate/kernel": ("embed", None),
+    "attention/attention/out/kernel": ("mlp", "embed"),  # Qwen3-Next's gated attention: [heads * D, embed]
+    "in_proj_qkvz/kernel": ("embed", "gdn_head"),  # gated DeltaNet
+    "in_proj_ba/kernel": ("embed", "gdn_head"),
+    "out_proj/kernel": ("gdn_head", "embed"),
+    "conv1d/kernel": (None, None, None),
+    "A_log": (None, ),
+    "dt_bias": (None, ),
+    "layer_scalar": (None, ),  # Gemma 4: per layer; its per-layer inputs; its MoE block's router scales
+    "embed_tokens_per_layer": ("vocab", "embed_vocab"),
+    "per_layer_model_projection/kernel": ("embed", "mlp"),
+    "per_layer_input_gate/kernel": ("embed", "mlp"),
+    "per_layer_projection/kernel": ("mlp", "embed"),
+    "pre_forward_scale_2": ("embed", ),
+    "per_expert_scale": ("exp", ),
     "gate/kernel": ("embed", None),
     "gate/bias": (None, ),
     "wi_0": ("exp", "embed_moe", "mlp_moe"),  # routed experts (moe_block, MoeBlock_0, GptOssMlp)
@@ -51,6 +69,7 @@ MESH_RULES: dict[str, str | None] = {
     "embed": "fsdp", "embed_vocab": "fsdp", "embed_moe": "fsdp",
     "vocab": "tensor", "heads": "tensor", "q_heads": "tensor", "kv_heads": "tensor", "mlp": "tensor",
     "mlp_moe": "tensor", "exp": "expert", "layers": "stage", "norm": None, "kv": None, "kv_head_dim": None,
+    "gdn_head": "tensor",
 }
 
 
@@ -60,7 +79,13 @@ def logical_axes(leaf: Leaf) -> tuple[str | None, ...]:
     if not matches:
         raise CheckpointError(f"internal: no logical axes for MaxText leaf {name!r}")
     axes = LOGICAL_AXES[max(matches, key=len)]
-    return (*axes[:leaf.scan_axis], "layers", *axes[leaf.scan_axis:]) if leaf.stacked else axes
+    if leaf.stacked:
+        # A scan nested in a scan (Qwen3-Next's local layers): MaxText's inner axis ("local_layers") stays whole.
+        stack = ("layers", *[None] * (leaf.stack_rank - 1))
+        axes = (*axes[:leaf.scan_axis], *stack, *axes[leaf.scan_axis:])
+    if len(axes) != len(leaf.shape):
+        raise CheckpointError(f"internal: logical axes {axes} do not fit MaxText leaf {name!r} of shape {leaf.shape}")
+    return axes
 
 
 def partition_spec(leaf: Leaf, mesh_shape: Mapping[str, int]) -> tuple[str | None, ...]:
@@ -89,7 +114,7 @@ def storage_chunk(leaf: Leaf, mesh_shape: Mapping[str, int] | None) -> tuple[int
     chunk = shard_shape(leaf, mesh_shape) if mesh_shape else None
     if not leaf.stacked:
         return chunk
-    return tuple(1 if axis == leaf.scan_axis else size for axis, size in enumerate(chunk or leaf.shape))
+    return tuple(1 if axis in leaf.stack_axes else size for axis, size in enumerate(chunk or leaf.shape))
 
 
 

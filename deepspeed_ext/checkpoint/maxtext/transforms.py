@@ -103,6 +103,9 @@ class Transform:
     row_axis: int | None = None
     row_unit: Callable[[tuple[int, ...], ModelDims], int] = lambda s, d: 1
     heads_in_rows: bool = False
+    #: A transform of the HF tensors a rule fuses (:attr:`~deepspeed_ext.checkpoint.families.Rule.fused`, stacked
+    #: on axis 0): each one's rows, so a read splits ``inverse``'s result back into them.
+    fused_rows: Callable[[ModelDims], tuple[int, ...]] | None = None
 
     @property
     def rearranges(self) -> bool:
@@ -171,6 +174,50 @@ def _expert_half(x: np.ndarray, second: bool) -> np.ndarray:
 
 def _indexer_heads(dims: ModelDims) -> int:
     return int(dims.config["index_n_heads"])
+
+
+def _global_head_dim(dims: ModelDims) -> int:
+    """Gemma 4's global (full-attention) layers: their heads' own size."""
+    from deepspeed_ext.checkpoint.families.gemma4 import global_attention
+    return global_attention(dims.config)[0]
+
+
+def _deltanet_segments(dims: ModelDims, kind: str) -> tuple[int, ...]:
+    """The row segments of Qwen3.5's separate gated-DeltaNet projections as a fused rule stacks them: q, k, v, z
+    (``in_proj_qkv``, then ``in_proj_z``) or b, a (``in_proj_b``, ``in_proj_a``)."""
+    c = dims.config
+    keys = int(c["linear_num_key_heads"]) * int(c["linear_key_head_dim"])
+    value_heads = int(c["linear_num_value_heads"])
+    values = value_heads * int(c["linear_value_head_dim"])
+    return (keys, keys, values, values) if kind == "qkvz" else (value_heads, value_heads)
+
+
+def _by_key_head(x: np.ndarray, dims: ModelDims, kind: str) -> np.ndarray:
+    """HF rows made of whole segments (each head after head) -> MaxText's ``[in, out]`` kernel whose columns are
+    grouped per key head: key head h's share of every segment, in segment order (MaxText splits each group's
+    projection so; a key head's share of v, z, b, a is the value heads that read it)."""
+    heads = int(dims.config["linear_num_key_heads"])
+    segments = np.split(x, np.cumsum(_deltanet_segments(dims, kind))[:-1])
+    grouped = np.concatenate([segment.reshape(heads, -1, x.shape[1]) for segment in segments], axis=1)
+    return grouped.reshape(-1, x.shape[1]).T
+
+
+def _from_key_heads(x: np.ndarray, dims: ModelDims, kind: str) -> np.ndarray:
+    """The inverse of :func:`_by_key_head`: the segments' rows, stacked."""
+    heads = int(dims.config["linear_num_key_heads"])
+    shares = [rows // heads for rows in _deltanet_segments(dims, kind)]
+    grouped = x.T.reshape(heads, sum(shares), x.shape[0])
+    return np.concatenate([share.reshape(-1, x.shape[0]) for share in
+                           np.split(grouped, np.cumsum(shares)[:-1], axis=1)])
+
+
+def _fused_deltanet(kind: str) -> Transform:
+    """Qwen3.5's q, k, v, z (or b, a) projections -> MaxText's per-key-head ``in_proj_qkvz`` (``in_proj_ba``):
+    made whole (a block of one tensor's rows is no block of the leaf)."""
+    rows = ((lambda d: (sum(_deltanet_segments(d, kind)[:3]), _deltanet_segments(d, kind)[3])) if kind == "qkvz"
+            else (lambda d: _deltanet_segments(d, kind)))
+    return Transform(lambda x, d, f: _by_key_head(x, d, kind), lambda s, d: (s[1], s[0]),
+                     lambda x, d, f: _from_key_heads(x, d, kind), lambda s: (s[1], s[0]), fused_rows=rows)
 
 
 def _embed_scale(dims: ModelDims) -> np.float32:
@@ -288,6 +335,16 @@ TRANSFORMS: dict[str, Transform] = {
                               lambda s, d: (d.num_heads, s[1] // d.num_heads, s[0]),
                               lambda x, d, f: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1]),
                               row_axis=2),
+    # Gemma 4's global layers, whose heads are wider than the config's head_dim: q/k/v [heads*G, H] -> [H, heads, G]
+    # and the output [H, heads*G] -> [heads, G, H] (G: the global head size; no query scale, rotate-half RoPE).
+    "global_heads": Transform(lambda x, d, f: x.T.reshape(x.shape[1], -1, _global_head_dim(d)),
+                              lambda s, d: (s[1], s[0] // _global_head_dim(d), _global_head_dim(d)),
+                              lambda x, d, f: _heads_out(x), lambda s: (s[1] * s[2], s[0]), row_axis=1,
+                              row_unit=lambda s, d: _global_head_dim(d)),
+    "global_out": Transform(lambda x, d, f: x.T.reshape(-1, _global_head_dim(d), x.shape[0]),
+                            lambda s, d: (s[1] // _global_head_dim(d), _global_head_dim(d), s[0]),
+                            lambda x, d, f: x.reshape(-1, x.shape[-1]).T, lambda s: (s[2], s[0] * s[1]),
+                            row_axis=2),
     # gemma3: MaxText stores RMSNorm scales as 1 + w and the embedding pre-multiplied by sqrt(hidden).
     "norm_plus_one": Transform(lambda x, d, f: x + np.float32(1.0), lambda s, d: s,
                                lambda x, d, f: x - np.float32(1.0), lambda s: s, moments="copy", row_axis=0),
@@ -308,6 +365,13 @@ TRANSFORMS: dict[str, Transform] = {
                                join_axis=-1, row_axis=0),
     "last_columns": Transform(lambda x, d, f: x[..., x.shape[-1] // 2:], _half_last, _same, lambda s: s,
                               join_axis=-1, row_axis=0),
+    # Qwen3.5's separate gated-DeltaNet projections, fused as MaxText holds them (Qwen3-Next's HF in_proj_qkvz /
+    # in_proj_ba are already grouped per key head: plain "linear").
+    "deltanet_qkvz": _fused_deltanet("qkvz"),
+    "deltanet_ba": _fused_deltanet("ba"),
+    # A depthwise convolution's kernel: torch's [channels, 1, width] -> flax's [width, 1, channels].
+    "conv_kernel": Transform(lambda x, d, f: x.transpose(2, 1, 0), lambda s, d: (s[2], s[1], s[0]),
+                             lambda x, d, f: x.transpose(2, 1, 0), lambda s: (s[2], s[1], s[0]), row_axis=2),
     # gpt-oss: experts already [E, in, out]; gate and up alternate along the last axis (weights and biases).
     "even_columns": Transform(lambda x, d, f: x[..., 0::2], _half_last, _same, lambda s: s, join_axis=-1,
                               interleaved=True, row_axis=0),

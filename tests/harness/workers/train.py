@@ -156,8 +156,10 @@ def dump_live_state(engine: Any, path: Path, tp_rank: int) -> None:
             state[name] = {key: torch.zeros(shape) for key in seen}
     from deepspeed_ext.checkpoint.model_config import persistent_buffers
     for name, buffer in persistent_buffers(engine.module).items():  # carried as tensors no optimizer steps
-        state[name] = {"fp32": buffer.detach().float().clone(), "exp_avg": torch.zeros(buffer.shape),
-                           "exp_avg_sq": torch.zeros(buffer.shape)}
+        # fp32 as the masters; an integer buffer (DeepSeek-V4's hash-routing table) in its own dtype
+        value = buffer.detach().float() if buffer.is_floating_point() else buffer.detach()
+        state[name] = {"fp32": value.clone(), "exp_avg": torch.zeros_like(value),
+                       "exp_avg_sq": torch.zeros_like(value)}
     with torch.no_grad():  # every rank runs the forward: TP (and ZeRO-3) layers communicate
         logits = engine.module(input_ids=eval_batch()).logits.float()
     from deepspeed_ext.checkpoint.engine_private import autoep_layers
