@@ -36,10 +36,9 @@ from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.engine_private.autotp_hook import around_autotp, tp_process_group
 from deepspeed_ext.checkpoint.engine_private.autotp_layers import mark_tensor_parallel
 from deepspeed_ext.module_inject.layout import TPLayout
-# The layer's input enters the TP region as gated-DeltaNet's does (a keyword or positional ``hidden_states``).
 from deepspeed_ext.module_inject.linear_attention_tp import LAYOUT_ATTR
-from deepspeed_ext.module_inject.linear_attention_tp import _InputEntersTP as InputEntersTP
-from deepspeed_ext.module_inject.tp_collectives import GradSummedOverTP, OutputSummedOverTP, from_first_rank
+from deepspeed_ext.module_inject.tp_collectives import (GradSummedOverTP, HiddenStatesEnterTP, OutputSummedOverTP,
+                                                        from_first_rank)
 
 __all__ = ["grouped_attention_layers", "grouped_attention_split", "split_grouped_attention"]
 
@@ -110,7 +109,7 @@ def split_grouped_attention(model: torch.nn.Module, tp_rank: int, tp_size: int, 
         layer.config.o_groups = layer.o_a_proj.n_groups
         for linear in (layer.q_b_proj, layer.o_a_proj, layer.o_b_proj):
             linear.out_features, linear.in_features = linear.weight.shape
-        layer.register_forward_pre_hook(InputEntersTP(group), with_kwargs=True)
+        layer.register_forward_pre_hook(HiddenStatesEnterTP(group), with_kwargs=True)
         layer.o_b_proj.register_forward_hook(OutputSummedOverTP(group))
     return whole
 

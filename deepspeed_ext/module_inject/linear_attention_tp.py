@@ -33,7 +33,8 @@ from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.engine_private.autotp_hook import around_autotp, tp_process_group
 from deepspeed_ext.checkpoint.engine_private.autotp_layers import mark_tensor_parallel
 from deepspeed_ext.module_inject.layout import TPLayout
-from deepspeed_ext.module_inject.tp_collectives import EnterTP, GradSummedOverTP, OutputSummedOverTP, from_first_rank
+from deepspeed_ext.module_inject.tp_collectives import (GradSummedOverTP, HiddenStatesEnterTP, OutputSummedOverTP,
+                                                        from_first_rank)
 
 __all__ = ["linear_attention_layouts", "linear_attention_split", "split_linear_attention"]
 
@@ -92,20 +93,6 @@ def _why_whole(layer: Any, tp_size: int) -> str | None:
     return None
 
 
-class _InputEntersTP:
-    """A forward pre-hook (with keyword arguments): the layer's ``hidden_states`` enters the TP region."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if args:
-            return (EnterTP.apply(args[0], self.group), *args[1:]), kwargs  # type: ignore[no-untyped-call]
-        kwargs = dict(kwargs, hidden_states=EnterTP.apply(kwargs["hidden_states"], self.group))  # type: ignore[no-untyped-call]
-        return args, kwargs
-
-
 def split_linear_attention(model: torch.nn.Module, tp_rank: int, tp_size: int, group: Any) -> dict[str, str]:
     """Cut every gated-DeltaNet layer of ``model`` for TP rank ``tp_rank`` of ``tp_size`` (see the module's text);
     ``{layer name: why}`` of those left whole."""
@@ -135,7 +122,7 @@ def split_linear_attention(model: torch.nn.Module, tp_rank: int, tp_size: int, g
             param.data = from_first_rank(param.data, group)
             if param.requires_grad:
                 param.register_hook(GradSummedOverTP(group))
-        layer.register_forward_pre_hook(_InputEntersTP(group), with_kwargs=True)
+        layer.register_forward_pre_hook(HiddenStatesEnterTP(group), with_kwargs=True)
         layer.out_proj.register_forward_hook(OutputSummedOverTP(group))
     return whole
 

@@ -54,6 +54,21 @@ class InputEntersTP:
         return (EnterTP.apply(args[0], self.group), *args[1:])  # type: ignore[no-untyped-call]
 
 
+class HiddenStatesEnterTP:
+    """A forward pre-hook (with keyword arguments): a decoder sub-layer's ``hidden_states``, given by position or
+    by keyword, enters the TP region."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (EnterTP.apply(args[0], self.group), *args[1:]), kwargs  # type: ignore[no-untyped-call]
+        kwargs = dict(kwargs, hidden_states=EnterTP.apply(kwargs["hidden_states"], self.group))  # type: ignore[no-untyped-call]
+        return args, kwargs
+
+
 class OutputSummedOverTP:
     """A forward hook: the module's output summed over the TP ranks."""
 

@@ -48,11 +48,12 @@ def child_env(python: str = sys.executable) -> dict[str, str]:
     return env
 
 
-def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None = None,
+               extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` (``cmd[0]`` is the Python to use) with its output in ``log``; on failure raise with the tail,
-    or with ``check=False`` return the failed process."""
+    or with ``check=False`` return the failed process. ``extra_env``: set on top of :func:`child_env`'s."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, env=child_env(cmd[0]), capture_output=True, text=True,
+    proc = subprocess.run(cmd, env={**child_env(cmd[0]), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=demo_runner.TIMEOUT_S, cwd=cwd)
     return _logged(proc, log, check)
 
