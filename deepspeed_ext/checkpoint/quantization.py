@@ -27,6 +27,8 @@ checkpoint gives its bytes back: FP8 takes transformers' rule (``scale = 448 / a
 1 / scale``) and, where the weights are exactly some ``q * s`` (unchanged since they were dequantized), the
 ``s`` that reproduces every value; MXFP4 takes the OCP MX rule (shared exponent ``floor(log2 amax) - 2``, E2M1
 rounded to nearest even), under which a block that is already exactly representable keeps its values.
+DeepSeek-V4's format (FP8 and FP4 with power-of-two scales) is written by :func:`quantize_pow2`: DeepSeek's rule,
+and where a release's own scale holds a tile exactly, that scale.
 """
 
 from __future__ import annotations
@@ -346,6 +348,19 @@ def fp8_quantizable(shape: tuple[int, ...], block: tuple[int, int]) -> bool:
     return len(shape) >= 2 and shape[-2] % block[0] == 0 and shape[-1] % block[1] == 0
 
 
+
+def _tiles(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in fp32 as a grid of ``block`` tiles ``[grid_rows, bm, grid_cols, bn]`` (edge tiles padded with
+    zeros, which change no tile's largest value), and each tile's largest magnitude ``[grid_rows, grid_cols]``."""
+    bm, bn = block
+    rows, cols = weight.shape
+    grid_rows, grid_cols = -(-rows // bm), -(-cols // bn)
+    x = weight.to(torch.float32)
+    if (grid_rows * bm, grid_cols * bn) != (rows, cols):
+        x = torch.nn.functional.pad(x, (0, grid_cols * bn - cols, 0, grid_rows * bm - rows))
+    x = x.reshape(grid_rows, bm, grid_cols, bn)
+    return x, x.abs().amax(dim=(1, 3))
+
 def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [rows, cols]`` -> (``float8_e4m3fn`` values, fp32 ``scale_inv`` per tile, a grid of
     ``ceil(rows / bm) x ceil(cols / bn)``: partial tiles at the edges, DeepSeek's way, where the weight is not
@@ -356,13 +371,8 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     again may land an ulp or two off the original; where a tile's values are exactly ``q * s`` for an ``s`` within
     a few ulps, that ``s`` is kept, which makes dequantize -> quantize give the original bytes."""
     bm, bn = block
-    rows, cols = weight.shape
-    grid_rows, grid_cols = -(-rows // bm), -(-cols // bn)
-    x = weight.to(torch.float32)
-    if (grid_rows * bm, grid_cols * bn) != (rows, cols):  # zeros change no tile's largest value
-        x = torch.nn.functional.pad(x, (0, grid_cols * bn - cols, 0, grid_rows * bm - rows))
-    x = x.reshape(grid_rows, bm, grid_cols, bn)
-    amax = x.abs().amax(dim=(1, 3))
+    x, amax = _tiles(weight, block)
+    (rows, cols), (grid_rows, grid_cols) = weight.shape, amax.shape
     scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
                         torch.ones_like(amax))
     scale_inv = (1.0 / scale).to(torch.float32)
@@ -410,14 +420,85 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.where(amax > 0, torch.floor(torch.log2(torch.where(amax > 0, amax, torch.ones_like(amax)))) - 2,
                            torch.full_like(amax, -E8M0_BIAS))
     exponent = exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
-    scaled = torch.ldexp(x, -exponent.to(torch.int32).unsqueeze(-1)).abs()
-    magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
-    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
-    code = torch.searchsorted(midpoints, scaled.contiguous(), right=False)  # a tie goes to the lower value ...
-    tie = (code < 7) & (scaled == midpoints[code.clamp(max=6)])
-    code = torch.where(tie & (code % 2 == 1), code + 1, code)  # ... unless that one's mantissa bit is odd
-    code = code | (torch.signbit(x).to(torch.int64) << 3)
-    code = code.to(torch.uint8).reshape(n, k // MX_BLOCK, MX_BLOCK // 2, 2)
+    code = e2m1_codes(torch.ldexp(x, -exponent.to(torch.int32).unsqueeze(-1)))
+    code = code.reshape(n, k // MX_BLOCK, MX_BLOCK // 2, 2)
     blocks = code[..., 0] | (code[..., 1] << 4)
     scales = (exponent + E8M0_BIAS).to(torch.uint8)
     return blocks, scales
+
+
+def e2m1_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """fp32 values (already divided by their scale) as E2M1 nibbles (uint8, bit 3 the sign): the nearest E2M1 value,
+    a tie to the one whose mantissa bit is even, past 6 saturating at 6."""
+    magnitude = scaled.abs().contiguous()
+    magnitudes = torch.tensor(E2M1_VALUES[:8], dtype=torch.float32)
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+    code = torch.searchsorted(midpoints, magnitude, right=False)  # a tie goes to the lower value ...
+    tie = (code < 7) & (magnitude == midpoints[code.clamp(max=6)])
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)  # ... unless that one's mantissa bit is odd
+    return (code | (torch.signbit(scaled).to(torch.int64) << 3)).to(torch.uint8)
+
+
+# --------------------------------------------------------------------------- power-of-two scales (DeepSeek-V4)
+#: A :class:`~deepspeed_ext.checkpoint.hf.quantized.QuantizedPiece`'s method for FP8 with E8M0 scales
+#: (DeepSeek-V4's release); its FP4 experts are :data:`FP4`.
+FP8_POW2 = "fp8_ue8m0"
+FP4_MAX = 6.0  # E2M1's largest magnitude
+#: The exponents the quantizer picks: E8M0 holds -127..127 (byte 255 is NaN); the smallest is transformers'
+#: (its quantizer floors the scale at fp32's smallest normal), which keeps every bf16 tile's scale equal to its.
+POW2_EXPONENTS = (-126, 127)
+#: safetensors' codes of E8M0 scales: ``float8_e8m0fnu``, or its bytes as ``uint8``.
+E8M0_CODES = ("F8_E8M0", "U8")
+STORAGE_DTYPES = {code: dtype for dtype, code in STORAGE_CODES.items()}
+
+
+def quantize_pow2(weight: torch.Tensor, element: str, block: tuple[int, int],
+                  reference: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [rows, cols]`` with one power-of-two scale per tile of ``block`` (partial at the edges), as
+    DeepSeek-V4's release stores its weights -> (the values, ``[rows, cols]``: ``float8_e4m3fn`` for ``element``
+    :data:`FP8`, E2M1 nibbles as uint8 for :data:`FP4`; the scales as E8M0 bytes, ``[ceil(rows / bm),
+    ceil(cols / bn)]``).
+
+    DeepSeek's rule, in fp32 as its kernels compute it: ``scale = 2 ** ceil(log2(amax * (1 / max)))`` with ``max``
+    448 (e4m3) or 6 (e2m1); the values divided by it are rounded to the nearest (ties to even) and saturate. For
+    bf16 weights this is the scale transformers' ``ue8m0`` quantizer picks. An all-zero tile gets scale 1, as
+    transformers gives it.
+
+    The values do not always say which scale a release used: a tile whose largest value was rounded down to half
+    the range (224 x 2^e in FP8, 3 x 2^e in FP4) reads back as the same values at half the scale, which the rule
+    picks. ``reference`` (E8M0 bytes of the same grid: the release's scales) is taken for every tile it represents
+    exactly, which gives an unchanged tile its bytes back. That never changes a value: a scale that represents a
+    tile exactly is at least the rule's, and the rule's then represents it exactly too."""
+    maximum = FP8_MAX if element == FP8 else FP4_MAX
+    bm, bn = block
+    x, amax = _tiles(weight, block)
+    (rows, cols), (grid_rows, grid_cols) = weight.shape, amax.shape
+    mantissa, exponent = torch.frexp(amax * torch.tensor(1 / maximum, dtype=torch.float32))
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2): a power of two is its own
+    exponent = torch.where(amax > 0, exponent.clamp(*POW2_EXPONENTS), torch.zeros_like(exponent))
+    if reference is not None:
+        if tuple(reference.shape) != (grid_rows, grid_cols):
+            raise CheckpointError(f"reference scales of shape {list(reference.shape)} for a grid of "
+                                  f"{[grid_rows, grid_cols]}")
+        candidate = reference.view(torch.uint8).to(torch.int32) - E8M0_BIAS
+        scaled = torch.ldexp(x, -candidate[:, None, :, None])
+        if element == FP8:
+            exact = (scaled.abs() <= FP8_MAX) & (scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() == scaled)
+        else:
+            exact = (scaled.abs() <= FP4_MAX) & (e2m1_values(e2m1_codes(scaled)) == scaled)
+        usable = exact.all(dim=3).all(dim=1) & (reference.view(torch.uint8) != 255)  # 255: E8M0's NaN
+        exponent = torch.where(usable, candidate, exponent)
+    scaled = torch.ldexp(x, -exponent[:, None, :, None])
+    values = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE) if element == FP8 else e2m1_codes(scaled)
+    values = values.reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols].contiguous()
+    return values, (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles (uint8) as fp32 values."""
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 nibbles ``[..., 2n]`` two a byte, the low nibble first: uint8 ``[..., n]``."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)

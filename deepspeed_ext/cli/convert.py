@@ -319,8 +319,9 @@ def add_to_hf(sub: Any, family_help: str) -> None:
                    "...) to add to the output")
     p.add_argument("--quantize", choices=["fp8", "mxfp4"],
                    help="write quantized weights as releases ship them: fp8 = block FP8 (e4m3 with a "
-                   "weight_scale_inv per tile, DeepSeek-V3's format) of every linear weight that is whole tiles; "
-                   "mxfp4 = gpt-oss's experts (*_blocks, *_scales)")
+                   "weight_scale_inv per tile, DeepSeek-V3's format) of every linear weight that is whole tiles, "
+                   "or, --like a DeepSeek-V4 release (or from one, --mtp keep), that release's own format (E8M0 "
+                   "power-of-two .scale tensors, FP4 experts); mxfp4 = gpt-oss's experts (*_blocks, *_scales)")
     p.add_argument("--fp8-block", default="128x128", help="--quantize fp8: the tile, ROWSxCOLS (default 128x128)")
     p.add_argument("--fp8-edge-tiles", action="store_true",
                    help="--quantize fp8: also quantize weights that are not whole tiles, with partial tiles at the "

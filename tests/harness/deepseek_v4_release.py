@@ -7,8 +7,10 @@ mapping for ``deepseek_v4`` and its FP8 quantizer's loading path):
   ``x.weight``, quantized by transformers' own quantizer (``Fp8Quantize``); the compressor and indexer projections
   the model keeps out of quantization (``_keep_in_fp32_modules``) and the output projection unquantized;
 * the routed experts FP4 (``expert_dtype: fp4``): two E2M1 values a byte (the low nibble first) in ``int8``
-  ``[rows, columns / 2]``, one E8M0 scale per 32 values of a row in ``x.scale``; their bytes from deepspeed-ext's
-  MX rule (transformers has no FP4 quantizer, only the dequantization);
+  ``[rows, columns / 2]``, one E8M0 scale per 32 values of a row in ``x.scale``; quantized here by DeepSeek's rule
+  as its inference kernels state it (``scale = 2 ** ceil(log2(amax / 6))``, the nearest E2M1 value, a tie to the
+  even one), written independently of deepspeed-ext's quantizer (transformers has no FP4 quantizer, only the
+  dequantization);
 * a multi-token-prediction layer under ``mtp.0.`` (which transformers ignores on load): a representative few of
   its tensors, quantized as the decoder's are.
 """
@@ -21,7 +23,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepspeed_ext.checkpoint import quantization
 from deepspeed_ext.checkpoint.model_config import is_quantizable_linear
 from harness.hf import save_pretrained as save
 
@@ -55,12 +56,32 @@ def _fp8(name: str, value: torch.Tensor, block: tuple[int, int]) -> dict[str, to
     return {**quantized, **({} if scales is None else {name[:-len(".weight")] + ".scale": scales})}
 
 
+#: E2M1's magnitudes by code (the sign is bit 3).
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def fp4_reference(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``value [rows, columns]`` as DeepSeek's FP4 (see the module's text) -> (packed ``int8 [rows, columns / 2]``,
+    E8M0 scales ``[rows, columns / 32]``); an all-zero block gets scale 1."""
+    rows, cols = value.shape
+    x = value.float().reshape(rows, cols // 32, 32)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    exponent = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6)), torch.zeros_like(amax))
+    scaled = (x / torch.exp2(exponent)).clamp(-6, 6)
+    distance = (scaled.abs().unsqueeze(-1) - _E2M1).abs()
+    code = distance.argmin(dim=-1)  # the first of two equally near values: the lower one ...
+    upper = code.clamp(max=6) + 1
+    tie = (code < 7) & (distance.gather(-1, upper.unsqueeze(-1)).squeeze(-1) == distance.min(dim=-1).values)
+    code = torch.where(tie & (code % 2 == 1), upper, code)  # ... unless its code is odd
+    code = (code | (torch.signbit(scaled).long() << 3)).reshape(rows, cols)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, (exponent.squeeze(-1) + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
 def _fp4(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
-    """An expert's ``x.weight [rows, columns]`` as FP4: packed ``int8 [rows, columns / 2]`` and E8M0 scales
-    ``[rows, columns / 32]`` as ``x.scale``."""
-    blocks, scales = quantization.quantize_mxfp4(value.float().t())  # blocks of 32 along the columns, per row
-    packed = blocks.reshape(value.shape[0], value.shape[1] // 2).view(torch.int8)
-    return {name: packed, name[:-len(".weight")] + ".scale": scales.view(torch.float8_e8m0fnu)}
+    """An expert's ``x.weight [rows, columns]`` as FP4, its scales as ``x.scale``."""
+    packed, scales = fp4_reference(value)
+    return {name: packed, name[:-len(".weight")] + ".scale": scales}
 
 
 def _quantized_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> set[str]:

@@ -25,8 +25,9 @@ class HFOptions(WriteOptions):
     #: ``fp8``: also quantize weights that are not whole tiles, with partial tiles at the edges (DeepSeek-V3's
     #: release does; transformers 5.22 does not read those right, so by default they stay unquantized).
     fp8_edge_tiles: bool = False
-    #: An HF directory (a multimodal or DeepSeek-V3 release) whose layout to write into: its naming, its config,
-    #: and the tensors the source model lacks (a vision tower, a multi-token-prediction layer), copied.
+    #: An HF directory (a multimodal or DeepSeek-V3 / V4 release) whose layout to write into: its naming, its config,
+    #: and the tensors the source model lacks (a vision tower, a multi-token-prediction layer), copied; with
+    #: ``quantize="fp8"``, a release with power-of-two scales (DeepSeek-V4's) is written in its own format.
     like: str | Path | None = None
 
 

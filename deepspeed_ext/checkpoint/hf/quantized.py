@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,9 @@ from deepspeed_ext.checkpoint.hf.options import HFOptions
 from deepspeed_ext.checkpoint.model_config import ConfigFit
 from deepspeed_ext.checkpoint.tensor import BLOCK_ELEMENTS
 from deepspeed_ext.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from deepspeed_ext.checkpoint.hf.reader import HFCheckpoint
 
 
 # --------------------------------------------------------------------------- quantized and release layouts
@@ -29,6 +32,9 @@ class QuantizedPiece:
     scales: FileTensor
     method: str
     block: tuple[int, int]
+    #: Rows ``[first, last)`` of the release's own scales for this weight, as E8M0 bytes (power-of-two methods,
+    #: writing into a release's layout): each tile keeps the release's scale where that represents it exactly.
+    reference: Callable[[int, int], torch.Tensor] | None = None
 
 
 def stored_entries(piece: FileTensor | QuantizedPiece) -> tuple[FileTensor, ...]:
@@ -100,6 +106,9 @@ def write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str
     values a reader dequantizes, which is what the file holds."""
     from deepspeed_ext.checkpoint import quantization as q
     from deepspeed_ext.checkpoint.fingerprint import partial_sums
+    if entry.method in (q.FP8_POW2, q.FP4):
+        _write_pow2(entry, values, at, name, sums)
+        return
     data_fd, data_offset, data_path = at[entry.data.name]
     scale_fd, scale_offset, scale_path = at[entry.scales.name]
     if entry.method == q.FP8:
@@ -125,3 +134,74 @@ def write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str
         sums.append((name, data_path.name, offset, partial_sums(q.mxfp4_dequantize(blocks, scales).contiguous())))
         write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
         write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * scales.numel(), scale_path)
+
+
+# --------------------------------------------------------------------------- a release's own format (DeepSeek-V4)
+def release_quantize_plan(like: HFCheckpoint | None, options: HFOptions,
+                          pieces: dict[str, list[FileTensor | QuantizedPiece]]) -> dict[str, Any] | None:
+    """``--quantize fp8`` into the layout of a release whose scales are powers of two (DeepSeek-V4's: FP8 weights
+    with E8M0 scales, FP4 experts): every tensor the release stores quantized is written as it stores it (its
+    names, dtypes, tiles and scale layout), the others as they come; the ``quantization_config`` is the
+    release's. None where there is no such release (``quantize_plan`` decides)."""
+    from deepspeed_ext.checkpoint import quantization as q
+    if (like is None or options.quantize != q.FP8 or like.quantization is None or like.quantization.method != q.FP8
+            or like.quantization.block is None):  # (a scale per tensor: no release of this format has one)
+        return None
+    release = list(like.quantized_tensors.values())
+    if not release or any(like.file_header(t.scales)[1] not in q.E8M0_CODES for t in release):
+        return None
+    tiles = {t.block for t in release if t.method == q.FP8}
+    if tiles and tiles != {tuple(options.fp8_block)}:
+        tile = "x".join(map(str, sorted(tiles)[0]))
+        raise CheckpointError(f"{like.path}: the release's FP8 tiles are {tile} (its weight_block_size); "
+                              f"--fp8-block {'x'.join(map(str, options.fp8_block))} would not write its format: "
+                              f"pass --fp8-block {tile}")
+    for param, entries in pieces.items():
+        for i, entry in enumerate(entries):
+            assert isinstance(entry, FileTensor)
+            tensor = like.quantized_tensors.get(like.set_aside.get(entry.name, entry.name))
+            if tensor is None:
+                continue
+            if len(tensor.shape) != 2 or tuple(entry.shape) != tensor.shape:
+                raise CheckpointError(f"{like.path}: {entry.name} is {list(tensor.shape)} in the release, "
+                                      f"{list(entry.shape)} written; its format is written for 2-D weights only")
+            rows, cols = tensor.shape
+            fp4 = tensor.method == q.FP4
+            scale_shape, scale_code = like.file_header(tensor.scales)
+            entries[i] = QuantizedPiece(
+                entry, FileTensor(entry.name, param, (rows, cols // 2) if fp4 else (rows, cols),
+                                  torch.int8 if fp4 else q.FP8_DTYPE),
+                FileTensor(tensor.scales, param, tuple(scale_shape), q.STORAGE_DTYPES[scale_code]),
+                q.FP4 if fp4 else q.FP8_POW2, tensor.block, _scale_rows(like, tensor.scales))
+    return dict(like.raw_config[q.CONFIG_KEY])
+
+
+def _scale_rows(like: HFCheckpoint, scales: str) -> Callable[[int, int], torch.Tensor]:
+    return lambda first, last: like.read_file_rows(scales, first, last).view(torch.uint8)
+
+
+def _write_pow2(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str, tuple[int, int, Path]], name: str,
+                sums: list[tuple[str, str, int, tuple[int, float, float]]]) -> None:
+    """A weight with power-of-two scales (FP8, or FP4 two values a byte), a block of whole tile rows at a time,
+    each block's scales from DeepSeek's rule or the release's (:func:`~deepspeed_ext.checkpoint.quantization.
+    quantize_pow2`)."""
+    from deepspeed_ext.checkpoint import quantization as q
+    from deepspeed_ext.checkpoint.fingerprint import partial_sums
+    data_fd, data_offset, data_path = at[entry.data.name]
+    scale_fd, scale_offset, scale_path = at[entry.scales.name]
+    element = q.FP4 if entry.method == q.FP4 else q.FP8
+    bm, bn = entry.block
+    rows, cols = entry.piece.shape
+    values = values.reshape(rows, cols)
+    row_bytes, grid_cols = entry.data.nbytes // rows, entry.scales.shape[-1]
+    step = bm * max(1, BLOCK_ELEMENTS // (bm * cols))  # whole tile rows, as many as a streamed block
+    for first in range(0, rows, step):
+        last = min(rows, first + step)
+        reference = None if entry.reference is None else entry.reference(first // bm, -(-last // bm))
+        stored, scales = q.quantize_pow2(values[first:last], element, (bm, bn), reference)
+        exact = stored.float() if element == q.FP8 else q.e2m1_values(stored)
+        sums.append((name, data_path.name, data_offset + first * row_bytes,
+                     partial_sums(q.fp8_dequantize(exact, scales, (bm, bn)))))
+        data = stored.view(torch.uint8) if element == q.FP8 else q.pack_e2m1(stored)
+        write_at(data_fd, data.reshape(-1).numpy().data, data_offset + first * row_bytes, data_path)
+        write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + (first // bm) * grid_cols, scale_path)

@@ -289,6 +289,15 @@ class HFCheckpoint:
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"{file}: cannot read tensor {stored!r}: {exc}") from exc
 
+    def file_header(self, stored: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype code) of a tensor as the files store it (a quantized weight's packed values or
+        its scales), by its name in the files."""
+        return self._raw_headers[stored]
+
+    def read_file_rows(self, stored: str, first: int, last: int) -> torch.Tensor:
+        """Rows ``[first, last)`` of a tensor as the files store it, in its file dtype."""
+        return self._read_stored(stored, (slice(first, last), ))
+
     def _stored_name(self, name: str) -> str:
         """The stored tensor (or packed data) a logical name reads."""
         return self._stored[name] if name in self._stored else self.set_aside[name]

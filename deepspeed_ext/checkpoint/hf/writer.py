@@ -33,7 +33,13 @@ from deepspeed_ext.checkpoint.hf.files import (
     write_error,
 )
 from deepspeed_ext.checkpoint.hf.options import HFOptions
-from deepspeed_ext.checkpoint.hf.quantized import QuantizedPiece, quantize_plan, stored_entries, write_quantized
+from deepspeed_ext.checkpoint.hf.quantized import (
+    QuantizedPiece,
+    quantize_plan,
+    release_quantize_plan,
+    stored_entries,
+    write_quantized,
+)
 from deepspeed_ext.checkpoint.hf.release import like_layout, like_source
 from deepspeed_ext.checkpoint.model_config import ConfigFit, output_dtype
 from deepspeed_ext.checkpoint.source import (
@@ -83,6 +89,9 @@ def write(source: CheckpointSource, out: str | Path, options: HFOptions = HFOpti
             params += like_layout(like, params, pieces, dtype, label)
         quantized = None
         if options.quantize is not None:
+            # Into a release with power-of-two scales (DeepSeek-V4's): its own format, tensor by tensor.
+            quantized = release_quantize_plan(like, options, pieces)
+        if options.quantize is not None and quantized is None:
             # The release's own tensors the model lacks (its MTP layer) are written quantized where it had them so.
             stored_quantized = set() if like is None else {
                 name for name, stored in like.set_aside.items() if stored in like.quantized_tensors}
