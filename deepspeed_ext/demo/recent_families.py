@@ -160,11 +160,34 @@ MAXTEXT_SETTINGS: dict[str, Any] = {
         hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4, top_k_experts=2,
         moe_intermediate_size=32, vocab_size=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
         final_logit_softcapping=None),
+    # DeepSeek-V4 as MaxText scans it: two hash-routed layers (sliding-window, compressed sparse), then two cycles of
+    # a heavily compressed layer (at 128, MaxText's scanned blocks' compression: too long for the test's 12 tokens to
+    # fill a window) and a compressed sparse one (at 4: 3 entries, the indexer keeping 1); a window of 4 tokens, so
+    # the compressed entries count; 4 hyper-connection streams, 8 experts, a quarter of each head rotated.
+    "deepseek-v4": lambda head_dim: _maxtext_deepseek_v4(
+        head_dim, ["sliding_attention", "compressed_sparse_attention"] + ["heavily_compressed_attention",
+                                                                          "compressed_sparse_attention"] * 2,
+        hash_layers=2, hca_rate=128),
+    # Its heavily compressed layers at 8, which the 12 tokens fill (unscanned only: MaxText scans them at 128).
+    "deepseek-v4-hca": lambda head_dim: _maxtext_deepseek_v4(
+        head_dim, ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                   "heavily_compressed_attention"], hash_layers=1, hca_rate=8),
 }
+
+
+def _maxtext_deepseek_v4(head_dim: int, layer_types: list[str], hash_layers: int, hca_rate: int) -> dict[str, Any]:
+    return dict(num_hidden_layers=len(layer_types), layer_types=layer_types,
+                mlp_layer_types=["hash_moe"] * hash_layers + ["moe"] * (len(layer_types) - hash_layers),
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": hca_rate},
+                sliding_window=4, num_attention_heads=64 // head_dim, num_key_value_heads=1, head_dim=head_dim,
+                partial_rotary_factor=0.25, q_lora_rank=32, o_groups=2, o_lora_rank=16, index_n_heads=4,
+                index_head_dim=16, index_topk=1, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                n_shared_experts=1, vocab_size=256, rms_norm_eps=1e-6)
+
 
 #: Test variants at the MaxText sizes only: another config of a registry family (its mapping), each covering a part
 #: of the family's MaxText mapping the family's own MaxText config leaves out.
-MAXTEXT_VARIANTS = {"gemma4-e2b": "gemma4", "gemma4-moe": "gemma4"}
+MAXTEXT_VARIANTS = {"gemma4-e2b": "gemma4", "gemma4-moe": "gemma4", "deepseek-v4-hca": "deepseek-v4"}
 
 
 def recent_tiny_config(family: str, maxtext_head_dim: int | None = None) -> Any:

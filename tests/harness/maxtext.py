@@ -37,13 +37,29 @@ def hf_model(family: str, head_dim: int = 16, num_layers: int | None = None) -> 
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 param.mul_(6.0)  # peaky attention: RoPE / scaling mistakes become visible
+            elif name.endswith("self_attn.kv_norm.weight"):  # DeepSeek-V4's: its queries are unit-RMS, so its
+                param.copy_(3 + 0.3 * torch.randn(param.shape, generator=generator))  # key norm sets the peaks
             elif "norm" in name or name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4's: scales
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("position_bias") or (name.endswith("sinks") and family.startswith("deepseek-v4")):
+                # DeepSeek-V4's compressors' window biases and its sinks: zero at init; beside its peaked attention
+                # (its key norm, above) small ones would hide a misplaced one
+                param.copy_(2.0 * torch.randn(param.shape, generator=generator))
             elif name.endswith(("bias", "sinks")):  # transformers initializes these to zero: make them count
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("_hc.base", "hc_head.hc_base")):  # DeepSeek-V4's hyper-connections: zero at init,
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):  # their scales one, their projections tiny,
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+            elif name.endswith(("_hc.fn", "hc_head.hc_fn")):  # so the streams' mixes would barely move
+                param.mul_(10.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: steers the expert choice
                 buffer.copy_(0.5 * torch.randn(buffer.shape, generator=generator))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash table: zero at init, every token on expert 0 twice
+                vocab, top_k = buffer.shape
+                experts = torch.rand(vocab, model.config.n_routed_experts, generator=generator)
+                buffer.copy_(experts.argsort(dim=-1)[:, :top_k])
             elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (a buffer, 1 at init)
                 buffer.copy_(0.5 + torch.rand(buffer.shape, generator=generator))
     return model

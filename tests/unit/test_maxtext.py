@@ -77,7 +77,8 @@ def assert_round_trip(family: str, name: str, got: np.ndarray, want: np.ndarray,
     """MaxText and back is bit-exact but where the MaxText form is computed: the query kernel (and bias) of
     families that bake in 1/sqrt(D) comes back within 1 ulp, and gemma3's 1 + w norms within 1 + w's rounding.
     Returns whether it was inexact."""
-    assert got.shape == want.shape and got.dtype == np.float32, name
+    # Indices (DeepSeek-V4's hash table) come back in the buffer's int64, the rest in fp32.
+    assert got.shape == want.shape and got.dtype == (np.int64 if want.dtype.kind == "i" else np.float32), name
     if np.array_equal(got, want):
         return False
     if get_family(family).query_scaled and ".q_proj." in name:
@@ -113,7 +114,9 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers,
             get_family(family).layer_blocks(config, scan_layers)
         return
     model = hf_model(family, head_dim=8, num_layers=depth)
-    whole_cycles = {"gpt-oss": 2, "olmo3": 4, "llama4": 4, "qwen3.5-moe": 4}
+    # DeepSeek-V4 one layer deeper is transformers' default pattern, whose layers after the hash-routed ones do not
+    # start MaxText's cycle (a heavily compressed layer, then a compressed sparse one).
+    whole_cycles = {"gpt-oss": 2, "olmo3": 4, "llama4": 4, "qwen3.5-moe": 4, "deepseek-v4": 2}
     if scan_layers and family in whole_cycles and deeper:
         with pytest.raises(CheckpointError, match=f"not whole cycles of {whole_cycles[family]}.*--no-scan-layers"):
             convert(model, family, tmp_path / "out", scan_layers=True)
@@ -139,7 +142,7 @@ def test_round_trip_is_exact_but_the_scaled_query(tmp_path, family, scan_layers,
 #: Qwen3.5's fused DeltaNet projections; Qwen3-Next's nested stacks are in STREAMED, moments included), scanned in
 #: fp32; the unscanned layout where the layer blocks are not one stack; bf16 where scales round.
 MOMENT_CASES = [(family, True, "float32") for family in ("qwen2", "mixtral", "gemma3", "gpt-oss", "deepseek-v3",
-                                                          "qwen3.5-moe")] + [
+                                                          "qwen3.5-moe", "deepseek-v4")] + [
     ("gpt-oss", False, "float32"), ("deepseek-v3", False, "float32"), ("gemma3", True, "bfloat16"),
     ("mixtral", True, "bfloat16")]
 
@@ -158,8 +161,11 @@ def test_adam_moments_round_trip_for_every_family(tmp_path, family, scan_layers,
     buffers = {name: b for name, b in model.named_buffers() if name in model.state_dict()}
 
     def load(name, state="fp32"):
-        if name in buffers:  # DeepSeek's router bias: no optimizer state, zero moments
-            return buffers[name].numpy().copy() if state == "fp32" else np.zeros(buffers[name].shape, np.float32)
+        if name in buffers:  # DeepSeek's router bias (and V4's hash table): no optimizer state, zero moments
+            buffer = buffers[name].numpy()
+            return buffer.copy() if state == "fp32" else np.zeros(buffer.shape, buffer.dtype)
+        if state != "fp32" and params[name] not in optimizer.state:  # never a gradient (V4's indexer): zero moments
+            return np.zeros(params[name].shape, np.float32)
         tensor = params[name] if state == "fp32" else optimizer.state[params[name]][state]
         return tensor.detach().numpy().copy()
 
@@ -173,9 +179,11 @@ def test_adam_moments_round_trip_for_every_family(tmp_path, family, scan_layers,
     assert state.startswith("full train state") and "load_full_state_path" in state
     flat = ocp.tree.to_flat_dict(ocp.PyTreeCheckpointer().metadata(items).item_metadata.tree, sep="/")
     aux = sorted(name for name in flat if name.startswith("nnx_aux/model/"))
-    # Variables outside params also where MaxText's full-state restore reads them: DeepSeek's router bias.
-    assert aux == ([] if family != "deepseek-v3" else sorted(
-        "nnx_aux/model/" + name.split("/", 2)[2] for name in flat if name.startswith("params/MoEBiasVar/")))
+    # Variables outside params also where MaxText's full-state restore reads them: DeepSeek's router bias, V4's hash
+    # table.
+    outside = sorted("nnx_aux/model/" + name.split("/", 2)[2] for name in flat
+                     if name.startswith("params/") and not name.startswith("params/params/"))
+    assert aux == outside and bool(outside) == family.startswith("deepseek"), (aux, outside)
     if dtype == "float32":
         for name in shapes:
             for state in ("fp32", "exp_avg", "exp_avg_sq"):
@@ -195,8 +203,9 @@ def assert_fingerprints_are_what_a_read_returns(root, names, with_moments) -> No
     for tensor in source.tensors():
         for state in ("fp32", "exp_avg", "exp_avg_sq") if with_moments else ("fp32", ):
             saved = recorded.get(tensor.name, state)
-            if saved is None:  # a buffer outside the optimizer (DeepSeek's router bias): no moments written
-                assert state != "fp32" and tensor.name.endswith(".e_score_correction_bias"), (tensor.name, state)
+            if saved is None:  # a buffer outside the optimizer (DeepSeek's router bias, V4's hash table): no moments
+                assert state != "fp32" and tensor.name.endswith((".e_score_correction_bias", ".tid2eid")), (
+                    tensor.name, state)
                 continue
             found = Fingerprint.of(tensor.load(state))
             assert saved.agrees(found), (tensor.name, state, saved, found)

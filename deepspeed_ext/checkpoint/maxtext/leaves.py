@@ -63,14 +63,19 @@ class LeafArrays:
     def tree(self, leaves: list[Leaf], state: str) -> dict[str, Any]:
         """``{collection: tree}``; the moments only of the ``params`` collection (the optimizer's)."""
         # Moments stay fp32 (optax's mu_dtype defaults to MaxText's fp32 weight_dtype).
-        leaf_dtype = self.np_dtype if state == MASTER_WEIGHTS else np.dtype(np.float32)
-        return _nested(((leaf.collection, *leaf.path), self.lazy_leaf(leaf, state, leaf_dtype)) for leaf in leaves
-                       if state == MASTER_WEIGHTS or leaf.collection == PARAMS_COLLECTION)
+        moment = np.dtype(np.float32)
+        return _nested(((leaf.collection, *leaf.path),
+                        self.lazy_leaf(leaf, state, self._dtype(leaf) if state == MASTER_WEIGHTS else moment))
+                       for leaf in leaves if state == MASTER_WEIGHTS or leaf.collection == PARAMS_COLLECTION)
+
+    def _dtype(self, leaf: Leaf) -> np.dtype:
+        """The dtype ``leaf``'s weights are stored in: the checkpoint's, or fp32 for indices (exact in fp32 only)."""
+        return np.dtype(np.float32) if leaf.rule is not None and TRANSFORMS[leaf.rule.kind].integer else self.np_dtype
 
     def model_variables(self, leaves: list[Leaf]) -> dict[str, Any]:
         """The variables outside ``params`` (DeepSeek's router bias) by their path alone: where MaxText's full train
         state keeps them (``nnx_aux/model/<path>``, with every persistent variable that is not a parameter)."""
-        return _nested((leaf.path, self.lazy_leaf(leaf, MASTER_WEIGHTS, self.np_dtype)) for leaf in leaves
+        return _nested((leaf.path, self.lazy_leaf(leaf, MASTER_WEIGHTS, self._dtype(leaf))) for leaf in leaves
                        if leaf.collection != PARAMS_COLLECTION)
 
     def lazy_leaf(self, leaf: Leaf, state: str, leaf_dtype: np.dtype) -> LazyLeaf:

@@ -221,7 +221,8 @@ class MaxTextCheckpoint:
         for rule, leaf, index, part in self._sources[name]:
             if state != MASTER_WEIGHTS and rule.collection != PARAMS_COLLECTION:
                 # Outside the optimizer (DeepSeek's router bias): no moments, as a never-stepped Adam has.
-                pieces.append(np.zeros(self._hf_shape([(rule, leaf, index, part)]), np.float32))
+                pieces.append(np.zeros(self._hf_shape([(rule, leaf, index, part)]),
+                                       np.int64 if TRANSFORMS[rule.kind].integer else np.float32))
                 continue
             where = self._tree_paths.get(leaf) if state == MASTER_WEIGHTS else None
             array = self._leaf(where or (*prefix, *leaf.split("/")))
@@ -267,9 +268,11 @@ class MaxTextCheckpoint:
                     return self.optimizer_step
                 return torch.from_numpy(self.hf_tensor(name, state))
 
-            leaf = self._sources[name][0][1]
+            rule, leaf = self._sources[name][0][:2]
+            # Indices (DeepSeek-V4's hash-routing table) come back in the HF buffer's int64, whatever MaxText kept.
+            dtype = torch.int64 if TRANSFORMS[rule.kind].integer else torch_dtype(self.stored_dtypes[leaf])
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=self.info.states, loader=loader,
-                                dtype=torch_dtype(self.stored_dtypes[leaf]))
+                                dtype=dtype)
 
     def raise_if_damaged(self) -> None:
         """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where

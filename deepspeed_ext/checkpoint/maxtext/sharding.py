@@ -59,6 +59,19 @@ LOGICAL_AXES: dict[str, tuple[str | None, ...]] = {
     "wi_0": ("exp", "embed_moe", "mlp_moe"),  # routed experts (moe_block, MoeBlock_0, GptOssMlp)
     "wi_1": ("exp", "embed_moe", "mlp_moe"),
     "wo": ("exp", "mlp_moe", "embed_moe"),
+    # DeepSeek-V4: its one key/value head, grouped output projection, compressors (and the indexer's), the hash
+    # table, and the hyper-connections' small weights (whole, as MaxText keeps them).
+    "wkv/kernel": ("embed", "kv_heads", "kv_head_dim"),
+    "o_a_proj/kernel": (None, "q_heads", None),
+    "o_b_proj/kernel": (None, "embed"),
+    "kv_proj/kernel": ("embed", None),
+    "gate_proj/kernel": ("embed", None),
+    "position_bias": (None, None),
+    "indexer/q_proj/kernel": ("embed", None),
+    "tid2eid": (None, None),
+    **{name: (None, None) for name in ("pre_alpha", "post_alpha", "res_alpha", "res_beta", "hc_fn")},
+    **{name: (None, ) for name in ("pre_beta", "post_beta", "pre_alpha_scale", "post_alpha_scale", "res_alpha_scale",
+                                   "hc_base", "hc_scale")},
     "wi_0_bias": ("exp", None),
     "wi_1_bias": ("exp", None),
     "wo_bias": ("exp", None),

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from deepspeed_ext.checkpoint.families import Family
+from deepspeed_ext.checkpoint.families import Family, num_experts
 from deepspeed_ext.checkpoint.states import ADAM_STATES, MASTER_WEIGHTS
 from deepspeed_ext.errors import CheckpointError
 
@@ -106,6 +106,10 @@ class Transform:
     #: A transform of the HF tensors a rule fuses (:attr:`~deepspeed_ext.checkpoint.families.Rule.fused`, stacked
     #: on axis 0): each one's rows, so a read splits ``inverse``'s result back into them.
     fused_rows: Callable[[ModelDims], tuple[int, ...]] | None = None
+    #: The HF tensor holds indices (an int64 buffer: DeepSeek-V4's hash-routing table) that MaxText keeps in a float32
+    #: variable: stored in float32 whatever the checkpoint's dtype (bf16 holds integers only to 256), read back as
+    #: int64.
+    integer: bool = False
 
     @property
     def rearranges(self) -> bool:
@@ -303,6 +307,66 @@ def _same(x: np.ndarray, d: ModelDims, f: Family) -> np.ndarray:
     return x
 
 
+# DeepSeek-V4's hyper-connections: transformers holds one projection ``fn`` [(2 + N) * N, N * H] of the N streams (its
+# rows the N "pre" weights, the N "post" ones, then the N x N residual mix, row-major), its bias ``base`` and three
+# scales; MaxText one [N * H, out] kernel, one bias and one [1] scale per part, and an RMSNorm scale before them that
+# transformers does not have (its norm has no weight): written as ones, read back only while they are ones.
+def _hc_streams(dims: ModelDims) -> int:
+    return int(dims.config.get("hc_mult") or 4)  # transformers' default
+
+
+def _hc_rows(dims: ModelDims, part: str) -> slice:
+    streams = _hc_streams(dims)
+    return {"pre": slice(0, streams), "post": slice(streams, 2 * streams), "res": slice(2 * streams, None)}[part]
+
+
+def _hc_width(rows: int, dims: ModelDims, part: str) -> int:
+    return len(range(rows)[_hc_rows(dims, part)])
+
+
+def _hc_alpha(part: str) -> Transform:
+    return Transform(lambda x, d, f: x[_hc_rows(d, part)].T, lambda s, d: (s[1], _hc_width(s[0], d, part)),
+                     lambda x, d, f: x.T, lambda s: (s[1], s[0]), join_axis=0)
+
+
+def _hc_beta(part: str) -> Transform:
+    if part == "res":  # the N x N mix
+        return Transform(lambda x, d, f: x[_hc_rows(d, part)].reshape(_hc_streams(d), -1),
+                         lambda s, d: (_hc_streams(d), ) * 2, lambda x, d, f: x.reshape(-1), lambda s: (s[0] * s[1], ),
+                         join_axis=0)
+    return Transform(lambda x, d, f: x[_hc_rows(d, part)], lambda s, d: (_hc_width(s[0], d, part), ), _same,
+                     lambda s: s, join_axis=0)
+
+
+def _hc_scale(index: int) -> Transform:
+    return Transform(lambda x, d, f: x[index:index + 1], lambda s, d: (1, ), _same, lambda s: s, join_axis=0)
+
+
+def _unit_norm(x: np.ndarray, dims: ModelDims, family: Family) -> np.ndarray:
+    """MaxText's hyper-connection norm scale, which has no place in the HF model: nothing (no rows of ``fn``), and
+    only while it is all ones (a MaxText run trains it)."""
+    if not np.all(x == 1):
+        raise CheckpointError("a MaxText hyper-connection norm scale (mhc_norm/scale) is not 1: DeepSeek-V4's "
+                              "hyper-connections normalize without a weight, so the trained scale has no place in "
+                              "the HF model")
+    return np.zeros((0, x.shape[0]), np.float32)
+
+
+def _expert_ids(x: np.ndarray, dims: ModelDims, integer: bool) -> np.ndarray:
+    """DeepSeek-V4's hash-routing table (token id -> expert indices), checked to hold expert indices (so float32
+    holds them exactly), as MaxText's float32 variable or as the HF int64 buffer."""
+    experts = num_experts(dims.config)
+    if x.size and not (np.isfinite(x).all() and (x == np.rint(x)).all() and x.min() >= 0 and x.max() < experts):
+        raise CheckpointError(f"the hash-routing table (tid2eid) holds values that are not expert indices "
+                              f"0..{experts - 1} (from {x.min()} to {x.max()}): MaxText keeps it in float32, exact "
+                              "for those only")
+    return x.astype(np.int64) if integer else x.astype(np.float32)
+
+
+def _o_lora_rank(dims: ModelDims) -> int:
+    return int(dims.config["o_lora_rank"])
+
+
 TRANSFORMS: dict[str, Transform] = {
     "copy": Transform(_same, lambda s, d: s, _same, lambda s: s, row_axis=0),
     "linear": Transform(lambda x, d, f: x.T, lambda s, d: (s[1], s[0]), lambda x, d, f: x.T, lambda s: (s[1], s[0]),
@@ -377,6 +441,22 @@ TRANSFORMS: dict[str, Transform] = {
                               interleaved=True, row_axis=0),
     "odd_columns": Transform(lambda x, d, f: x[..., 1::2], _half_last, _same, lambda s: s, join_axis=-1,
                              interleaved=True, row_axis=0),
+    # DeepSeek-V4's grouped output projection: [groups * R, in] -> [groups, in, R] (R: o_lora_rank; a group's rows).
+    "grouped_out": Transform(lambda x, d, f: x.reshape(-1, _o_lora_rank(d), x.shape[1]).transpose(0, 2, 1),
+                             lambda s, d: (s[0] // _o_lora_rank(d), s[1], _o_lora_rank(d)),
+                             lambda x, d, f: x.transpose(0, 2, 1).reshape(-1, x.shape[1]),
+                             lambda s: (s[0] * s[2], s[1]), row_axis=0, row_unit=lambda s, d: _o_lora_rank(d)),
+    # DeepSeek-V4's hyper-connections (see _hc_rows) and its hash-routing table.
+    **{f"hc_{part}_alpha": _hc_alpha(part) for part in ("pre", "post", "res")},
+    **{f"hc_{part}_beta": _hc_beta(part) for part in ("pre", "post", "res")},
+    **{f"hc_{part}_scale": _hc_scale(index) for index, part in enumerate(("pre", "post", "res"))},
+    "hc_norm": Transform(lambda x, d, f: np.ones(x.shape[1], np.float32), lambda s, d: (s[1], ), _unit_norm,
+                         lambda s: (0, s[0]), join_axis=0, moments="hc_norm_moment"),
+    "hc_norm_moment": Transform(lambda x, d, f: np.zeros(x.shape[1], np.float32), lambda s, d: (s[1], ),
+                                lambda x, d, f: np.zeros((0, x.shape[0]), np.float32), lambda s: (0, s[0]),
+                                join_axis=0),
+    "expert_ids": Transform(lambda x, d, f: _expert_ids(x, d, False), lambda s, d: s,
+                            lambda x, d, f: _expert_ids(x, d, True), lambda s: s, row_axis=0, integer=True),
 }
 
 
