@@ -32,11 +32,8 @@ from typing import Any
 
 import torch
 
-from deepspeed_ext.checkpoint import engine_private
-from deepspeed_ext.checkpoint.engine_private.autotp_hook import around_autotp, tp_process_group
-from deepspeed_ext.checkpoint.engine_private.autotp_layers import mark_tensor_parallel
 from deepspeed_ext.module_inject.layout import TPLayout
-from deepspeed_ext.module_inject.linear_attention_tp import LAYOUT_ATTR
+from deepspeed_ext.module_inject.linear_attention_tp import cut_to_rank, even_shares, split_after_autotp
 from deepspeed_ext.module_inject.tp_collectives import (GradSummedOverTP, HiddenStatesEnterTP, OutputSummedOverTP,
                                                         from_first_rank)
 
@@ -52,18 +49,14 @@ def grouped_attention_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn
             if all(hasattr(module, attr) for attr in _ATTRIBUTES) and hasattr(module.o_a_proj, "n_groups")]
 
 
-def _even(total: int, tp_size: int) -> tuple[int, ...]:
-    return (total // tp_size, ) * tp_size
-
-
 def _layouts(layer: Any, tp_size: int) -> dict[str, TPLayout]:
     """The TP layout of each parameter the cut splits, by its name in ``layer``."""
     layouts = {}
     for name in ("q_b_proj.weight", "o_a_proj.weight", "sinks"):
         shape = tuple(layer.get_parameter(name).shape)
-        layouts[name] = TPLayout.split(shape, tp_size, 0, _even(shape[0], tp_size), "column")
+        layouts[name] = TPLayout.split(shape, tp_size, 0, even_shares(shape[0], tp_size), "column")
     out = tuple(layer.o_b_proj.weight.shape)
-    layouts["o_b_proj.weight"] = TPLayout.split(out, tp_size, 1, _even(out[1], tp_size), "row")
+    layouts["o_b_proj.weight"] = TPLayout.split(out, tp_size, 1, even_shares(out[1], tp_size), "row")
     return layouts
 
 
@@ -92,15 +85,13 @@ def split_grouped_attention(model: torch.nn.Module, tp_rank: int, tp_size: int, 
             continue
         layouts = _layouts(layer, tp_size)
         for param_name, param in layer.named_parameters():
-            param.data = from_first_rank(param.data, group)  # the ranks agree before they cut
             layout = layouts.get(param_name)
-            if layout is None:  # whole: its gradient is this rank's heads' part
-                if param.requires_grad:
-                    param.register_hook(GradSummedOverTP(group))
+            if layout is not None:
+                cut_to_rank(param, layout, tp_rank, group)
                 continue
-            param.data = layout.slice(param.data, tp_rank).clone(memory_format=torch.contiguous_format)
-            mark_tensor_parallel(param)
-            setattr(param, LAYOUT_ATTR, layout)
+            param.data = from_first_rank(param.data, group)  # whole: the ranks agree, and its gradient is this
+            if param.requires_grad:  # rank's heads' part
+                param.register_hook(GradSummedOverTP(group))
         layer.num_heads //= tp_size
         layer.num_key_value_groups = layer.num_heads  # the one key/value head, repeated for this rank's heads
         layer.o_a_proj.n_groups //= tp_size
@@ -118,13 +109,5 @@ def grouped_attention_split(warn: Callable[[str], None]) -> Any:
     """A context in which every engine whose model AutoTP shards gets its grouped-output attention layers split by
     output groups (:func:`split_grouped_attention`); the layers left whole are named in one line to ``warn``."""
 
-    def after(model: torch.nn.Module, state: Any, sharded: bool) -> None:
-        if not sharded or not grouped_attention_layers(model):
-            return
-        tp_size, tp_rank = engine_private.tp_group_info()
-        whole = split_grouped_attention(model, tp_rank, tp_size, tp_process_group())
-        if whole:
-            name, reason = next(iter(whole.items()))
-            warn(f"{len(whole)} grouped-output attention layer(s) stay whole on every TP rank, e.g. {name}: {reason}")
-
-    return around_autotp(lambda model: None, after)
+    return split_after_autotp(grouped_attention_layers, split_grouped_attention, "grouped-output attention",
+                              warn)

@@ -57,7 +57,7 @@ def _projections(layer: Any) -> tuple[str, ...]:
     return _FUSED if hasattr(layer, "in_proj_qkvz") else _SEPARATE
 
 
-def _even(total: int, tp_size: int) -> tuple[int, ...]:
+def even_shares(total: int, tp_size: int) -> tuple[int, ...]:
     return (total // tp_size, ) * tp_size
 
 
@@ -67,8 +67,8 @@ def _layouts(layer: Any, tp_size: int) -> dict[str, TPLayout]:
     layouts: dict[str, TPLayout] = {}
 
     def rows(name: str, shape: tuple[int, ...], parts: tuple[int, ...]) -> None:
-        layouts[name] = (TPLayout.split(shape, tp_size, 0, _even(shape[0], tp_size), "column") if len(parts) == 1
-                         else TPLayout.sub_params(shape, tp_size, 0, parts, [_even(p, tp_size) for p in parts]))
+        layouts[name] = (TPLayout.split(shape, tp_size, 0, even_shares(shape[0], tp_size), "column") if len(parts) == 1
+                         else TPLayout.sub_params(shape, tp_size, 0, parts, [even_shares(p, tp_size) for p in parts]))
 
     for projection in _projections(layer):
         weight = getattr(layer, projection).weight
@@ -78,7 +78,7 @@ def _layouts(layer: Any, tp_size: int) -> dict[str, TPLayout]:
     for vector in ("A_log", "dt_bias"):
         rows(vector, tuple(getattr(layer, vector).shape), (getattr(layer, vector).shape[0], ))
     out = tuple(layer.out_proj.weight.shape)
-    layouts["out_proj.weight"] = TPLayout.split(out, tp_size, 1, _even(out[1], tp_size), "row")
+    layouts["out_proj.weight"] = TPLayout.split(out, tp_size, 1, even_shares(out[1], tp_size), "row")
     return layouts
 
 
@@ -105,11 +105,7 @@ def split_linear_attention(model: torch.nn.Module, tp_rank: int, tp_size: int, g
             continue
         params = dict(layer.named_parameters())
         for param_name, layout in _layouts(layer, tp_size).items():
-            param = params[param_name]
-            full = from_first_rank(param.data, group)
-            param.data = layout.slice(full, tp_rank).clone(memory_format=torch.contiguous_format)
-            mark_tensor_parallel(param)
-            setattr(param, LAYOUT_ATTR, layout)
+            cut_to_rank(params[param_name], layout, tp_rank, group)
         for size in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"):
             setattr(layer, size, getattr(layer, size) // tp_size)
         conv = layer.conv1d
@@ -136,13 +132,32 @@ def linear_attention_split(warn: Callable[[str], None]) -> Any:
     """A context in which every engine whose model AutoTP shards gets its gated-DeltaNet layers split by heads
     (:func:`split_linear_attention`); the layers left whole are named in one line to ``warn``."""
 
+    return split_after_autotp(deltanet_layers, split_linear_attention, "linear-attention", warn)
+
+
+def cut_to_rank(param: torch.nn.Parameter, layout: TPLayout, tp_rank: int, group: Any) -> None:
+    """``param`` replaced by TP rank ``tp_rank``'s slice of ``layout`` (of the first rank's values, on which the
+    ranks agree before they cut), marked tensor-parallel for DeepSpeed and carrying its layout."""
+    full = from_first_rank(param.data, group)
+    param.data = layout.slice(full, tp_rank).clone(memory_format=torch.contiguous_format)
+    mark_tensor_parallel(param)
+    setattr(param, LAYOUT_ATTR, layout)
+
+
+def split_after_autotp(find_layers: Callable[[torch.nn.Module], list[Any]],
+                       split: Callable[[torch.nn.Module, int, int, Any], dict[str, str]], what: str,
+                       warn: Callable[[str], None]) -> Any:
+    """A context in which every engine whose model AutoTP shards and has layers ``find_layers`` finds gets them cut
+    by ``split(model, tp_rank, tp_size, group)`` right after AutoTP's pass; the layers it leaves whole (``{name:
+    why}``) are named in one line to ``warn``."""
+
     def after(model: torch.nn.Module, state: Any, sharded: bool) -> None:
-        if not sharded or not deltanet_layers(model):
+        if not sharded or not find_layers(model):
             return
         tp_size, tp_rank = engine_private.tp_group_info()
-        whole = split_linear_attention(model, tp_rank, tp_size, tp_process_group())
+        whole = split(model, tp_rank, tp_size, tp_process_group())
         if whole:
             name, reason = next(iter(whole.items()))
-            warn(f"{len(whole)} linear-attention layer(s) stay whole on every TP rank, e.g. {name}: {reason}")
+            warn(f"{len(whole)} {what} layer(s) stay whole on every TP rank, e.g. {name}: {reason}")
 
     return around_autotp(lambda model: None, after)
