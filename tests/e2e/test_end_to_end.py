@@ -147,7 +147,7 @@ def test_tp1_dp1_to_tp2_dp2(scenarios):
 
 
 # --------------------------------------------------------------- ZeRO-2
-@pytest.mark.parametrize("target_tp", [1, 3, 4])
+@pytest.mark.parametrize("target_tp", [1, 3])  # TP=4, where some ranks hold no KV head: ZeRO-1's and test_kv_heads
 def test_tp2_zero2_bf16_resumes_at_other_tp(scenarios, target_tp):
     zero2 = scenarios("tp2_zero2_bf16", tp=2, zero=2)
     if target_tp == 1:

@@ -29,14 +29,11 @@ require("jax", "the [maxtext] extra")
 
 LR, STEPS = 1e-2, 6  # the demo's DeepSpeed config: AdamW lr 1e-2 (torch's weight decay 0.01), gradient clipping 1
 
-#: (family, scanned, the TP degrees DeepSpeed resumes MaxText's run at): every family scanned and unscanned, each
-#: TP degree 1, 2 and 3 met by several families. A resume is a torchrun, so one degree per case but llama scanned's,
-#: and none for two unscanned cases: their MaxText checkpoint is still read back and checked tensor by tensor, and
-#: the universal form it gives is the one the scanned twin's resume reads.
-#: Each family once (a MaxText training run each, the suite's longest tests), the layouts alternating, so both
-#: layouts and the resume degrees TP=1, 2 and 3 are covered; the conversions themselves are checked on both layouts
-#: of every family by tests/unit/test_maxtext.py.
-CASES = [("llama", True, (1, 3)), ("qwen3", False, ()), ("mixtral", False, (3, )), ("deepseek-v3", True, (2, ))]
+#: (family, scanned, the TP degrees DeepSpeed resumes MaxText's run at). A resume is a torchrun, so one degree per
+#: case but llama scanned's. A family per kind of layer (a MaxText training run each, the suite's longest tests): dense with the pre-scaled
+#: query, MoE, MLA with its MoE; the layouts alternating, so both layouts and the resume degrees TP=1, 2 and 3 are
+#: covered; the conversions themselves are checked on both layouts of every family by tests/unit/test_maxtext.py.
+CASES = [("llama", True, (1, 3)), ("mixtral", False, (3, )), ("deepseek-v3", True, (2, ))]
 #: The loss bars: fp32 runs to 1e-4 relative; bf16 ones (both compute in bf16, in their own order) to 2e-3.
 LOSS_BAR = {"fp32": 1e-4, "bf16": 2e-3}
 

@@ -17,14 +17,22 @@ from harness.maxtext import base_family, convert, hf_model, max_kl, maxtext_logi
 KL = {"float32": 1e-4, "bfloat16": 1e-3}
 #: Every family of the registry with a MaxText mapping, and the test variants of one (deepseek-v3-yarn).
 FAMILIES = [*maxtext_family_names(), *VARIANTS]
-#: fp32 scanned and unscanned, on one device; bf16 scanned, written with --mesh fsdp=2,tensor=2 storage chunks and
-#: restored onto MaxText's own sharding of a 4-device CPU mesh (the ten families of 2025; the later ones are written
-#: with a mesh in test_recent_families_e2e.py's MaxText round trip). The test variants in fp32, scanned where MaxText
-#: scans them: DeepSeek-V3 with its own yarn RoPE and Kimi-K2 (only the MaxText settings differ), Gemma 4 as the E2B
-#: (unscanned) and the 26B are.
+#: Families whose MaxText layers are one plain stack of one decoder layer (named ``layers_<i>`` unscanned, whatever
+#: the family): llama stands for them unscanned.
+PLAIN_STACKS = ("llama3.1", "mistral", "qwen2", "qwen3", "qwen3-moe", "mixtral")
+#: bf16, written with --mesh fsdp=2,tensor=2 storage chunks and restored onto MaxText's own sharding of a 4-device
+#: CPU mesh: a family per kind of transform that bf16 rounds or the mesh splits (the pre-scaled query, gemma's 1 + w
+#: norms and scaled embedding, MLA and its MoE, interleaved experts with biases and sinks, a plain MoE). The later
+#: families are written with a mesh in test_recent_families_e2e.py's MaxText round trip.
+SHARDED_BF16 = ("llama", "gemma3", "deepseek-v3", "gpt-oss", "mixtral")
+#: fp32 scanned for every family, and unscanned for every family but the plain stacks llama stands for, on one
+#: device. The test variants in fp32, scanned where MaxText scans them: DeepSeek-V3 with its own yarn RoPE and
+#: Kimi-K2 (only the MaxText settings differ), Gemma 4 as the E2B (unscanned) and the 26B are.
 CASES = [(family, scan, dtype) for family in FAMILIES if family not in VARIANTS
          for scan, dtype in ((True, "float32"), (False, "float32"), (True, "bfloat16"))
-         if dtype == "float32" or family in ONE_BY_ONE]
+         if (dtype == "bfloat16" and family in SHARDED_BF16)
+         or (dtype == "float32" and (scan or family not in PLAIN_STACKS))]
+assert set(PLAIN_STACKS) | set(SHARDED_BF16) <= set(ONE_BY_ONE)
 
 
 def _scanned_in_maxtext(variant: str) -> bool:
