@@ -1,19 +1,20 @@
-"""What a save stalls training with ``"async_save": true``, against the synchronous save, on the 246M benchmark model
-(hidden 1024, 16 layers, 16 query / 4 KV heads, intermediate 2816, vocab 32000), TP=2, ZeRO-1, bf16, with the real
-engine (torchrun, gloo, CPU).
+"""What a save stalls training with ``"async_save"``, against the synchronous save, with either snapshot (a fork of
+the rank; host copies written by a thread), on the 246M benchmark model (hidden 1024, 16 layers, 16 query / 4 KV
+heads, intermediate 2816, vocab 32000), TP=2, ZeRO-1, bf16, with the real engine (torchrun, gloo, CPU).
 
-After two warm-up steps, ``--rounds`` paired rounds (the order of the pair alternates), each of:
+After two warm-up steps, ``--rounds`` rounds (each of the three first in turn), each of:
 
 * a synchronous save (the same engine, ``deepspeed_ext_async_save`` switched off for it): its wall time;
-* a save in the background: the time ``save_checkpoint`` blocks (the stall), then training steps until it has
-  committed: the steps taken meanwhile, their times, and the seconds from the save's return to its commit; the
-  writer's private memory (the pages training rewrote while the writer lived, which the kernel copied: the extra
-  host memory), sampled from ``/proc/<writer>/smaps_rollup``;
+* for each snapshot, a save in the background: the time ``save_checkpoint`` blocks (the stall), then training
+  steps until it has committed: the steps taken meanwhile, their times, and the seconds from the save's return to
+  its commit; the extra host memory: for the fork, the writer's private memory (the pages training rewrote while
+  the writer lived, which the kernel copied), sampled from ``/proc/<writer>/smaps_rollup``; for the copies, the
+  host buffers they are kept in (allocated once, reused by every later save);
 * as many steps with no save in flight: the steps' own time, for the steps/s ratio.
 
 Each save starts with the disk idle (``sync`` before it). Every number is the slowest rank's; medians, and the
-medians of each round's own ratios, all measured in this one run. Round 0 also checks that the two saves' files
-are byte-identical.
+medians of each round's own ratios, all measured in this one run. Round 0 also checks that each background save's
+files are the synchronous save's, byte for byte.
 
     python bench/async_save.py                  # 246M, 5 rounds
     python bench/async_save.py --rounds 9
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convert import run_rank_workers  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
+#: The snapshots a save in the background can take (deepspeed_ext.config.SNAPSHOT_CHOICES).
+SNAPSHOTS = ("fork", "copy")
 
 
 class PrivateMemory:
@@ -74,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     import deepspeed_ext
     from deepspeed_ext.demo.models import batch, ds_config, finish_distributed
     from deepspeed_ext.runtime import ASYNC_SAVE_ATTR, PENDING_ATTR
+    from deepspeed_ext.runtime.background_save import POOL_ATTR, SNAPSHOT_ATTR
 
     values = json.loads(Path(args.config).read_text())
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -107,11 +111,13 @@ def worker(args: argparse.Namespace) -> None:
     for _ in range(2):
         step()
     out = Path(args.out)
-    rows: dict[str, list[float]] = {key: [] for key in (
-        "sync_save", "async_stall", "async_commit_after", "steps_during", "step_during", "step_alone",
-        "writer_private_mib", "writer_cpu_s", "sync_cpu_s")}
+    kinds = ("sync", *SNAPSHOTS)
+    rows: dict[str, list[float]] = {"sync_save": [], "sync_cpu_s": []}
+    for snapshot in SNAPSHOTS:
+        rows.update({f"{snapshot}_{key}": [] for key in (
+            "stall", "commit_after", "steps_during", "step_during", "step_alone", "mib", "writer_cpu_s")})
     for round_ in range(args.rounds):
-        order = ["sync", "async"] if round_ % 2 == 0 else ["async", "sync"]
+        order = kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)]  # each first in turn
         for kind in order:
             idle_disk()
             if kind == "sync":
@@ -122,10 +128,12 @@ def worker(args: argparse.Namespace) -> None:
                 rows["sync_cpu_s"].append(slowest(time.process_time() - cpu, "sum"))
                 setattr(engine, ASYNC_SAVE_ATTR, True)
                 continue
-            rows["async_stall"].append(timed(lambda: engine.save_checkpoint(str(out / f"async{round_}"),
-                                                                             tag="step")))
+            setattr(engine, SNAPSHOT_ATTR, kind)
+            rows[f"{kind}_stall"].append(timed(lambda: engine.save_checkpoint(str(out / f"{kind}{round_}"),
+                                                                               tag="step")))
             returned = time.perf_counter()
-            memory = PrivateMemory(getattr(engine, PENDING_ATTR).pid)
+            pending = getattr(engine, PENDING_ATTR)
+            memory = PrivateMemory(pending.pid) if pending.pid is not None else None
             during = []
             while True:  # every rank agrees when the save is settled (the step's own collective check)
                 start = time.perf_counter()
@@ -133,17 +141,21 @@ def worker(args: argparse.Namespace) -> None:
                 during.append(slowest(time.perf_counter() - start))
                 if not hasattr(engine, PENDING_ATTR):
                     break
-            rows["async_commit_after"].append(slowest(time.perf_counter() - returned))
-            rows["writer_private_mib"].append(slowest(memory.stop() / 1024, "sum"))
-            rows["writer_cpu_s"].append(slowest(memory.cpu_s, "sum"))
-            rows["steps_during"].append(len(during))
-            rows["step_during"].append(statistics.mean(during))
+            rows[f"{kind}_commit_after"].append(slowest(time.perf_counter() - returned))
+            if memory is not None:  # the fork: the pages training rewrote while the writer lived
+                rows[f"{kind}_mib"].append(slowest(memory.stop() / 1024, "sum"))
+                rows[f"{kind}_writer_cpu_s"].append(slowest(memory.cpu_s, "sum"))
+            else:  # the copies: the host buffers the pool keeps
+                rows[f"{kind}_mib"].append(slowest(getattr(engine, POOL_ATTR).nbytes / 2**20, "sum"))
+            rows[f"{kind}_steps_during"].append(len(during))
+            rows[f"{kind}_step_during"].append(statistics.mean(during))
             alone = [timed(step) for _ in during]
-            rows["step_alone"].append(statistics.mean(alone))
+            rows[f"{kind}_step_alone"].append(statistics.mean(alone))
         if round_ == 0 and dist.get_rank() == 0:
-            rows["same_bytes"] = [_same_files(out / "sync0" / "step", out / "async0" / "step")]
+            for snapshot in SNAPSHOTS:
+                rows[f"{snapshot}_same_bytes"] = [_same_files(out / "sync0" / "step", out / f"{snapshot}0" / "step")]
         if dist.get_rank() == 0:
-            for kind in ("sync", "async"):
+            for kind in kinds:
                 shutil.rmtree(out / f"{kind}{round_}", ignore_errors=True)
         dist.barrier()
     if dist.get_rank() == 0:
@@ -179,32 +191,35 @@ def main() -> None:
         worker(args)
         return
     rows = run_rank_workers(args, __file__, "async_save")
-    median = {key: statistics.median(values) for key, values in rows.items()}
+    median = {key: statistics.median(values) for key, values in rows.items() if values}
 
     def paired(top: str, bottom: str) -> tuple[float, float, float]:
         ratios = sorted(a / b for a, b in zip(rows[top], rows[bottom], strict=True))
         return statistics.median(ratios), ratios[0], ratios[-1]
 
-    stall, stall_low, stall_high = paired("async_stall", "sync_save")
-    slower, slower_low, slower_high = paired("step_during", "step_alone")
-    print(f"\nasync_save, {args.layers}-layer Llama (hidden {args.hidden}), TP=2 ZeRO-1 bf16, {args.rounds} paired "
-          "rounds (median s, slowest rank)")
+    print(f"\nasync_save, {args.layers}-layer Llama (hidden {args.hidden}), TP=2 ZeRO-1 bf16, {args.rounds} rounds "
+          "(median s, slowest rank)")
     print(f"{'save_checkpoint, synchronous':46} {median['sync_save']:8.3f}   "
           f"(min {min(rows['sync_save']):.3f}, max {max(rows['sync_save']):.3f})")
-    print(f"{'save_checkpoint, async_save: the stall':46} {median['async_stall']:8.3f}   {stall:.1%} of the "
-          f"synchronous save (median of the rounds' own ratios; {stall_low:.1%}..{stall_high:.1%})")
-    print(f"{'  committed, after the save returned':46} {median['async_commit_after']:8.3f}   "
-          f"({median['steps_during']:.0f} training step(s) meanwhile)")
-    print(f"{'a training step, no save in flight':46} {median['step_alone']:8.3f}   "
-          f"{1 / median['step_alone']:.2f} steps/s")
-    print(f"{'a training step while the writer writes':46} {median['step_during']:8.3f}   "
-          f"{1 / median['step_during']:.2f} steps/s, {slower:.2f}x the step's time "
-          f"({slower_low:.2f}..{slower_high:.2f})")
-    print(f"{'extra host memory (writers, both ranks), MiB':46} {median['writer_private_mib']:8.0f}   "
-          f"(max {max(rows['writer_private_mib']):.0f})")
-    print(f"{'CPU s of a save, both ranks: synchronous':46} {median['sync_cpu_s']:8.3f}")
-    print(f"{'  the background writers (last sample)':46} {median['writer_cpu_s']:8.3f}")
-    print(f"{'files byte-identical to the synchronous save':46} {bool(rows['same_bytes'][0])}")
+    print(f"{'  its CPU s, both ranks':46} {median['sync_cpu_s']:8.3f}")
+    for snapshot in SNAPSHOTS:
+        stall, stall_low, stall_high = paired(f"{snapshot}_stall", "sync_save")
+        slower, slower_low, slower_high = paired(f"{snapshot}_step_during", f"{snapshot}_step_alone")
+        print(f"async_save, the {snapshot} snapshot")
+        print(f"{'  save_checkpoint: the stall':46} {median[f'{snapshot}_stall']:8.3f}   {stall:.1%} of the "
+              f"synchronous save (median of the rounds' own ratios; {stall_low:.1%}..{stall_high:.1%})")
+        print(f"{'  committed, after the save returned':46} {median[f'{snapshot}_commit_after']:8.3f}   "
+              f"({median[f'{snapshot}_steps_during']:.0f} training step(s) meanwhile)")
+        print(f"{'  a training step, no save in flight':46} {median[f'{snapshot}_step_alone']:8.3f}")
+        print(f"{'  a training step while the writer writes':46} {median[f'{snapshot}_step_during']:8.3f}   "
+              f"{slower:.2f}x the step's time ({slower_low:.2f}..{slower_high:.2f})")
+        what = "pages copied for the forked writers" if snapshot == "fork" else "the host buffers (pool)"
+        print(f"{'  extra host memory, both ranks, MiB':46} {median[f'{snapshot}_mib']:8.0f}   ({what}; max "
+              f"{max(rows[f'{snapshot}_mib']):.0f})")
+        if rows[f"{snapshot}_writer_cpu_s"]:
+            print(f"{'  CPU s of the forked writers (last sample)':46} "
+                  f"{statistics.median(rows[f'{snapshot}_writer_cpu_s']):8.3f}")
+        print(f"{'  files byte-identical to the synchronous save':46} {bool(rows[f'{snapshot}_same_bytes'][0])}")
     print(json.dumps({"median_s": median, "rounds": rows}))
 
 

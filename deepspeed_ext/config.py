@@ -13,7 +13,9 @@ deepspeed-ext::
                                   # "error" (a mismatch raises), "warn" (it is logged), "off"
       },
       "async_save": false         # save_checkpoint returns once the state is snapshotted; the files, the commit
-                                  # and 'latest' are written in the background (docs/reliability.md)
+                                  # and 'latest' are written in the background (docs/reliability.md). Or an
+                                  # object: {"snapshot": "fork" | "copy"}: how the state is snapshotted (true:
+                                  # a fork on a CPU engine, host copies on an accelerator)
     }
 """
 
@@ -28,6 +30,9 @@ from collections.abc import Mapping
 SECTION = "deepspeed_ext"
 RESTORE_CHOICES = ("deepspeed_ext", "deepspeed")
 FINGERPRINT_CHOICES = ("error", "warn", "off")
+#: How a save in the background takes its snapshot: a fork of the rank (CPU engines), or host copies written by a
+#: thread (any engine). None: the default for the engine's device (deepspeed_ext.runtime.background_save).
+SNAPSHOT_CHOICES = ("fork", "copy")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class UniversalCheckpointConfig:
 class ExtConfig:
     universal_checkpoint: UniversalCheckpointConfig = field(default_factory=UniversalCheckpointConfig)
     async_save: bool = False
+    async_snapshot: str | None = None
 
     @property
     def hooks_engine(self) -> bool:
@@ -54,9 +60,17 @@ class ExtConfig:
         if not isinstance(section, Mapping):
             raise ValueError(f"DeepSpeed config: '{SECTION}' must be an object")
         _reject_unknown(section, {"universal_checkpoint", "async_save"}, SECTION)
-        async_save = section.get("async_save", False)
+        async_save, snapshot = section.get("async_save", False), None
+        if isinstance(async_save, Mapping):
+            _reject_unknown(async_save, {"enabled", "snapshot"}, f"{SECTION}.async_save")
+            snapshot = async_save.get("snapshot")
+            if snapshot is not None and snapshot not in SNAPSHOT_CHOICES:
+                raise ValueError(f"DeepSpeed config: '{SECTION}.async_save.snapshot' must be one of "
+                                 f"{SNAPSHOT_CHOICES}, got {snapshot!r}")
+            async_save = async_save.get("enabled", True)
         if not isinstance(async_save, bool):
-            raise ValueError(f"DeepSpeed config: '{SECTION}.async_save' must be true or false")
+            raise ValueError(f"DeepSpeed config: '{SECTION}.async_save' must be true, false or an object "
+                             f"({{\"snapshot\": \"fork\" | \"copy\"}})")
         uc = section.get("universal_checkpoint") or {}
         if not isinstance(uc, Mapping):
             raise ValueError(f"DeepSpeed config: '{SECTION}.universal_checkpoint' must be an object")
@@ -74,7 +88,7 @@ class ExtConfig:
                              f"{FINGERPRINT_CHOICES}, got {fingerprints!r}")
         return cls(universal_checkpoint=UniversalCheckpointConfig(enabled=enabled, restore=restore,
                                                                   fingerprints=fingerprints),
-                   async_save=async_save)
+                   async_save=async_save, async_snapshot=snapshot)
 
 
 def _reject_unknown(section: Mapping[str, Any], allowed: set[str], where: str) -> None:

@@ -1,10 +1,12 @@
-"""Saves written in the background: a forked writer per rank, and how the ranks' writers agree on the commit.
+"""Saves written in the background: a writer per rank, and how the ranks' writers agree on the commit.
 
-``engine.save_checkpoint`` with ``"async_save": true`` forks this rank once DeepSpeed has handed over what each
-file holds. The fork *is* the snapshot: the child sees the training state as it was at that instant, whatever the
-parent does next (the kernel copies a page only when one of them writes it), so the parent returns after the fork
-(milliseconds) and trains on while the child writes, fsyncs and commits. Nothing in the child is collective, and
-it uses none of the parent's threads or communicators; the ranks' writers agree through small files in the save's
+``engine.save_checkpoint`` with ``"async_save": true`` hands what each file holds to a writer. By default on a CPU
+engine the writer is a fork of the rank (:func:`start`): the fork *is* the snapshot: the child sees the training
+state as it was at that instant, whatever the parent does next (the kernel copies a page only when one of them
+writes it), so the parent returns after the fork (milliseconds) and trains on while the child writes, fsyncs and
+commits. With the copy snapshot (:mod:`.snapshot`; the only way on an accelerator) the writer is a thread
+(:class:`WriterThread`) that writes from host copies of the state. Nothing in a writer is collective, and it uses
+none of the training process's communicators; the ranks' writers agree through small files in the save's
 staging directory (``<staging>/.ranks/``):
 
 * each writer, once its files are durable, leaves ``<rank>.ok`` (holding what the commit needs from it: its
@@ -14,7 +16,7 @@ staging directory (``<staging>/.ranks/``):
 * the coordinating rank's writer waits for every rank's word, and commits only when all of them are ``ok``:
   the commit marker last, one rename, then ``latest`` (:func:`.commit.commit`, safe to kill at any instant).
 
-Each writer ends with one line of JSON to its parent through a pipe (``{"ok": ..., "message": ...}``): for the
+A forked writer ends with one line of JSON to its parent through a pipe (``{"ok": ..., "message": ...}``): for the
 coordinator, whether the save was committed. The parent reads it when the writer has exited
 (:meth:`BackgroundSave.poll` / :meth:`BackgroundSave.wait`). A writer dies with its training process
 (``PR_SET_PDEATHSIG``): a killed job leaves the save uncommitted, never half-committed.
@@ -168,7 +170,7 @@ class ReleasedPages:
 
 
 class BackgroundSave:
-    """The parent's handle on one rank's writer (:func:`start`)."""
+    """The parent's handle on one rank's forked writer (:func:`start`)."""
 
     def __init__(self, pid: int, result_fd: int, *, tag: str, save_dir: str, staging: Path, rank: int,
                  coordinator: bool):
@@ -178,6 +180,9 @@ class BackgroundSave:
         self.outcome: Outcome | None = None
         #: What to run once the save is known to be committed (on this rank), e.g. a trainer's deferred rotation.
         self.after_commit: list[Callable[[], None]] = []
+
+    def order_next_step(self) -> None:
+        """Nothing to order: the fork is the snapshot."""
 
     def poll(self) -> Outcome | None:
         """The writer's outcome if it has exited (reaped here), else None."""
@@ -248,6 +253,65 @@ def start(work: Callable[[], str | None], *, tag: str, save_dir: str, staging: P
     os.close(write_fd)
     return BackgroundSave(pid, read_fd, tag=tag, save_dir=save_dir, staging=staging, rank=rank,
                           coordinator=coordinator)
+
+
+class WriterThread:
+    """A writer on a thread of the training process (the copy snapshot: :mod:`.snapshot`), with the handle a
+    forked writer's :class:`BackgroundSave` has. Its ``work`` is given ``stopped``, which says whether
+    :meth:`kill` asked it to give up (checked between the blocks it writes and before it commits); it dies with the
+    process, as a forked writer dies with its parent."""
+
+    pid = None  # no process of its own
+
+    def __init__(self, work: Callable[[Callable[[], bool]], None], *, tag: str, save_dir: str, staging: Path,
+                 rank: int, coordinator: bool, order_next_step: Callable[[], None] | None = None):
+        import threading
+        self.tag, self.save_dir, self.staging, self.rank, self.coordinator = tag, save_dir, staging, rank, coordinator
+        self.started = time.monotonic()
+        self.outcome: Outcome | None = None
+        self.after_commit: list[Callable[[], None]] = []
+        self._order_next_step = order_next_step
+        self._stop = threading.Event()
+        self._result: Outcome | None = None
+        # Not a daemon: a script that returns while its save is written keeps the process until it is committed
+        # (the exit also waits for it: deepspeed_ext.runtime.background_save.wait_at_exit).
+        self._thread = threading.Thread(target=self._main, args=(work, ), name=f"deepspeed-ext-save-{tag}")
+        self._thread.start()
+
+    def _main(self, work: Callable[[Callable[[], bool]], None]) -> None:
+        self._result = _run(lambda: work(self._stop.is_set))
+
+    def order_next_step(self) -> None:
+        """Before the next training step: its kernels queued behind the snapshot's device copies."""
+        if self._order_next_step is not None and self.outcome is None:
+            self._order_next_step()
+
+    def ended(self) -> bool:
+        """Whether the thread has ended (its outcome not yet taken: :meth:`poll` takes it)."""
+        return not self._thread.is_alive()
+
+    def poll(self) -> Outcome | None:
+        if self.outcome is None and not self._thread.is_alive():
+            self._finish()
+        return self.outcome
+
+    def wait(self) -> Outcome:
+        if self.outcome is None:
+            self._thread.join()
+            self._finish()
+        assert self.outcome is not None
+        return self.outcome
+
+    def kill(self) -> None:
+        """Ask the writer to give up (it stops before its next block, or before the commit) and wait for it."""
+        if self.outcome is None:
+            self._stop.set()
+            self.wait()
+
+    def _finish(self) -> None:
+        self.outcome = self._result or Outcome(False, "the background writer ended without saying how")
+        if not self.outcome.ok:
+            mark_failed(self.staging, self.rank)
 
 
 def _run(work: Callable[[], str | None]) -> Outcome:

@@ -8,6 +8,7 @@ their comparison are :mod:`~deepspeed_ext.checkpoint.fingerprint`'s.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,12 @@ class SumsPlan:
         self._states = states
         self._with_moments = with_moments
         self._stage, self._stages = engine_private.pipeline_stage(engine)
+
+    def point_at(self, copy_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Sum copies instead of the live tensors (a save's snapshot: ``copy_of`` gives each tensor's copy), so that
+        training may go on while the sums are taken. Called before any sum is."""
+        self.pending = {key: copy_of(tensor) for key, tensor in self.pending.items()}
+        self._buffers = [(name, copy_of(buffer)) for name, buffer in self._buffers]
 
     def regions(self, address: int, nbytes: int) -> list[Any]:
         """The pending states that lie whole in ``nbytes`` of memory at ``address`` (a storage being written),

@@ -212,13 +212,14 @@ def ds_config(*,
               ep: int = 0,
               optimizer: str = "adam",
               warmup_steps: int = 0,
-              async_save: bool = False,
+              async_save: bool | str = False,
               gradient_clipping: float | None = 1.0) -> dict[str, Any]:
     """A DeepSpeed config as a user has it, plus the one ``deepspeed_ext`` section (``restore`` and
     ``fingerprints``: its settings, see :mod:`deepspeed_ext.config`). ``ep``: train an MoE family with DeepSpeed
     AutoEP at that expert-parallel degree (0: AutoEP off). ``optimizer``: one of :data:`OPTIMIZERS`.
     ``warmup_steps``: DeepSpeed's WarmupLR, linear from 0 to ``lr`` over that many steps (0: a constant rate).
-    ``async_save``: saves written in the background (the section's ``async_save``). ``gradient_clipping``: None
+    ``async_save``: saves written in the background (the section's ``async_save``; "fork" or "copy": that
+    snapshot). ``gradient_clipping``: None
     leaves it out of the config (DeepSpeed then applies its own default)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (dp * grad_accum),
@@ -244,7 +245,8 @@ def ds_config(*,
         config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True, "restore": restore,
                                                             "fingerprints": fingerprints}}
         if async_save:
-            config["deepspeed_ext"]["async_save"] = True
+            config["deepspeed_ext"]["async_save"] = \
+                {"snapshot": async_save} if isinstance(async_save, str) else True
     if load_universal:
         config["checkpoint"] = {"load_universal": True}
     if warmup_steps:

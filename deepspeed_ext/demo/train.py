@@ -60,8 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true",
                    help="deepspeed.initialize without our config section (saves only upstream's tags; "
                    "--load-dir then restores through upstream DeepSpeed)")
-    p.add_argument("--async-save", action="store_true",
-                   help="save in the background (\"async_save\": true); the run waits for its last save at the end")
+    p.add_argument("--async-save", nargs="?", const=True, default=False, choices=[True, "fork", "copy"],
+                   help="save in the background (\"async_save\": true, or {\"snapshot\": fork|copy}); the run waits "
+                   "for its last save at the end")
     p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression "
                    "(requires_grad=False: trained by no optimizer, as a LoRA model's base or a frozen embedding)")
     p.add_argument("--lora", type=int, default=0, help="train peft LoRA adapters of this rank instead of the whole "
@@ -188,9 +189,9 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
         engine.save_checkpoint(args.save_dir)
     while engine.global_steps < args.steps:
         step = engine.global_steps + 1
-        value = torch.zeros(())
+        value = torch.zeros((), device=engine.device)  # on the engine's device: NCCL reduces device tensors
         for micro in range(args.grad_accum):
-            tokens = batch(step, dp_rank, dp_size, micro, args.grad_accum)
+            tokens = batch(step, dp_rank, dp_size, micro, args.grad_accum).to(engine.device)
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()

@@ -4,6 +4,7 @@ the next step, at ``destroy``, at ``load_checkpoint``, at the process's exit).""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -49,30 +50,43 @@ PENDING_SAVES: list[Any] = []
 BACKGROUND_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def can_save_in_background(engine: Any) -> bool:
-    """Where ``async_save`` is honoured: a CPU engine (the fork is the snapshot; an accelerator's memory is not
-    the host's, and a forked child cannot use the accelerator) whose checkpoint engine writes when asked (not
-    DeepSpeed's decoupled one, which commits on its own). Elsewhere the save stays synchronous, with a warning."""
+#: How the engine's saves in the background take their snapshot: "fork" or "copy" (:func:`background_snapshot`).
+SNAPSHOT_ATTR = "deepspeed_ext_async_snapshot"
+
+#: The host buffers of the engine's copy snapshots (:class:`~deepspeed_ext.checkpoint.snapshot.HostPool`), kept from
+#: one save to the next.
+POOL_ATTR = "deepspeed_ext_snapshot_pool"
+
+
+def background_snapshot(engine: Any, asked: str | None) -> str | None:
+    """How ``async_save`` snapshots this engine's state: ``asked`` ("fork" or "copy", from the config) or, left
+    out, a fork on a CPU engine (the faster of the two there: docs/performance.md) and host copies on an
+    accelerator. None where the save stays synchronous (with a warning): DeepSpeed's decoupled checkpoint engine
+    (it writes in the background already), a fork asked for on an accelerator or where the platform cannot fork."""
+    on_cpu = device_type(getattr(engine, "device", None)) == "cpu"
+    snapshot = asked or ("fork" if on_cpu and hasattr(os, "fork") else "copy")
     reason = None
-    if not hasattr(os, "fork"):
-        reason = "this platform cannot fork"
-    elif device_type(getattr(engine, "device", None)) != "cpu":
-        reason = "the engine runs on an accelerator (only CPU engines save in the background so far)"
-    elif engine_private.saves_in_background(engine):
+    if engine_private.saves_in_background(engine):
         reason = "DeepSpeed's decoupled checkpoint engine writes in the background already"
-    if reason is not None and engine.global_rank == 0:
-        logger.warning("async_save: saving synchronously: %s", reason)
-    return reason is None
+    elif snapshot == "fork" and not hasattr(os, "fork"):
+        reason = 'this platform cannot fork (use "async_save": {"snapshot": "copy"})'
+    elif snapshot == "fork" and not on_cpu:
+        reason = ('a fork cannot snapshot an accelerator\'s memory (the engine runs on '
+                  f'{device_type(engine.device)}: use "async_save": {{"snapshot": "copy"}})')
+    if reason is not None:
+        if engine.global_rank == 0:
+            logger.warning("async_save: saving synchronously: %s", reason)
+        return None
+    return snapshot
 
 
 def save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: Any, call: Any, save_dir: str,
                         tag: str, save_latest: bool, coordinator: bool) -> Any:
     """DeepSpeed's ``save_checkpoint`` with each file it writes (and its copy of the recovery scripts) handed
-    over instead of written; then a fork per rank (:mod:`~deepspeed_ext.checkpoint.background`) writes them from
-    the state as it was, and the coordinator's writer commits once every rank's files are durable. Returns as
-    soon as every rank has forked."""
-    from deepspeed_ext.checkpoint import background, commit, faults
-    from deepspeed_ext.checkpoint.engine_fingerprints import LocalSums
+    over instead of written; then a writer per rank (:mod:`~deepspeed_ext.checkpoint.background`) writes them from
+    the state as it was (a fork of the rank, or host copies written by a thread), and the coordinator's writer
+    commits once every rank's files are durable. Returns as soon as every rank's writer has started."""
+    from deepspeed_ext.checkpoint import background, commit
     files: list[tuple[Any, Any, str]] = []
     copies: list[tuple[Any, str]] = []
 
@@ -90,51 +104,31 @@ def save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: A
             engine_private.recovery_scripts_copied_by(engine, hand_over_copy):
         result = original(*call.args, **call.kwargs)
     staging = commit.staging_root(save_dir, tag)
-    rank, fuse, details = engine.global_rank, can_fuse(engine), commit_details(engine)
-    together = _ranks_committed_together(engine)
-
-    def write_and_commit() -> None:  # in the forked writer: the state as it was at the fork
-        torch.set_num_threads(1)  # the parent's OpenMP threads do not exist here
-        background.note_writer(staging, rank)
-        failures: list[str] = []
-        local = None
+    job = _WriteJob(engine, info, fingerprints, copies, staging, engine.global_rank, coordinator,
+                    _ranks_committed_together(engine), save_dir, tag, commit_details(engine), save_latest)
+    problem, pending = None, None
+    if getattr(engine, SNAPSHOT_ATTR, "fork") == "copy":
         try:
+            pending = _start_copy_writer(engine, job, files)
+        except Exception as exc:  # no host memory for the copies, a state that cannot be copied
+            problem = f"cannot snapshot the state for the background writer: {first_line(exc)}"
+    else:
+        fuse = can_fuse(engine)
+
+        def write_and_commit() -> None:  # in the forked writer: the state as it was at the fork
+            torch.set_num_threads(1)  # the parent's OpenMP threads do not exist here
             plan = None
             if fingerprints != "off" and fuse:
                 from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
                 plan = SumsPlan(engine)
             releases = _released_once_written(files, plan) if fuse else [None] * len(files)
-            for (own, state, path), written in zip(files, releases, strict=True):
-                guarded_save(own, plan, failures, fuse, state, path, written=written)
-            for own, path in copies:
-                guarded_copy(own, failures, path)
-            faults.reached("files-written")
-            if not failures and fingerprints != "off":
-                local = plan.finish() if plan is not None else local_sums(engine)
-        except Exception as exc:
-            failures.append(first_line(exc))
-        background.report_rank(staging, rank, failures[0] if failures else None,
-                               {"sums": None if local is None else local.to_json()})
-        if failures:
-            raise background.BackgroundFailure(failures[0])
-        if not coordinator:
-            return
-        words = background.wait_for_ranks(staging, together)
-        if fingerprints != "off":
-            from deepspeed_ext.checkpoint.engine_fingerprints import combine_local_sums
-            info.fingerprints = recorded_fingerprints(engine, *combine_local_sums(
-                [LocalSums.from_json(words[each]["sums"]) for each in sorted(words)]))
-        try:
-            commit_save(engine, info, save_dir, tag, details, save_latest)
-        except (OSError, DeepSpeedExtError) as exc:
-            raise background.BackgroundFailure(f"committing {tag}: {first_line(exc)}") from exc
+            job.run(files, plan, fuse, releases, lambda: False)
 
-    problem, pending = None, None
-    try:
-        pending = background.start(write_and_commit, tag=tag, save_dir=save_dir, staging=staging, rank=rank,
-                                   coordinator=coordinator)
-    except OSError as exc:  # no memory or no process left to fork
-        problem = f"cannot start the background writer: {exc}"
+        try:
+            pending = background.start(write_and_commit, tag=tag, save_dir=save_dir, staging=staging,
+                                       rank=engine.global_rank, coordinator=coordinator)
+        except OSError as exc:  # no memory or no process left to fork
+            problem = f"cannot start the background writer: {exc}"
     files.clear()  # the writer holds them now; the parent lets go of DeepSpeed's temporaries
     try:
         raise_if_any_rank_failed(problem, tag, save_dir, discard=coordinator)
@@ -145,6 +139,106 @@ def save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: A
     setattr(engine, PENDING_ATTR, pending)
     PENDING_SAVES.append(pending)
     return result
+
+
+def _start_copy_writer(engine: Any, job: _WriteJob, files: list[tuple[Any, Any, str]]) -> Any:
+    """The copy snapshot (:mod:`~deepspeed_ext.checkpoint.snapshot`) of ``files``, and a thread that writes and
+    commits it. The fingerprints' plan is made from the live engine first, then pointed at the copies."""
+    from deepspeed_ext.checkpoint import background, snapshot, zipsave
+    pool = getattr(engine, POOL_ATTR, None)
+    if pool is None:
+        pool = snapshot.HostPool()
+        setattr(engine, POOL_ATTR, pool)
+    plan = None
+    if job.fingerprints != "off":
+        from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
+        plan = SumsPlan(engine)
+    taken = snapshot.take([state for _, state, _ in files], pool,
+                          also=(lambda copied: plan.point_at(copied.view_of)) if plan is not None else None)
+    copied = [(own, state, path) for (own, _, path), state in zip(files, taken.states, strict=True)]
+    # The copies are host tensors: zipsave writes them wherever DeepSpeed's own engine writes torch's zip files.
+    fuse = engine_private.writes_torch_zip_files(engine) and zipsave.supported()
+
+    def write_and_commit(stopped: Callable[[], bool]) -> None:
+        try:
+            taken.wait()
+            job.run(copied, plan, fuse, [_StopBetweenBlocks(stopped)] * len(copied), stopped)
+        finally:
+            copied.clear()
+            taken.release()
+
+    return background.WriterThread(write_and_commit, tag=job.tag, save_dir=job.save_dir, staging=job.staging,
+                                   rank=job.rank, coordinator=job.coordinator, order_next_step=taken.order_after)
+
+
+class _StopBetweenBlocks:
+    """zipsave's ``written``: raises once the writer was asked to stop (the file is then removed)."""
+
+    def __init__(self, stopped: Callable[[], bool]):
+        self._stopped = stopped
+
+    def __call__(self, address: int, nbytes: int) -> None:
+        from deepspeed_ext.checkpoint import background
+        if self._stopped():
+            raise background.BackgroundFailure("stopped")
+
+
+@dataclasses.dataclass
+class _WriteJob:
+    """What a rank's background writer writes and commits, whichever the snapshot."""
+
+    engine: Any
+    info: UCInfo
+    fingerprints: str
+    copies: list[tuple[Any, str]]
+    staging: Path
+    rank: int
+    coordinator: bool
+    together: int
+    save_dir: str
+    tag: str
+    details: dict[str, Any]
+    save_latest: bool
+
+    def run(self, files: list[tuple[Any, Any, str]], plan: Any, fuse: bool, releases: list[Any],
+            stopped: Callable[[], bool]) -> None:
+        """Write this rank's files (``plan``: the fingerprints' sums, from zipsave's blocks where ``fuse``), say
+        how it went, and, on the coordinator, wait for every rank's word and commit; raises the failure."""
+        from deepspeed_ext.checkpoint import background, faults
+        from deepspeed_ext.checkpoint.engine_fingerprints import LocalSums
+        background.note_writer(self.staging, self.rank)
+        failures: list[str] = []
+        local = None
+        try:
+            for (own, state, path), written in zip(files, releases, strict=True):
+                if stopped():
+                    raise background.BackgroundFailure("stopped")
+                guarded_save(own, plan, failures, fuse, state, path, written=written)
+            for own, path in self.copies:
+                guarded_copy(own, failures, path)
+            faults.reached("files-written")
+            if not failures and self.fingerprints != "off":
+                local = plan.finish() if plan is not None else local_sums(self.engine)
+        except Exception as exc:
+            failures.append(first_line(exc))
+        background.report_rank(self.staging, self.rank, failures[0] if failures else None,
+                               {"sums": None if local is None else local.to_json()})
+        if failures:
+            raise background.BackgroundFailure(failures[0])
+        if not self.coordinator:
+            return
+        words = background.wait_for_ranks(self.staging, self.together,
+                                          stop=lambda: "stopped" if stopped() else None)
+        if self.fingerprints != "off":
+            from deepspeed_ext.checkpoint.engine_fingerprints import combine_local_sums
+            self.info.fingerprints = recorded_fingerprints(self.engine, *combine_local_sums(
+                [LocalSums.from_json(words[each]["sums"]) for each in sorted(words)]))
+        if stopped():
+            raise background.BackgroundFailure("stopped")
+        try:
+            commit_save(self.engine, self.info, self.save_dir, self.tag, self.details, self.save_latest)
+        except (OSError, DeepSpeedExtError) as exc:
+            raise background.BackgroundFailure(f"committing {self.tag}: {first_line(exc)}") from exc
 
 
 def _released_once_written(files: list[tuple[Any, Any, str]], plan: Any) -> list[Any]:
@@ -249,6 +343,9 @@ def _reporting(engine: Any, block: bool, own: Any) -> Any:
     """``own`` (an engine's step or destroy), after asking how its save in the background went."""
     def reporting(*args: Any, **kwargs: Any) -> Any:
         settle_background_save(engine, block=block)
+        pending = getattr(engine, PENDING_ATTR, None)
+        if pending is not None:
+            pending.order_next_step()  # the step's kernels after the snapshot's device copies
         return own(*args, **kwargs)
     return reporting
 

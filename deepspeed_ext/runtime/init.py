@@ -25,7 +25,7 @@ from deepspeed_ext.module_inject.grouped_attention_tp import grouped_attention_s
 from deepspeed_ext.module_inject.linear_attention_tp import linear_attention_split
 from deepspeed_ext.module_inject.autotp import name_patterns, tag_autotp_model, unsharded_weights
 from deepspeed_ext.runtime import integrations
-from deepspeed_ext.runtime.background_save import can_save_in_background, wait_at_exit
+from deepspeed_ext.runtime.background_save import background_snapshot, wait_at_exit
 from deepspeed_ext.runtime.integrations import WRAPPED_ATTR
 from deepspeed_ext.runtime.load import hook_load
 from deepspeed_ext.runtime.log import logger
@@ -203,7 +203,7 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
                        "split them, or the layer cannot be split); checkpoints hold them as replicated: %s",
                        len(matrices), ", ".join(name_patterns(matrices)))
     hook_save(engine, info, ext.universal_checkpoint.fingerprints,
-               in_background=ext.async_save and can_save_in_background(engine))
+               snapshot=background_snapshot(engine, ext.async_snapshot) if ext.async_save else None)
     hook_load(engine, reshard=ext.universal_checkpoint.restore == "deepspeed_ext",
                fingerprints=ext.universal_checkpoint.fingerprints)
     wait_at_exit()

@@ -13,6 +13,7 @@ from deepspeed_ext.errors import DeepSpeedExtError
 from deepspeed_ext.runtime.background_save import (
     ASYNC_SAVE_ATTR,
     PENDING_ATTR,
+    SNAPSHOT_ATTR,
     hook_steps_to_report_background_saves,
     save_in_background,
     settle_background_save,
@@ -29,7 +30,7 @@ from deepspeed_ext.runtime.save_steps import (
 )
 
 
-def hook_save(engine: Any, info: UCInfo, fingerprints: str, in_background: bool = False) -> None:
+def hook_save(engine: Any, info: UCInfo, fingerprints: str, snapshot: str | None = None) -> None:
     """``save_checkpoint`` that writes our UC info (layouts, model config, fingerprints) into the tag and commits
     the tag with a marker (:mod:`deepspeed_ext.checkpoint.commit`).
 
@@ -48,12 +49,13 @@ def hook_save(engine: Any, info: UCInfo, fingerprints: str, in_background: bool 
     sums run first, the UC info is written before DeepSpeed's files, and the tag gets no marker (it is read as a
     checkpoint not saved by deepspeed-ext: docs/reliability.md).
 
-    With ``in_background`` (``"async_save": true``) the files, the fingerprints, the marker and ``latest`` are
-    written by a forked writer per rank (:func:`save_in_background`)."""
+    With a ``snapshot`` (``"async_save"``: "fork" or "copy") the files, the fingerprints, the marker and ``latest``
+    are written by a writer per rank in the background (:func:`save_in_background`)."""
     engine_private.wrap_engine_method(engine, "save_checkpoint",
                                       lambda original: _committing_save(engine, info, fingerprints, original))
-    setattr(engine, ASYNC_SAVE_ATTR, in_background)
-    if in_background:
+    setattr(engine, ASYNC_SAVE_ATTR, snapshot is not None)
+    setattr(engine, SNAPSHOT_ATTR, snapshot or "fork")
+    if snapshot is not None:
         hook_steps_to_report_background_saves(engine)
 
 

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                "checkpoint.output", "checkpoint.ranges", "checkpoint.orbax_private", "checkpoint.zarr3_shards",
                "checkpoint.families",
                "checkpoint.families.*", "checkpoint.commit", "checkpoint.zipsave", "checkpoint.locate",
-               "checkpoint.metadata", "checkpoint.background", "checkpoint.adapters"]),
+               "checkpoint.metadata", "checkpoint.background", "checkpoint.snapshot", "checkpoint.adapters"]),
     ("stream", ["checkpoint.tensor", "checkpoint.source", "checkpoint.model_config", "checkpoint.expert_names",
                 "checkpoint.quantization", "checkpoint.multimodal", "checkpoint.writing",
                 "checkpoint.transformers_private", "checkpoint.adapter_merge"]),

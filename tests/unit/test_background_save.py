@@ -128,11 +128,49 @@ def test_faults_act_per_tag_and_rank(monkeypatch):
     assert time.monotonic() - started >= 0.2
 
 
-def test_async_save_is_a_boolean_of_the_section_and_hooks_the_engine_on_its_own():
-    assert ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": True}}).hooks_engine
+def test_async_save_is_a_boolean_or_names_its_snapshot_and_hooks_the_engine_on_its_own():
+    plain = ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": True}})
+    assert plain.hooks_engine and plain.async_snapshot is None  # the engine's device decides
     assert not ExtConfig.from_ds_config({"deepspeed_ext": {}}).hooks_engine
-    with pytest.raises(ValueError, match="async_save' must be true or false"):
+    copying = ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": {"snapshot": "copy"}}})
+    assert copying.async_save and copying.async_snapshot == "copy"
+    off = ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": {"enabled": False, "snapshot": "fork"}}})
+    assert not off.async_save and not off.hooks_engine
+    with pytest.raises(ValueError, match="async_save' must be true, false or an object"):
         ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": "yes"}})
+    with pytest.raises(ValueError, match="async_save.snapshot' must be one of"):
+        ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": {"snapshot": "pinned"}}})
+    with pytest.raises(ValueError, match="unknown key"):
+        ExtConfig.from_ds_config({"deepspeed_ext": {"async_save": {"snapshots": "copy"}}})
+
+
+def test_a_writer_thread_reports_like_a_fork_and_stops_when_killed(tmp_path):
+    """The copy snapshot's writer (a thread): the same outcomes as a forked writer's, a failure leaves the rank's
+    word for the coordinator, and kill() makes a writer that checks ``stopped`` give up."""
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    done = background.WriterThread(lambda stopped: None, tag="t", save_dir=str(tmp_path), staging=staging, rank=0,
+                                   coordinator=True)
+    assert done.wait() == background.Outcome(True)
+
+    def fail(stopped) -> None:
+        raise background.BackgroundFailure("disk.pt: No space left on device")
+
+    failed = background.WriterThread(fail, tag="t", save_dir=str(tmp_path), staging=staging, rank=2,
+                                     coordinator=False)
+    assert failed.wait() == background.Outcome(False, "disk.pt: No space left on device")
+    assert (background.ranks_dir(staging) / "2.failed").exists()
+
+    def waits(stopped) -> None:
+        while not stopped():
+            time.sleep(0.01)
+        raise background.BackgroundFailure("stopped")
+
+    waiting = background.WriterThread(waits, tag="t", save_dir=str(tmp_path), staging=staging, rank=3,
+                                      coordinator=False)
+    assert waiting.poll() is None
+    waiting.kill()
+    assert waiting.outcome == background.Outcome(False, "stopped")
 
 
 def test_nothing_here_imports_torch_or_deepspeed():

@@ -32,7 +32,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", help="a checkpoint-N directory, or 'latest' (resume_from_checkpoint=True)")
     p.add_argument("--load-universal", action="store_true", help='"checkpoint": {"load_universal": true}')
     p.add_argument("--no-ext", action="store_true", help="without the deepspeed_ext section")
-    p.add_argument("--async-save", action="store_true", help='"async_save": true in the deepspeed_ext section')
+    p.add_argument("--async-save", nargs="?", const=True, default=False, choices=[True, "fork", "copy"],
+                   help='"async_save": true in the deepspeed_ext section (or {"snapshot": fork|copy})')
     p.add_argument("--save-total-limit", type=int, help="the Trainer's save_total_limit (it rotates checkpoint-N)")
     p.add_argument("--fp32", action="store_true", help="train in fp32 (bf16=False) instead of bf16")
     p.add_argument("--dump-logits", help="after training, the model's logits on the demo's eval batch (rank 0 writes)")
@@ -87,7 +88,8 @@ def main() -> None:
         "steps_per_print": 1000,
     }
     if not args.no_ext:
-        ds_config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}, "async_save": args.async_save}
+        ds_config["deepspeed_ext"] = {"universal_checkpoint": {"enabled": True}, "async_save": (
+            {"snapshot": args.async_save} if isinstance(args.async_save, str) else args.async_save)}
     if args.load_universal:
         ds_config["checkpoint"] = {"load_universal": True}
     training = TrainingArguments(output_dir=args.output_dir,

@@ -206,7 +206,10 @@ def writer_ended(engine: Any, limit_s: float = 120.0) -> None:
     pending = getattr(engine, PENDING_ATTR, None)
     deadline = time.monotonic() + limit_s
     while pending is not None and time.monotonic() < deadline:
-        if os.waitid(os.P_PID, pending.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+        if pending.pid is None:  # a writer thread (the copy snapshot)
+            if pending.ended():
+                return
+        elif os.waitid(os.P_PID, pending.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
             return
         time.sleep(0.05)
 
