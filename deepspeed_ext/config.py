@@ -15,7 +15,7 @@ deepspeed-ext::
       "async_save": false         # save_checkpoint returns once the state is snapshotted; the files, the commit
                                   # and 'latest' are written in the background (docs/reliability.md). Or an
                                   # object: {"snapshot": "fork" | "copy"}: how the state is snapshotted (true:
-                                  # a fork on a CPU engine, host copies on an accelerator)
+                                  # host copies; a fork only on a CPU engine)
     }
 """
 

@@ -11,8 +11,10 @@ memory is not in the child, and a forked child cannot use the accelerator. Forki
 * a storage on an accelerator is copied on a side stream, after the work already queued on the current one, without
   waiting: ``save_checkpoint`` returns once the copies are issued, and the next optimizer step's kernels are queued
   behind them (:meth:`Snapshot.order_after`), so training never overwrites a tensor before its copy is taken, and
-  never waits on the host for it. A storage in host memory (a CPU engine's, ZeRO-Offload's) is copied before
-  ``save_checkpoint`` returns: the host writes it in place at the next step;
+  never waits on the host for it. A storage in host memory (a CPU engine's, ZeRO-Offload's) is copied on a thread
+  once the ranks agreed the save started (torch lets go of the GIL while it copies a tensor), and the next optimizer
+  step waits for that thread before it writes the state in place: the forward and backward before it overlap the
+  copies;
 * a copy of an accelerator's storage is written with the location torch.save would give the storage itself
   (``cuda:0``, through torch's public ``register_package``), so the files are the synchronous save's there too,
   and a load that does not remap them puts them where they were;
@@ -27,6 +29,7 @@ subclass tensor) is deep-copied as torch copies it, on its own device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import pickle
@@ -104,6 +107,11 @@ def _register_location_tagger() -> None:
     torch.serialization.register_package(1, _location_of_copy, _no_restore)
 
 
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's bytes as a flat uint8 tensor (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def storage_key(storage: torch.UntypedStorage) -> StorageKey:
     return (str(storage.device), storage.data_ptr(), storage.nbytes())
 
@@ -142,6 +150,9 @@ class Snapshot:
         self._buffers: list[tuple[torch.UntypedStorage, bool]] = []
         self._streams: dict[str, tuple[Any, Any]] = {}  # device -> (side stream, its event once recorded)
         self._device_copies: list[int] = []  # the addresses of the buffers holding accelerator storages
+        self._host_copies: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []  # (buffer, host storage)
+        self._host_thread: threading.Thread | None = None
+        self._host_error: BaseException | None = None
         self.states: list[Any] = []
 
     # --- taking it ---------------------------------------------------------------------------------------------
@@ -166,12 +177,12 @@ class Snapshot:
                 _DEVICE_COPIES[buffer.data_ptr()] = torch.serialization.location_tag(storage)
             self._device_copies.append(buffer.data_ptr())
             with module.stream(side):
-                buffer.copy_(storage, non_blocking=True)
+                _bytes_of(buffer).copy_(_bytes_of(storage), non_blocking=True)
                 # A temporary of DeepSpeed's (a gathered ZeRO-3 weight) may be freed before the copy ran: its
                 # memory is not handed out again until the side stream is past it.
-                torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).record_stream(side)
+                _bytes_of(storage).record_stream(side)
         else:
-            buffer.copy_(storage)
+            self._host_copies.append((buffer, storage))  # copied on a thread (start_host_copies)
         self._copies[key] = buffer
         return buffer
 
@@ -212,26 +223,54 @@ class Snapshot:
             view.__dict__.update(copy.deepcopy(tensor.__dict__, memo))
 
     def close_copies(self) -> None:
+        """Every device copy is issued: their events recorded."""
         for device, (side, _) in list(self._streams.items()):
             module = torch.get_device_module(torch.device(device).type)
             event = module.Event()
             event.record(side)
             self._streams[device] = (side, event)
 
+    def start_host_copies(self) -> None:
+        """The host storages copied on a thread from now on (:meth:`order_after` and :meth:`wait` wait for it)."""
+        if self._host_copies and self._host_thread is None:
+            self._host_thread = threading.Thread(target=self._copy_host, name="deepspeed-ext-snapshot", daemon=True)
+            self._host_thread.start()
+
+    def _host_copies_done(self) -> None:
+        """Wait for the host copies (started now if they were not: nothing reads a buffer before its copy)."""
+        self.start_host_copies()
+        if self._host_thread is not None:
+            self._host_thread.join()
+
+    def _copy_host(self) -> None:
+        try:
+            for buffer, storage in self._host_copies:
+                # A tensor's copy lets go of the GIL while it copies (a storage's copy_ holds it: training would
+                # stop for the whole copy)
+                _bytes_of(buffer).copy_(_bytes_of(storage))
+        except BaseException as exc:  # raised by wait(), in the writer
+            self._host_error = exc
+        self._host_copies = []
+
     # --- after it is taken ------------------------------------------------------------------------------------
 
     def order_after(self) -> None:
-        """Queue the current streams' next kernels (the next optimizer step's) behind the copies: training waits
-        on the device, not on the host, and only until the copies are done."""
+        """Before the next optimizer step: the host copies finished (the step writes those storages in place; the
+        forward and backward before it overlapped them), and the current streams' next kernels queued behind the
+        device copies (training waits on the device, not on the host, and only until the copies are done)."""
+        self._host_copies_done()
         for device, (_, event) in self._streams.items():
             if event is not None:
                 torch.get_device_module(torch.device(device).type).current_stream(device).wait_event(event)
 
     def wait(self) -> None:
-        """Block until every copy is in its host buffer (the writer, before it reads them)."""
+        """Block until every copy is in its host buffer (the writer, before it reads them); raises a failed copy."""
+        self._host_copies_done()
         for _, event in self._streams.values():
             if event is not None:
                 event.synchronize()
+        if self._host_error is not None:
+            raise self._host_error
 
     @property
     def nbytes(self) -> int:
@@ -239,7 +278,10 @@ class Snapshot:
 
     def release(self) -> None:
         """The buffers back to the pool (once the files are written; the snapshot is not read again)."""
-        self.wait()
+        if self._host_thread is None:
+            self._host_copies = []  # never started: nothing reads the buffers
+        with contextlib.suppress(BaseException):  # a failed copy was raised to the writer already
+            self.wait()
         with _DEVICE_COPIES_LOCK:
             for address in self._device_copies:
                 _DEVICE_COPIES.pop(address, None)
@@ -249,8 +291,9 @@ class Snapshot:
 
 
 def take(states: list[Any], pool: HostPool, also: Callable[[Snapshot], None] | None = None) -> Snapshot:
-    """A :class:`Snapshot` of ``states`` (what each file holds), its buffers from ``pool``; ``also`` is called
-    with it before the device copies are closed off, to take views of more tensors (:meth:`Snapshot.view_of`)."""
+    """A :class:`Snapshot` of ``states`` (what each file holds), its buffers from ``pool``, its device copies issued
+    (its host copies start with :meth:`Snapshot.start_host_copies`); ``also`` is called with it before the device
+    copies are closed off, to take views of more tensors (:meth:`Snapshot.view_of`)."""
     snapshot = Snapshot(pool)
     try:
         memo: dict[int, Any] = {}

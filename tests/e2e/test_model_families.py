@@ -175,13 +175,15 @@ def test_family_to_hf_matches_the_live_model(scenarios, tmp_path, caplog, family
 
 #: The families whose DeepSpeed run MaxText's own training continues, and DeepSpeed MaxText's, in
 #: tests/e2e/test_maxtext_continue_e2e.py (a DeepSpeed resume from from-maxtext's output at TP=1, 2 and 3).
-CONTINUED_IN_MAXTEXT = ("qwen3", "mixtral", "deepseek-v3")
+CONTINUED_IN_MAXTEXT = ("mixtral", "deepseek-v3")
 
 
 # Every family of the registry with a MaxText mapping but llama, whose round trip is
-# tests/e2e/test_maxtext_continue_e2e.py's, and the recent families, whose is test_recent_families_e2e.py's.
+# tests/e2e/test_maxtext_continue_e2e.py's, the plain stacks llama stands for (their layers convert as llama's:
+# tests/unit/test_maxtext.py round-trips each exactly), and the recent families, whose is
+# test_recent_families_e2e.py's.
 @pytest.mark.parametrize("family", [family for family in maxtext_family_names()
-                                    if family != "llama" and family in ONE_BY_ONE])
+                                    if family not in ("llama", "llama3.1", "mistral", "qwen2") and family in ONE_BY_ONE])
 def test_family_to_maxtext_and_back_resumes(scenarios, tmp_path, family):
     """Each family's DeepSpeed TP=2 run -> to-maxtext --with-optimizer (fp32, scanned, on a mesh) -> from-maxtext
     -> DeepSpeed resume at TP=1 continues the loss within 2e-3 (for the families of :data:`CONTINUED_IN_MAXTEXT`,

@@ -173,7 +173,7 @@ class _TrainPool:
 #: This test process's pools, by (ranks, TP degree, fp16 allowed on CPU), the most recently used last.
 _POOLS: dict[tuple, _TrainPool] = {}
 #: At most this many pooled ranks alive per test process (each holds torch, DeepSpeed and transformers).
-POOLED_RANKS = 6
+POOLED_RANKS = 8
 
 
 def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _TrainPool | None:

@@ -37,13 +37,15 @@ def test_the_files_from_the_snapshot_are_the_state_at_the_snapshot_byte_for_byte
     before = _saved(state)
     taken = snapshot.take([state], snapshot.HostPool())
     copied = taken.states[0]
-    with torch.no_grad():  # the next optimizer step, and whatever else changes the state dicts
+    # What DeepSpeed or the user changes in the state dicts' Python objects, at once ...
+    state["optimizer"]["tagged"].note["shape"].append(9)
+    state["args"].lr = 0.2
+    state["names"].append("c")
+    taken.order_after()  # ... and, once the engine's next step has waited for the copies, in the tensors
+    with torch.no_grad():
         state["module"]["a"].mul_(-1)
         state["module"]["w"].add_(1)
         state["optimizer"]["partition"].add_(1)
-        state["optimizer"]["tagged"].note["shape"].append(9)
-        state["args"].lr = 0.2
-        state["names"].append("c")
     taken.wait()
     assert _saved(copied) == before
     # Views of one storage are views of one copy, as torch.save writes them.
@@ -65,6 +67,7 @@ def test_views_of_other_tensors_come_from_the_same_copies_and_the_buffers_are_re
         seen["outside"] = taken.view_of(outside)  # ... or a tensor no file holds, copied on its own
 
     taken = snapshot.take([state], pool, also=also)
+    taken.order_after()
     held = pool.nbytes
     assert seen["inside"].untyped_storage().data_ptr() == taken.states[0]["module"]["a"].untyped_storage().data_ptr()
     state["module"]["a"].zero_()
@@ -106,4 +109,5 @@ def test_empty_storages_stay_apart_as_torch_save_keeps_them():
     state = {"a": torch.empty(0, dtype=torch.bfloat16), "b": torch.empty(0, dtype=torch.bfloat16),
              "tied": shared, "tied_again": shared.detach(), "w": torch.ones(3)}
     taken = snapshot.take([state], snapshot.HostPool())
+    taken.wait()
     assert _saved(taken.states[0]) == _saved(state)
