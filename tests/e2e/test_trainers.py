@@ -208,9 +208,9 @@ def accelerate_run(tmp_path_factory):
     return root / "state", read(root / "base.json")
 
 
-@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("tp", [4])  # TP=1: the documented Accelerate script's resume (below)
 def test_accelerate_load_state_at_another_tp(accelerate_run, tp, tmp_path):
-    """accelerator.save_state at TP=2, accelerator.load_state at TP=1 / TP=4: the losses continue."""
+    """accelerator.save_state at TP=2, accelerator.load_state at TP=4: the losses continue."""
     state, baseline = accelerate_run
     assert (state / "pytorch_model" / "deepspeed_ext.json").is_file()  # the tags were saved
     torchrun("accelerate_loop.py", tp, ["--tp", str(tp), "--steps", "6", "--load-dir", str(state), "--result",
