@@ -48,13 +48,26 @@ def child_env(python: str = sys.executable) -> dict[str, str]:
     return env
 
 
+def _timed(kind: str, what: str, started: float) -> None:
+    """With ``DSX_TEST_TIMING_LOG=FILE``: one line per subprocess the tests ran (``kind``: pool-start, pooled,
+    torchrun, cli, run), its seconds and what it was, appended to FILE (the suite's time, by where it goes)."""
+    import time
+    path = os.environ.get("DSX_TEST_TIMING_LOG")
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{os.getpid()}\t{kind}\t{time.monotonic() - started:.2f}\t{what[:200]}\n")
+
+
 def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None = None,
                extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``cmd`` (``cmd[0]`` is the Python to use) with its output in ``log``; on failure raise with the tail,
     or with ``check=False`` return the failed process. ``extra_env``: set on top of :func:`child_env`'s."""
+    import time
     log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     proc = subprocess.run(cmd, env={**child_env(cmd[0]), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=demo_runner.TIMEOUT_S, cwd=cwd)
+    _timed("torchrun" if "torch.distributed.run" in cmd else "run", " ".join(cmd[1:4]), started)
     return _logged(proc, log, check)
 
 
@@ -120,6 +133,8 @@ class _TrainPool:
 
     def __init__(self, nproc: int, key: tuple) -> None:
         import tempfile
+        import time
+        self.started = time.monotonic()
         self.nproc, self.key, self.requests = nproc, key, 0
         self.directory = Path(tempfile.mkdtemp(prefix="train_pool_"))
         with open(self.directory / "pool.log", "w") as own_log:
@@ -141,6 +156,7 @@ class _TrainPool:
         staging = self.directory / f"{number}.json.partial"
         staging.write_text(json.dumps({"runs": runs, "log": str(log.absolute())}))
         staging.rename(self.directory / f"{number}.json")
+        started = time.monotonic()
         done, deadline = self.directory / f"{number}.done", time.monotonic() + demo_runner.TIMEOUT_S
         while not done.exists():
             if not self.alive() or time.monotonic() > deadline:
@@ -151,6 +167,10 @@ class _TrainPool:
                 raise RuntimeError(f"pooled run {why}, log {log}:\n" + _failure_tail(log.read_text()) +
                                    "\n--- the pool's torchrun:\n" + own_log)
             time.sleep(0.05)
+        if number == 0:  # the pool's start (processes, imports) and its first run, whose lazy imports it pays
+            _timed("pool-start", f"{self.key}", self.started)
+        else:
+            _timed("pooled", f"{self.key} {' '.join(runs[0][:4])}", started)
         output = log.read_text()
         return subprocess.CompletedProcess(args=command, returncode=0, stdout=output, stderr="")
 
@@ -256,6 +276,8 @@ class _CliServer:
     def run(self, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
         """``deepspeed-ext ARGS`` in ``env``, as ``subprocess.run`` with its output captured returns it."""
         import tempfile
+        import time
+        started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="cli_") as scratch:
             out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
             request = {"argv": args, "env": env, "stdout": str(out), "stderr": str(err)}
@@ -269,6 +291,7 @@ class _CliServer:
                 os.kill(pid, signal.SIGKILL)
                 self.close()
                 raise subprocess.TimeoutExpired(["deepspeed-ext", *args], demo_runner.TIMEOUT_S) from None
+            _timed("cli", " ".join(args[:1]), started)
             return subprocess.CompletedProcess([sys.executable, "-m", "deepspeed_ext", *args], returncode,
                                                out.read_text(), err.read_text())
 

@@ -132,32 +132,54 @@ def save_items(out: Path, tree: dict[str, Any], custom_metadata: Mapping[str, An
 
 def restore_leaf(checkpointer: Any, items: Path, tree: Any, path: tuple[str, ...], restore_type: type,
                  dtype: Any = None) -> Any:
-    """One leaf of a saved Orbax PyTree (``tree``: its metadata tree), through a partial restore.
+    """One leaf of a saved Orbax PyTree (``tree``: its metadata tree), through a partial restore."""
+    return restore_leaves(checkpointer, items, tree, [path], restore_type, dtype)[path]
 
-    The request holds only ``path``, shaped like the saved tree: a saved list must be asked for at full
+
+def restore_leaves(checkpointer: Any, items: Path, tree: Any, paths: list[tuple[str, ...]], restore_type: type,
+                   dtype: Any = None) -> dict[tuple[str, ...], Any]:
+    """Some leaves of a saved Orbax PyTree (``tree``: its metadata tree), through one partial restore: each restore
+    costs milliseconds of its own, whatever it reads, so small leaves are best asked for together.
+
+    The request holds only ``paths``, shaped like the saved tree: a saved list must be asked for at full
     length, with None for the entries not wanted.
     """
     import orbax.checkpoint as ocp
 
-    def build(node: Any, depth: int, value: Any) -> Any:
-        if depth == len(path):
-            return value
-        key = path[depth]
-        if isinstance(node, (list, tuple)):
-            out = [None] * len(node)
-            out[int(key)] = build(node[int(key)], depth + 1, value)
-            return out
-        return {key: build(node[key], depth + 1, value)}
+    def request(value: Any) -> Any:
+        root: Any = None
+        for path in paths:
+            root = place(root, tree, path, value)
+        return root
 
-    item = build(tree, 0, np.empty(0) if restore_type is np.ndarray else 0)
-    args = build(tree, 0, ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
+    def place(into: Any, node: Any, path: tuple[str, ...], value: Any) -> Any:
+        if not path:
+            return value
+        key, rest = path[0], path[1:]
+        if isinstance(node, (list, tuple)):
+            out = into if into is not None else [None] * len(node)
+            out[int(key)] = place(out[int(key)], node[int(key)], rest, value)
+            return out
+        out = into if into is not None else {}
+        out[key] = place(out.get(key), node[key], rest, value)
+        return out
+
+    item = request(np.empty(0) if restore_type is np.ndarray else 0)
+    args = request(ocp.RestoreArgs(restore_type=restore_type, dtype=dtype))
     try:
-        value = checkpointer.restore(items, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
-                                                                         partial_restore=True))
+        restored = checkpointer.restore(items, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                                            partial_restore=True))
     except (ValueError, OSError) as exc:  # tensorstore reports corrupt or truncated data files as ValueError
         if restore_type is not np.ndarray:
             raise
-        raise CheckpointError(f"{items}: cannot read array {'/'.join(path)}: {first_line(exc)}") from exc
-    for key in path:
-        value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
-    return value
+        if len(paths) > 1:  # one at a time, so the error names the array that cannot be read
+            return {path: value for one in paths
+                    for path, value in restore_leaves(checkpointer, items, tree, [one], restore_type, dtype).items()}
+        raise CheckpointError(f"{items}: cannot read array {'/'.join(paths[0])}: {first_line(exc)}") from exc
+    found = {}
+    for path in paths:
+        value = restored
+        for key in path:
+            value = value[int(key)] if isinstance(value, (list, tuple)) else value[key]
+        found[path] = value
+    return found

@@ -20,7 +20,7 @@ from deepspeed_ext.checkpoint.maxtext.names import (CUSTOM_METADATA, FAMILY_KEY,
                                                     MODEL_CONFIG_KEY, MOMENT_PREFIX, OPT_STATE_KEY, OPTIMIZER_COUNT,
                                                     PARAMS_COLLECTION, PARAMS_PREFIX, STEP_DIR, STEP_KEY,
                                                     STEP_METADATA)
-from deepspeed_ext.checkpoint.maxtext.orbax_io import restore_leaf
+from deepspeed_ext.checkpoint.maxtext.orbax_io import restore_leaf, restore_leaves
 from deepspeed_ext.checkpoint.maxtext.plan import layer_blocks, rule_blocks
 from deepspeed_ext.checkpoint.maxtext.settings import maxtext_settings, settings_text
 from deepspeed_ext.checkpoint.maxtext.transforms import TRANSFORMS, ModelDims, from_maxtext, join_parts
@@ -62,6 +62,11 @@ def open_source(path: Path, options: OpenOptions) -> CheckpointSource:
     fingerprints = (Fingerprints.from_json(recorded, f"{items.parent / STEP_METADATA} ({CUSTOM_METADATA})")
                     if recorded is not None and as_written else None)
     return MaxTextCheckpoint(items, family, config, given=path, fingerprints=fingerprints)
+
+
+#: Restored leaves kept beyond the last six while their sum fits, and read together (see ``MaxTextCheckpoint._leaf``).
+LEAF_CACHE_BYTES = 256 << 20
+LEAF_BATCH_BYTES = 64 << 20
 
 
 class MaxTextCheckpoint:
@@ -112,6 +117,7 @@ class MaxTextCheckpoint:
         self._aux = {name[len(aux_prefix):]: m for name, m in flat.items() if name.startswith(aux_prefix)}
         if not any(name.startswith(f"{PARAMS_COLLECTION}/") for name in self.stored):
             raise CheckpointError(f"{self.items}: no params/params tree in the Orbax metadata")
+        self._stored_paths = set(flat)
         self.scan_layers = self._is_scanned()
         self._sources = self._plan()
         moments = {state: {name[len("/".join(prefix)) + 1:] for name in flat if name.startswith("/".join(prefix) + "/")}
@@ -185,18 +191,43 @@ class MaxTextCheckpoint:
                                           f"--family ({self.family.name}) or config?")
                 sources.setdefault(hf, []).append((rule, leaf, index, part))
         used = {leaf for parts in sources.values() for _, leaf, _, _ in parts}
+        #: The optimized leaves in the order the plan reads them (restored together, see ``_leaf``).
+        self._leaf_order = list(dict.fromkeys(leaf for parts in sources.values() for _, leaf, _, _ in parts
+                                              if leaf not in self._tree_paths))
         extra = sorted(set(self.stored) - used)
         if extra:
             raise CheckpointError(f"{self.items}: {len(extra)} MaxText arrays have no place in family "
                                   f"{self.family.name!r} (e.g. {extra[:3]}); wrong --family or config?")
         return sources
 
-    def _leaf(self, path: tuple[str, ...]) -> np.ndarray:
-        if path not in self._cache:
-            if len(self._cache) >= 6:  # weight + two moments, each possibly split in two (fused experts)
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[path] = np.asarray(self._restore(path, np.ndarray, np.float32), dtype=np.float32)
-        return self._cache[path]
+    def _leaf(self, path: tuple[str, ...], prefix: tuple[str, ...] = (), leaf: str | None = None) -> np.ndarray:
+        """One restored leaf (fp32), from a least-recently-used cache. It always keeps the last six (a weight and
+        its two moments, each possibly split in two: fused experts), so a stack serves all its layers from one
+        restore, and more while they fit in ``LEAF_CACHE_BYTES``. A miss of ``leaf`` under ``prefix`` (a state's
+        subtree) restores the leaves after it in the plan's order with it, up to ``LEAF_BATCH_BYTES``: each Orbax
+        restore costs milliseconds whatever it reads, and small models have hundreds of small leaves."""
+        array = self._cache.pop(path, None)
+        if array is None:
+            wanted = [path]
+            if leaf is not None:
+                budget = LEAF_BATCH_BYTES - 4 * math.prod(self.stored[leaf])
+                for following in self._leaf_order[self._leaf_order.index(leaf) + 1:]:
+                    budget -= 4 * math.prod(self.stored[following])
+                    if budget < 0:
+                        break
+                    following_path = (*prefix, *following.split("/"))
+                    # Under a moment's prefix only the optimized leaves are there (not DeepSeek's router bias).
+                    if following_path not in self._cache and "/".join(following_path) in self._stored_paths:
+                        wanted.append(following_path)
+            for restored_path, value in restore_leaves(self._checkpointer, self.items, self._tree, wanted,
+                                                       np.ndarray, np.float32).items():
+                self._cache[restored_path] = np.asarray(value, dtype=np.float32)
+            array = self._cache.pop(path)
+        self._cache[path] = array
+        held = sum(a.nbytes for a in self._cache.values())
+        while len(self._cache) > 6 and held > LEAF_CACHE_BYTES:
+            held -= self._cache.pop(next(iter(self._cache))).nbytes
+        return array
 
     def _hf_shape(self, parts: list[_Part]) -> tuple[int, ...]:
         shapes = []
@@ -225,7 +256,7 @@ class MaxTextCheckpoint:
                                        np.int64 if TRANSFORMS[rule.kind].integer else np.float32))
                 continue
             where = self._tree_paths.get(leaf) if state == MASTER_WEIGHTS else None
-            array = self._leaf(where or (*prefix, *leaf.split("/")))
+            array = self._leaf(where) if where else self._leaf((*prefix, *leaf.split("/")), prefix, leaf)
             for i in index or ():  # each take drops the stack axis it indexes: the next one is at the same axis
                 array = np.take(array, i, axis=rule.scan_axis)
             piece = from_maxtext(rule.kind, np.ascontiguousarray(array), self.dims, self.family, state)
