@@ -19,6 +19,7 @@ import torch
 
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.deepspeed import keys
+from deepspeed_ext.checkpoint.device_staging import staging_for
 from deepspeed_ext.checkpoint.expert_names import autoep_named
 from deepspeed_ext.checkpoint.locate import DEEPSPEED, UNIVERSAL
 from deepspeed_ext.checkpoint.model_config import persistent_buffers
@@ -41,14 +42,20 @@ def _fill(targets: list[tuple[torch.Tensor, int]], ckpt: Reshards, name: str, st
     low, high = min(start for _, start, _ in spans), max(stop for _, _, stop in spans)
     row = math.prod(layout.local_shape(tp_rank)[1:]) or 1
     step = max(1, BLOCK_ELEMENTS // row) * row
+    # Targets on an accelerator get each block from pinned memory, without blocking (see device_staging).
+    staging = staging_for([flat for flat, _, _ in spans])
     position = low
     while position < high:
         stop = min(high, (position // step + 1) * step)  # block boundaries on whole rows
         block = ckpt.resharded_range(name, state, layout, tp_rank, position, stop)
+        if staging is not None:
+            block = staging.stage(block)
         for flat, first, last in spans:
             a, b = max(position, first), min(stop, last)
             if a < b:
-                flat[a - first:b - first].copy_(block[a - position:b - position])
+                flat[a - first:b - first].copy_(block[a - position:b - position], non_blocking=staging is not None)
+        if staging is not None:
+            staging.copies_issued()
         position = stop
 
 

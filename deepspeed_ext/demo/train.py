@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-save", nargs="?", const=True, default=False, choices=[True, "fork", "copy"],
                    help="save in the background (\"async_save\": true, or {\"snapshot\": fork|copy}); the run waits "
                    "for its last save at the end")
+    p.add_argument("--node-local-storage", action="store_true",
+                   help="DeepSpeed's checkpoint.use_node_local_storage: each node saves into and loads from its own "
+                   "--save-dir / --load-dir (a disk the other nodes do not see); each node's first rank commits")
     p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression "
                    "(requires_grad=False: trained by no optimizer, as a LoRA model's base or a frozen embedding)")
     p.add_argument("--lora", type=int, default=0, help="train peft LoRA adapters of this rank instead of the whole "
@@ -157,6 +160,8 @@ def run(argv: list[str] | None = None, hooks: Hooks | None = None) -> None:
                        warmup_steps=args.warmup_steps,
                        async_save=args.async_save,
                        gradient_clipping=None if args.gradient_clipping == "unset" else float(args.gradient_clipping))
+    if args.node_local_storage:
+        config.setdefault("checkpoint", {})["use_node_local_storage"] = True
     init = deepspeed.initialize if args.plain else deepspeed_ext.initialize
     # Every parameter, frozen ones too, as DeepSpeed's examples hand them over: ZeRO leaves the frozen ones out of
     # its partitions; a stage-0 wrapper keeps an fp32 master of each, which it copies back at every step.

@@ -18,7 +18,7 @@ import torch
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.metadata import UCInfo
 from deepspeed_ext.errors import CheckpointError, DeepSpeedExtError, first_line
-from deepspeed_ext.runtime.fingerprints import local_sums, recorded_fingerprints
+from deepspeed_ext.runtime.fingerprints import local_sums, recorded_fingerprints, save_fingerprints
 from deepspeed_ext.runtime.log import logger
 from deepspeed_ext.runtime.save_steps import (
     can_fuse,
@@ -105,7 +105,12 @@ def save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: A
             engine_private.recovery_scripts_copied_by(engine, hand_over_copy):
         result = original(*call.args, **call.kwargs)
     staging = commit.staging_root(save_dir, tag)
-    job = _WriteJob(engine, info, fingerprints, copies, staging, engine.global_rank, coordinator,
+    # On node-local storage a node's coordinator hears only its own node's writers: the sums are added up over
+    # every rank here, in a collective, before the snapshot is written (the stall pays for them).
+    sums_in_writer = fingerprints != "off" and not engine_private.node_local_storage(engine)
+    if fingerprints != "off" and not sums_in_writer:
+        info.fingerprints = save_fingerprints(engine, local_sums(engine))
+    job = _WriteJob(engine, info, sums_in_writer, copies, staging, engine.global_rank, coordinator,
                     _ranks_committed_together(engine), save_dir, tag, commit_details(engine), save_latest)
     problem, pending, start_copies = None, None, None
     if getattr(engine, SNAPSHOT_ATTR, "fork") == "copy":
@@ -119,7 +124,7 @@ def save_in_background(engine: Any, info: UCInfo, fingerprints: str, original: A
         def write_and_commit() -> None:  # in the forked writer: the state as it was at the fork
             torch.set_num_threads(1)  # the parent's OpenMP threads do not exist here
             plan = None
-            if fingerprints != "off" and fuse:
+            if sums_in_writer and fuse:
                 from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
                 plan = SumsPlan(engine)
             releases = _released_once_written(files, plan) if fuse else [None] * len(files)
@@ -158,7 +163,7 @@ def _copy_writer(engine: Any, job: _WriteJob, files: list[tuple[Any, Any, str]])
         pool = snapshot.HostPool()
         setattr(engine, POOL_ATTR, pool)
     plan = None
-    if job.fingerprints != "off":
+    if job.sums_in_writer:
         from deepspeed_ext.checkpoint.engine_fingerprints import SumsPlan
         plan = SumsPlan(engine)
     taken = snapshot.take([state for _, state, _ in files], pool,
@@ -205,7 +210,9 @@ class _WriteJob:
 
     engine: Any
     info: UCInfo
-    fingerprints: str
+    #: Whether each writer takes its rank's fingerprint sums and the coordinator adds them up (else they were
+    #: recorded in ``info`` before the snapshot, or not at all).
+    sums_in_writer: bool
     copies: list[tuple[Any, str]]
     staging: Path
     rank: int
@@ -233,7 +240,7 @@ class _WriteJob:
             for own, path in self.copies:
                 guarded_copy(own, failures, path)
             faults.reached("files-written")
-            if not failures and self.fingerprints != "off":
+            if not failures and self.sums_in_writer:
                 local = plan.finish() if plan is not None else local_sums(self.engine)
         except Exception as exc:
             failures.append(first_line(exc))
@@ -245,7 +252,7 @@ class _WriteJob:
             return
         words = background.wait_for_ranks(self.staging, self.together,
                                           stop=lambda: "stopped" if stopped() else None)
-        if self.fingerprints != "off":
+        if self.sums_in_writer:
             from deepspeed_ext.checkpoint.engine_fingerprints import combine_local_sums
             self.info.fingerprints = recorded_fingerprints(self.engine, *combine_local_sums(
                 [LocalSums.from_json(words[each]["sums"]) for each in sorted(words)]))

@@ -41,6 +41,8 @@ def _checked_load(engine: Any, reshard: bool, fingerprints: str, original: Any) 
         route = on_every_rank(checked_route)
         if options.get("custom_load_fn") is not None or route is None:
             return original(*args, **kwargs), options
+        if engine_private.node_local_storage(engine):
+            route = _naming_node_local_storage(route)
         return on_every_rank(lambda: route(engine,
                                            options["load_dir"],
                                            options.get("tag"),
@@ -58,6 +60,25 @@ def _checked_load(engine: Any, reshard: bool, fingerprints: str, original: Any) 
         return result
 
     return load_checkpoint
+
+
+def _naming_node_local_storage(route: Any) -> Any:
+    """``route``, whose refusal of a checkpoint with files missing says why they may be: on node-local storage each
+    node holds only its own ranks' files, which DeepSpeed's own loader reads at the saved degrees, while resharding
+    (or ``load_universal``) reads every rank's."""
+    from deepspeed_ext.errors import CheckpointError
+
+    def reading_every_rank(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return route(*args, **kwargs)
+        except CheckpointError as exc:
+            if "missing" not in str(exc):
+                raise
+            raise CheckpointError(f"{exc}; with node-local storage each node holds only its own ranks' files: resume "
+                                  "at the degrees it was saved at with checkpoint.load_universal off, or gather every "
+                                  "node's tag directory into one to reshard or convert it") from exc
+
+    return reading_every_rank
 
 
 def refuse_incomplete(load_dir: str | os.PathLike[str], tag: Any = None) -> None:

@@ -25,6 +25,7 @@ from deepspeed_ext.runtime.save_steps import (
     commit_save,
     guarded_writes,
     is_commit_coordinator,
+    prepare_node_local_save,
     raise_if_any_rank_failed,
     write_info,
 )
@@ -77,6 +78,7 @@ def _committing_save(engine: Any, info: UCInfo, fingerprints: str, original: Any
             return original(*call.args, **call.kwargs)
         save_latest = bool(call.arguments.get("save_latest", True))
         call.arguments["save_latest"] = False
+        prepare_node_local_save(engine)
         coordinator = is_commit_coordinator(engine)
         this_in_background = getattr(engine, ASYNC_SAVE_ATTR, False)  # switchable per save
         if hasattr(engine, PENDING_ATTR):

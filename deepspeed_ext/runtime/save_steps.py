@@ -23,11 +23,50 @@ def versions() -> dict[str, str]:
 
 def commit_save(engine: Any, info: UCInfo, save_dir: str, tag: str, details: dict[str, Any],
                  save_latest: bool) -> None:
-    """The coordinator's part of a save whose files every rank wrote: the UC info, then the commit."""
+    """The coordinator's part of a save whose files every rank wrote: the UC info, then the commit. On node-local
+    storage, first the check that this node holds every model-states file its ranks read to resume."""
     from deepspeed_ext.checkpoint import commit
+    from deepspeed_ext.errors import CheckpointError
+    staged = commit.staging_root(save_dir, tag) / tag
+    needed: dict[str, int] = getattr(engine, NODE_FILES_ATTR, {}).get(_node_of(engine), {})
+    for name, rank in sorted(needed.items()):
+        if not (staged / name).is_file():
+            raise CheckpointError(f"{save_dir}/{tag}/{name}: not written on this node, yet rank {rank} reads it to "
+                                  f"resume (node-local storage: each node must hold its ranks' files)")
     info.commit_marker = True
     write_info(engine, info, os.path.join(commit.staging_root(save_dir, tag), tag), always=True)
     commit.commit(save_dir, tag, details, save_latest=save_latest)
+
+
+#: On node-local storage: {first global rank of a node: {model-states file its ranks read: the first such rank}}.
+NODE_FILES_ATTR = "_deepspeed_ext_node_files"
+
+
+def _node_of(engine: Any) -> int:
+    """This rank's node, as its first global rank (torchrun numbers each node's ranks consecutively)."""
+    return int(engine.global_rank) - int(engine.local_rank)
+
+
+def prepare_node_local_save(engine: Any) -> None:
+    """Collective, once per engine, where DeepSpeed keeps checkpoints on node-local storage. DeepSpeed picks the
+    ranks that write model-states files there by local rank alone (each node's local rank 0 writes), so with
+    tensor or pipeline parallelism inside a node the other model-parallel ranks' files land on no node, and no node
+    can resume. Here the first rank on each node that reads a file writes it, and the table of what each node
+    needs is kept for its coordinator's check (:func:`commit_save`). MoE engines save through DeepSpeed's own MoE
+    path, left as it is: the check still refuses a node that misses a file."""
+    from deepspeed_ext.checkpoint import collective
+    if not engine_private.node_local_storage(engine):
+        return
+    if not hasattr(engine, NODE_FILES_ATTR):
+        name = engine_private.model_states_file(engine)
+        table: dict[int, dict[str, int]] = {}
+        for rank, (_, (node, needed)) in enumerate(collective.gather(None, (_node_of(engine), name))):
+            table.setdefault(node, {}).setdefault(needed, rank)
+        setattr(engine, NODE_FILES_ATTR, table)
+    table = getattr(engine, NODE_FILES_ATTR)
+    if engine_private.writes_model_states(engine) is not None and not engine_private.has_moe_layers(engine):
+        first = table[_node_of(engine)][engine_private.model_states_file(engine)]
+        engine_private.set_writes_model_states(engine, first == engine.global_rank)
 
 
 def is_commit_coordinator(engine: Any) -> bool:

@@ -26,8 +26,8 @@ STOPPED_CLI_WORKER = Path(__file__).parent / "workers" / "stopped_cli.py"
 #: The CLI's commands, each in a child forked from a process that imported torch once (``cli``).
 CLI_SERVER_WORKER = Path(__file__).parent / "workers" / "cli_server.py"
 
-__all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_train",
-           "torchrun_train_runs"]
+__all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_nodes",
+           "torchrun_train", "torchrun_train_runs"]
 
 
 def child_env(python: str = sys.executable) -> dict[str, str]:
@@ -55,7 +55,8 @@ def _timed(kind: str, what: str, started: float) -> None:
     path = os.environ.get("DSX_TEST_TIMING_LOG")
     if path:
         with open(path, "a") as out:
-            out.write(f"{os.getpid()}\t{kind}\t{time.monotonic() - started:.2f}\t{what[:200]}\n")
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+            out.write(f"{os.getpid()}\t{kind}\t{time.monotonic() - started:.2f}\t{what[:200]}\t{test}\n")
 
 
 def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None = None,
@@ -67,7 +68,7 @@ def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None =
     started = time.monotonic()
     proc = subprocess.run(cmd, env={**child_env(cmd[0]), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=demo_runner.TIMEOUT_S, cwd=cwd)
-    _timed("torchrun" if "torch.distributed.run" in cmd else "run", " ".join(cmd[1:4]), started)
+    _timed("torchrun" if "torch.distributed.run" in cmd else "run", " ".join(Path(c).name for c in cmd[1:8]), started)
     return _logged(proc, log, check)
 
 
@@ -98,7 +99,7 @@ def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.exe
     """``torchrun --standalone --nproc_per_node N workers/train.py ARGS`` (the demo's training script with the
     tests' probes; gloo on CPU) in ``python``'s environment; ``check=False`` returns a failed run.
 
-    A run expected to succeed, in this environment, goes to a pool of torchrun workers kept for its degree
+    A run expected to succeed, in this environment, goes to a pool of torchrun workers kept for its rank count
     (``_pool_for``): a fresh model and engine in processes that have imported torch, DeepSpeed and transformers
     once, which is most of a tiny run's time. Its output is in ``log`` as a fresh run's would be."""
     pool = _pool_for(nproc, [args], python, check)
@@ -121,14 +122,47 @@ def torchrun_train_runs(nproc: int, runs: list[list[str]], log: Path, python: st
                        python=python)
 
 
+def torchrun_nodes(nproc_per_node: int, runs: list[list[str]], log: Path, check: bool = True,
+                   extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """One job over several nodes on this machine: a torchrun agent per node (``runs[i]``: node i's arguments to
+    workers/train.py, so each node may name directories of its own, as ranks on other hosts see other disks), with
+    a static rendezvous on localhost. Node i's output in ``log`` with ``.nodeI`` before its suffix; with ``check``,
+    raises with the tail of the first node that failed."""
+    import socket
+    import time
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started, procs = time.monotonic(), []
+    for node, args in enumerate(runs):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(runs)}", f"--node_rank={node}",
+               f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+               str(TRAIN_WORKER), *args]
+        procs.append(subprocess.Popen(cmd, env={**child_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    done = []
+    for node, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=demo_runner.TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        done.append(_logged(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                            log.with_suffix(f".node{node}{log.suffix}"), check))
+    _timed("torchrun", f"{len(runs)} nodes", started)
+    return done
+
+
 #: The pid of the test process that owns a pool: its ranks leave once that process is gone, however it ended (an
 #: xdist worker killed at the end of a run never runs its exit handlers).
 OWNER_ENV = "DSX_TEST_POOL_OWNER"
 
 
 class _TrainPool:
-    """``torchrun ... workers/train.py --serve DIR``: ``nproc`` ranks kept for runs at one TP degree (DeepSpeed
-    sets its TP groups once a process), each run a fresh model and engine. Requests and answers are files in DIR
+    """``torchrun ... workers/train.py --serve DIR``: ``nproc`` ranks kept for runs at any TP degree (the ranks
+    drop DeepSpeed's TP groups before a run at another one), each run a fresh model and engine. Requests and answers are files in DIR
     (see ``serve`` there). A run that fails ends the pool; the next run starts a new one."""
 
     def __init__(self, nproc: int, key: tuple) -> None:
@@ -190,28 +224,25 @@ class _TrainPool:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-#: This test process's pools, by (ranks, TP degree, fp16 allowed on CPU), the most recently used last.
+#: This test process's pools, by (ranks, fp16 allowed on CPU), the most recently used last.
 _POOLS: dict[tuple, _TrainPool] = {}
 #: At most this many pooled ranks alive per test process (each holds torch, DeepSpeed and transformers).
-POOLED_RANKS = 8
+POOLED_RANKS = 10
 
 
 def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _TrainPool | None:
     """The pool for these runs, started if need be, or None where they need a process of their own: another
     environment, a run expected to fail (it ends its processes), a run measuring its own process (``--timing``),
-    runs at several TP degrees, or pooling turned off (``DSX_TEST_FRESH_PROCESSES=1``)."""
+    or pooling turned off (``DSX_TEST_FRESH_PROCESSES=1``)."""
     if python != sys.executable or not check or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
         return None
-    degrees = set()
-    for args in runs:
-        if "--timing" in args or "--tp" not in args:
-            return None
-        degrees.add(args[args.index("--tp") + 1])
-    if len(degrees) != 1:
+    if any("--timing" in args or "--tp" not in args for args in runs):
         return None
     # AutoEP runs share the pools: DeepSpeed's AutoEP retargets transformers' output recorders per model instance
     # (the class-wide registry is restored once the hooks are in), so a later run of the family meets nothing left.
-    key = (nproc, degrees.pop(), any("--allow-cpu-fp16" in args for args in runs))
+    # Runs at every TP degree share them too: a rank drops DeepSpeed's TP groups before a run at another degree
+    # (workers/train.py).
+    key = (nproc, any("--allow-cpu-fp16" in args for args in runs))
     pool = _POOLS.pop(key, None)
     if pool is None or not pool.alive():
         while _POOLS and sum(p.nproc for p in _POOLS.values()) + nproc > POOLED_RANKS:

@@ -37,20 +37,24 @@ from deepspeed_ext.checkpoint.engine_private.engine import (
     data_parallel_group,
     data_parallel_size,
     engine_is_pipeline,
+    has_moe_layers,
     is_zero3_param,
     loads_universal,
     model_parallel_info,
+    model_states_file,
     module_weights_apart,
     node_local_storage,
     partitions_weights,
     pipeline_stage,
     recovery_scripts_copied_by,
     saves_in_background,
+    set_writes_model_states,
     step_settings,
     stored_shape,
     tp_group_info,
     uses_zero,
     wrap_engine_method,
+    writes_model_states,
     writes_torch_zip_files,
     zero3_numel,
     zero3_partition,
@@ -87,4 +91,4 @@ from deepspeed_ext.checkpoint.engine_private.restore_state import (
     zero3_partition_in_place,
 )
 
-__all__ = ["LOW_PRECISION", "LiveExperts", "LiveSlot", "StateEntries", "autoep_layers", "base_optimizer", "check_installed_deepspeed", "checkpoint_engine", "checkpoint_files_written_by", "data_parallel_group", "data_parallel_size", "engine_is_pipeline", "ensure_optimizer_states", "expected_tensor_states", "frozen_weight_targets", "is_zero3_param", "live_kind", "live_param_groups", "live_slots", "live_steps", "live_tensor_states", "loads_universal", "missing_deepspeed_parts", "model_parallel_info", "module_weights_apart", "muon_whole_offsets", "no_optimizer_holds", "node_local_storage", "owned_frozen_weights", "owned_state", "partitions_weights", "pipeline_stage", "recovery_scripts_copied_by", "refresh_zero3_partitions", "saves_in_background", "set_engine_counters", "set_optimizer_groups", "set_optimizer_scalars", "set_zero3_partition", "stage0_param_names", "stage0_slots", "state_targets", "step_settings", "stored_shape", "tp_group_info", "uses_zero", "wrap_engine_method", "wrapped_optimizer", "writes_torch_zip_files", "zero3_numel", "zero3_partition", "zero3_partition_in_place", "zero3_process_group", "zero_stage"]
+__all__ = ["LOW_PRECISION", "LiveExperts", "LiveSlot", "StateEntries", "autoep_layers", "base_optimizer", "check_installed_deepspeed", "checkpoint_engine", "checkpoint_files_written_by", "data_parallel_group", "data_parallel_size", "engine_is_pipeline", "ensure_optimizer_states", "expected_tensor_states", "frozen_weight_targets", "has_moe_layers", "is_zero3_param", "live_kind", "live_param_groups", "live_slots", "live_steps", "live_tensor_states", "loads_universal", "missing_deepspeed_parts", "model_parallel_info", "model_states_file", "module_weights_apart", "muon_whole_offsets", "no_optimizer_holds", "node_local_storage", "owned_frozen_weights", "owned_state", "partitions_weights", "pipeline_stage", "recovery_scripts_copied_by", "refresh_zero3_partitions", "saves_in_background", "set_engine_counters", "set_optimizer_groups", "set_optimizer_scalars", "set_writes_model_states", "set_zero3_partition", "stage0_param_names", "stage0_slots", "state_targets", "step_settings", "stored_shape", "tp_group_info", "uses_zero", "wrap_engine_method", "wrapped_optimizer", "writes_model_states", "writes_torch_zip_files", "zero3_numel", "zero3_partition", "zero3_partition_in_place", "zero3_process_group", "zero_stage"]

@@ -51,6 +51,7 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
         ("DeepSpeedEngine.fp16_enabled", "the precision the engine runs"),
         ("DeepSpeedEngine._copy_recovery_script", "a full disk while DeepSpeed copies its recovery scripts"),
         ("DeepSpeedEngine.use_node_local_storage", "which rank commits a save (node-local checkpoints)"),
+        ("DeepSpeedEngine._get_ckpt_name", "the model-states file each rank reads (node-local checkpoints)"),
         ("DeepSpeedEngine.load_universal_checkpoint", "the load route (checkpoint.load_universal)"),
         ("DeepSpeedEngine.step", "reporting a save in the background at the next step"),
         ("DeepSpeedEngine.destroy", "waiting for a save in the background when the engine is destroyed"),

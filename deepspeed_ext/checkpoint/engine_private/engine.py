@@ -183,6 +183,29 @@ def node_local_storage(engine: Any) -> bool:
     return bool(getattr(engine, "use_node_local_storage", lambda: False)())
 
 
+def model_states_file(engine: Any) -> str:
+    """The model-states file this rank reads when it resumes at the degrees it saved at, by DeepSpeed's name for it
+    (``mp_rank_01_model_states.pt``; ZeRO-3's ``zero_pp_rank_0_mp_rank_01_model_states.pt``)."""
+    import os
+    return str(os.path.basename(engine._get_ckpt_name("", "tag")))
+
+
+def writes_model_states(engine: Any) -> bool | None:
+    """Whether DeepSpeed will write this rank's model-states file at a save (None: the engine does not say)."""
+    value = getattr(engine, "save_non_zero_checkpoint", None)
+    return None if value is None else bool(value)
+
+
+def set_writes_model_states(engine: Any, writes: bool) -> None:
+    """Make DeepSpeed write this rank's model-states file at its saves (or not)."""
+    engine.save_non_zero_checkpoint = writes
+
+
+def has_moe_layers(engine: Any) -> bool:
+    """Whether DeepSpeed saves the engine through its MoE path (expert files of their own)."""
+    return bool(getattr(engine, "has_moe_layers", False))
+
+
 def loads_universal(engine: Any) -> bool:
     """The engine's ``checkpoint.load_universal`` setting, as DeepSpeed resolved it."""
     return bool(engine.load_universal_checkpoint())

@@ -268,6 +268,14 @@ def run_with_probes(argv: list[str]) -> None:
     train.run(rest, hooks)
 
 
+def forget_tensor_parallel_groups() -> None:
+    """Let the next engine in this process set up tensor-parallel groups of another degree: DeepSpeed sets them
+    once a process (module globals) and keeps them, so they are dropped here as DeepSpeed drops them when its
+    world group is destroyed. Fresh groups are made by the next engine's collective setup on every rank alike."""
+    from deepspeed.utils import groups
+    groups._release_process_group_references(None)
+
+
 def serve(directory: Path) -> None:
     """Answer run requests until told to stop, each run a fresh model and engine in these processes (the process
     group kept): what ``harness.runner``'s pool of workers asks for. Request N is ``DIRECTORY/N.json`` (``runs``: a
@@ -304,7 +312,7 @@ def serve(directory: Path) -> None:
     rank = int(os.environ["RANK"])
     (directory / f"pid.{rank}").write_text(str(os.getpid()))
     owner = int(os.environ.get("DSX_TEST_POOL_OWNER", "0"))  # harness.runner.OWNER_ENV
-    number = 0
+    number, tp_degree = 0, None
     while True:
         request = directory / f"{number}.json"
         while not request.exists():
@@ -317,6 +325,10 @@ def serve(directory: Path) -> None:
         with output_to(spec["log"]):
             try:
                 for run in spec["runs"]:
+                    degree = run[run.index("--tp") + 1]
+                    if tp_degree not in (None, degree):
+                        forget_tensor_parallel_groups()
+                    tp_degree = degree
                     run_with_probes(run)
             except BaseException:
                 traceback.print_exc()
