@@ -28,7 +28,7 @@ SPLIT_EACH = {"test_maxtext_model_code.py", "test_maxtext.py", "test_maxtext_con
 #: The longest groups start first, so neither worker is left alone with one at the end (scripts/test.sh passes
 #: --no-loadscope-reorder, else pytest-xdist orders the groups by their number of tests instead); the rest keep
 #: collection order, the many short unit-test groups last, where they fill in.
-LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_adapters_trainer_e2e.py", "test_maxtext_continue_e2e.py", "test_kv_heads.py",
+LONGEST_FIRST = ["test_install.py", "test_node_local_e2e.py", "test_trainers.py", "test_adapters_trainer_e2e.py", "test_maxtext_continue_e2e.py", "test_kv_heads.py",
                  "test_expert_parallel.py", "test_maxtext.py"]
 
 #: The skips that stay skips under CI=true, by their exact reason: each is about the platform the test runs on,

@@ -3,8 +3,8 @@ see different directories: two torchrun agents on this machine, each node saving
 
 Each node's first rank commits that node's files (its own marker, its own ``latest``); every node holds the
 model-states file of each model-parallel rank it runs (DeepSpeed alone writes only local rank 0's, so at TP=2 no
-node could resume); each node resumes from its own directory at the saved degrees, exactly; a resharding load,
-which reads every rank's files, is refused in one line that names node-local storage. docs/reliability.md.
+node could resume); each node resumes from its own directory at the saved degrees, exactly; a resharding load
+(TP=1), which reads every rank's files, is refused in one line that names node-local storage. docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -47,8 +47,10 @@ def test_each_node_commits_its_files_and_resumes_from_them(tmp_path):
     resumed = read_losses(tmp_path / "resumed.json")
     assert resumed[4] == baseline[4]  # the step after the save, bit for bit: every node restored its ranks' state
 
-    refused = torchrun_nodes(TP, _node_args(tmp_path, [*common, "--steps", "5", "--load-dir",
-                                                       str(tmp_path / "node{node}")]), tmp_path / "reshard.log",
+    # At TP=1 (one rank a node, DP=2) the resume reshards: it would read files that are on the other node.
+    refused = torchrun_nodes(1, _node_args(tmp_path, ["--tp", "1", "--zero", "1", "--dtype", "bf16",
+                                                      "--node-local-storage", "--steps", "5", "--load-dir",
+                                                      str(tmp_path / "node{node}")]), tmp_path / "reshard.log",
                              check=False)
     assert all(proc.returncode != 0 for proc in refused)
     output = refused[0].stdout + refused[0].stderr

@@ -253,7 +253,7 @@ STREAMED = [("llama3.1", True, None), ("qwen2", False, None), ("qwen3-moe", True
 
 @pytest.mark.parametrize("family, scan_layers, mesh", STREAMED)
 def test_streamed_in_row_blocks_equals_whole(tmp_path, family, scan_layers, mesh):
-    """Each tensor is transformed and written in blocks of HF rows (4 KiB blocks here: every tensor over two
+    """Each tensor is transformed and written in blocks of HF rows (8 KiB blocks here: every tensor over two
     blocks takes several): the arrays, Adam moments included, equal those written whole, every write covers whole
     storage chunks (under a mesh each chunk lies inside one device's shard), and the recorded read-back
     fingerprints agree."""
@@ -281,7 +281,7 @@ def test_streamed_in_row_blocks_equals_whole(tmp_path, family, scan_layers, mesh
         return torch.from_numpy(load(name, state)[first:last].reshape(-1).copy())
 
     written = {}
-    block = 4096
+    block = 8192
     for label, block_bytes in (("whole", 1 << 40), ("streamed", block)):
         written[label] = write_maxtext(load, shapes, fam, dims, tmp_path / label, dtype="float32", progress=False,
                                        model_config=config, with_optimizer=True, optimizer_step=2,
