@@ -189,13 +189,13 @@ class SumsPlan:
 
     def finish(self) -> LocalSums:
         """This rank's sums: what no writer showed is summed now."""
-        for key, tensor in self.pending.items():
-            self.sums[key] = torch.tensor(partial_sums(tensor), dtype=torch.float64)
+        for key, row in _sums_of(self.pending).items():
+            self.sums[key] = row
         self.pending = {}
         buffer_sums = torch.zeros(len(self._buffers), 3, dtype=torch.float64)
         if self._sum_buffers:
-            for i, (_, buffer) in enumerate(self._buffers):
-                buffer_sums[i] = torch.tensor(partial_sums(buffer), dtype=torch.float64)
+            for i, row in _sums_of(dict(enumerate(buffer for _, buffer in self._buffers))).items():
+                buffer_sums[i] = row
         return LocalSums(self._params, self._states, self.sums,
                          [(name, buffer.dtype) for name, buffer in self._buffers], buffer_sums, self._spread,
                          self._with_moments, self._stage, self._stages)
@@ -220,6 +220,19 @@ def reduce_engine_sums(local: LocalSums) -> tuple[Fingerprints, list[str]]:
                          else None]
     dist.broadcast_object_list(result, src=0)
     found: tuple[Fingerprints, list[str]] = result[0]
+    return found
+
+
+def _sums_of(tensors: dict[Any, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    """Each tensor's ``[numel, sum, sum of squares]`` (float64, on the host). Those on an accelerator are summed
+    there and brought over together: one synchronisation, not several per tensor."""
+    from deepspeed_ext.checkpoint.fingerprint import partial_sums_on_device
+    on_device = [key for key, tensor in tensors.items() if tensor.device.type not in ("cpu", "meta")]
+    found = dict(zip(on_device, torch.stack([partial_sums_on_device(tensors[key]) for key in on_device]).cpu(),
+                     strict=True)) if on_device else {}
+    for key, tensor in tensors.items():
+        if key not in found:
+            found[key] = torch.tensor(partial_sums(tensor), dtype=torch.float64)
     return found
 
 

@@ -178,3 +178,21 @@ def test_the_module_weights_are_checked_only_where_both_sides_hold_them():
     module_only.add("w", MODULE_WEIGHTS, module)
     checked, mismatches = compare(recorded, module_only)
     assert checked == 2 and [(m.state, m.found) for m in mismatches] == [(MASTER_WEIGHTS, "nothing")]
+
+
+@pytest.mark.parametrize("dtype, scale, numel", [(torch.float32, 1.0, 3 * 4096 + 17), (torch.bfloat16, 1.0, 70000),
+                                                  (torch.float32, 1e-30, 2 * 4096 + 3), (torch.float32, 1e25, 9000),
+                                                  (torch.float64, 1.0, 5000), (torch.float32, 0.0, 8192)])
+def test_sums_kept_on_the_device_agree_with_the_hosts(dtype, scale, numel):
+    """What an accelerator's tensors are summed with (no value leaves the device until every tensor is summed,
+    the squares always scaled by a power of two) gives the fingerprint the host's sums give: tiny, huge, narrow,
+    wide and all-zero tensors alike. Run here on CPU tensors, as its arithmetic does not depend on the device."""
+    generator = torch.Generator().manual_seed(numel)
+    tensor = (torch.randn(numel, generator=generator, dtype=torch.float64) ** 3 * scale).to(dtype)
+    host = Fingerprint(*fingerprint.partial_sums(tensor))
+    device = fingerprint.partial_sums_on_device(tensor)
+    assert device.dtype == torch.float64 and device.shape == (3, )
+    kept = Fingerprint(int(device[0]), float(device[1]), float(device[2]))
+    assert kept.numel == numel and host.agrees(kept) and kept.agrees(host), (host, kept)
+    if scale == 0.0:
+        assert float(device[1]) == float(device[2]) == 0.0
