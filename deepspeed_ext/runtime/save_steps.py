@@ -34,7 +34,7 @@ def commit_save(engine: Any, info: UCInfo, save_dir: str, tag: str, details: dic
             raise CheckpointError(f"{save_dir}/{tag}/{name}: not written on this node, yet rank {rank} reads it to "
                                   f"resume (node-local storage: each node must hold its ranks' files)")
     info.commit_marker = True
-    write_info(engine, info, os.path.join(commit.staging_root(save_dir, tag), tag), always=True)
+    write_info(engine, info, str(staged), always=True)
     commit.commit(save_dir, tag, details, save_latest=save_latest)
 
 

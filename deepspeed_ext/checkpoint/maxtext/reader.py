@@ -133,6 +133,7 @@ class MaxTextCheckpoint:
         self.step = self._read_scalar((STEP_KEY, ))
         self.optimizer_step = self._read_scalar(OPTIMIZER_COUNT) if self.has_optimizer else 0
         self._cache: dict[tuple[str, ...], np.ndarray] = {}
+        self._cache_bytes = 0  # what the cache holds
 
     def _is_scanned(self) -> bool:
         """Whether the layers are stored stacked: a stack of the scanned layout is there. A depth the scanned
@@ -194,6 +195,7 @@ class MaxTextCheckpoint:
         #: The optimized leaves in the order the plan reads them (restored together, see ``_leaf``).
         self._leaf_order = list(dict.fromkeys(leaf for parts in sources.values() for _, leaf, _, _ in parts
                                               if leaf not in self._tree_paths))
+        self._leaf_position = {leaf: i for i, leaf in enumerate(self._leaf_order)}
         extra = sorted(set(self.stored) - used)
         if extra:
             raise CheckpointError(f"{self.items}: {len(extra)} MaxText arrays have no place in family "
@@ -211,7 +213,7 @@ class MaxTextCheckpoint:
             wanted = [path]
             if leaf is not None:
                 budget = LEAF_BATCH_BYTES - 4 * math.prod(self.stored[leaf])
-                for following in self._leaf_order[self._leaf_order.index(leaf) + 1:]:
+                for following in self._leaf_order[self._leaf_position[leaf] + 1:]:
                     budget -= 4 * math.prod(self.stored[following])
                     if budget < 0:
                         break
@@ -222,11 +224,11 @@ class MaxTextCheckpoint:
             for restored_path, value in restore_leaves(self._checkpointer, self.items, self._tree, wanted,
                                                        np.ndarray, np.float32).items():
                 self._cache[restored_path] = np.asarray(value, dtype=np.float32)
+                self._cache_bytes += self._cache[restored_path].nbytes
             array = self._cache.pop(path)
         self._cache[path] = array
-        held = sum(a.nbytes for a in self._cache.values())
-        while len(self._cache) > 6 and held > LEAF_CACHE_BYTES:
-            held -= self._cache.pop(next(iter(self._cache))).nbytes
+        while len(self._cache) > 6 and self._cache_bytes > LEAF_CACHE_BYTES:
+            self._cache_bytes -= self._cache.pop(next(iter(self._cache))).nbytes
         return array
 
     def _hf_shape(self, parts: list[_Part]) -> tuple[int, ...]:
