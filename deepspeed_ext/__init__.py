@@ -10,6 +10,7 @@ Checkpoints in any supported format: :func:`open_checkpoint`, :func:`convert`, :
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from deepspeed_ext.version import __version__ as __version__
@@ -59,6 +60,48 @@ def expert_parallel_preset(family: str) -> dict[str, Any]:
     return _preset(family)
 
 
+def hf_weights(engine: Any, *, names: str = "hf", dtype: str = "source", quantize: str | None = None,
+               fp8_block: tuple[int, int] = (128, 128), adapters: str = "merge",
+               bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, Any]]:
+    """The engine's full weights, ``(name, tensor)`` one at a time in a stable order, on every rank (collective:
+    every rank iterates to the end). ``names``: ``hf`` (the model's, as ``model.state_dict()`` has them), ``files``
+    (the HF files', as ``to-hf`` writes them and vLLM's ``load_weights`` reads them) or ``module`` (the engine's
+    own). ``dtype``: ``source`` (the module's), ``bfloat16``, ``float16``, ``float32``. ``quantize="fp8"``: linear
+    weights in block FP8 with their ``weight_scale_inv`` (``names="files"``). ``adapters``: a peft model's LoRA
+    adapters ``merge``-d into the weights, or ``only`` the adapters (as ``adapter_model.safetensors`` names them).
+    Memory: a bucket of ``bucket_bytes`` (a larger tensor alone), never the model (docs/weight-streaming.md)."""
+    from deepspeed_ext.weights.engine_side import hf_weights as _hf_weights
+    from deepspeed_ext.weights.naming import WeightOptions
+    options = WeightOptions(names=names, dtype=dtype, quantize=quantize, fp8_block=fp8_block, adapters=adapters)
+    return _hf_weights(engine, options, bucket_bytes)
+
+
+def weight_group(host: str, port: int, *, senders: int, receivers: int = 1, rank: int | None = None,
+                 receiver: int | None = None, backend: str = "gloo", timeout: float = 300.0) -> Any:
+    """The groups a weight update travels over, between ``senders`` training ranks (each joins with its ``rank``)
+    and ``receivers`` inference processes (each with ``receiver=``); training rank 0 hosts the store at
+    ``host:port``. ``backend``: ``gloo`` or ``nccl``. See :func:`send_weights`."""
+    from deepspeed_ext.weights.groups import WeightGroup
+    return WeightGroup(host, port, senders=senders, receivers=receivers, rank=rank, receiver=receiver,
+                       backend=backend, timeout=timeout)
+
+
+def send_weights(engine: Any, group: Any, *, version: int | None = None, adapters_only: bool = False,
+                 bucket_bytes: int = 256 << 20) -> int:
+    """Broadcast ``engine``'s weights to the receivers of ``group`` (every training rank calls it; each sends
+    what it holds). Returns the update's version (``version``, else one more than the last)."""
+    from deepspeed_ext.weights.transfer import send_weights as _send
+    return _send(engine, group, version=version, adapters_only=adapters_only, bucket_bytes=bucket_bytes)
+
+
+def receive_weights(group: Any, sink: Any, **options: Any) -> int:
+    """Receive the next update of ``group`` into ``sink``: a torch module (in place), a model with vLLM's
+    ``load_weights``, or a callable ``(name, tensor)``. Returns its version; an update missed or cut short is
+    refused in one line. Options: ``names``, ``dtype``, ``quantize``, ``atomic``, ``expect_version``."""
+    from deepspeed_ext.weights.transfer import receive_weights as _receive
+    return _receive(group, sink, **options)
+
+
 def __getattr__(name: str) -> Any:
     # The checkpoint API imports only when used: `import deepspeed_ext` stays instant.
     if name in ("open_checkpoint", "convert", "verify"):
@@ -67,5 +110,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'deepspeed_ext' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "enable", "disable", "tensor_parallel_preset", "expert_parallel_preset",
+__all__ = ["initialize", "enable", "disable", "tensor_parallel_preset", "expert_parallel_preset", "hf_weights",
+           "weight_group", "send_weights", "receive_weights",
             "open_checkpoint", "convert", "verify", "__version__"]

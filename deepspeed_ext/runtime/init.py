@@ -9,13 +9,13 @@ After DeepSpeed builds the engine (and AutoTP has sharded the model), every para
 from __future__ import annotations
 
 import functools
-import json
 from typing import Any
 
 import torch
 
 from deepspeed_ext.checkpoint import engine_private
 from deepspeed_ext.checkpoint.adapters import is_lora_factor
+from deepspeed_ext.checkpoint.live_module import adapters_of, model_class_of, model_config_of
 from deepspeed_ext.checkpoint.metadata import UCInfo
 from deepspeed_ext.config import ExtConfig, load_ds_config
 from deepspeed_ext.errors import DeepSpeedExtError
@@ -140,40 +140,6 @@ def enabled() -> bool:
     return hasattr(deepspeed.initialize, WRAPPED_ATTR)
 
 
-def _model_config_dict(module: torch.nn.Module) -> dict[str, Any] | None:
-    config = getattr(module, "config", None)
-    if config is None:
-        return None
-    if hasattr(config, "to_json_string"):
-        found: dict[str, Any] = json.loads(config.to_json_string(use_diff=False))
-        return found
-    try:
-        found = json.loads(json.dumps(vars(config), default=str))
-        return found
-    except TypeError:
-        return None
-
-
-def _model_class(module: torch.nn.Module) -> str:
-    """The class of the model trained: a ``PeftModel``'s base model's (its adapters are recorded beside)."""
-    get_base_model = getattr(module, "get_base_model", None)
-    return type(get_base_model() if callable(get_base_model) else module).__name__
-
-
-def _adapters(module: torch.nn.Module) -> dict[str, Any] | None:
-    """The peft adapters of ``module`` (a ``PeftModel``, or a model given adapters by transformers' ``add_adapter``):
-    each one's config, as ``adapter_config.json`` holds it, and the active ones. None without adapters."""
-    configs = getattr(module, "peft_config", None)
-    if not isinstance(configs, dict) or not configs:
-        return None
-    from deepspeed_ext.checkpoint.adapters import peft_config_json
-    active = getattr(module, "active_adapters", None)
-    active = active() if callable(active) else active
-    return {"configs": {str(name): peft_config_json(config.to_dict() if hasattr(config, "to_dict") else vars(config))
-                        for name, config in configs.items()},
-            "active": [str(name) for name in (active or [])]}
-
-
 def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None) -> UCInfo:
     """Tag ``engine.module`` and hook the engine's checkpoint methods. Returns the UC info."""
     engine_private.check_installed_deepspeed()  # a DeepSpeed release we cannot serve fails here, in one line
@@ -184,12 +150,12 @@ def attach(engine: Any, ext: ExtConfig, ds_config: dict[str, Any] | None = None)
         refuse_empty_shards_under_zero3(layouts)
     info = UCInfo(tp_size=tp_size,
                   layouts=layouts,
-                  model_config=_model_config_dict(engine.module),
-                  model_class=_model_class(engine.module),
+                  model_config=model_config_of(engine.module),
+                  model_class=model_class_of(engine.module),
                   versions=versions(),
                   engine_settings=engine_private.step_settings(engine),
                   frozen=_frozen_over_every_stage(engine),
-                  adapters=_adapters(engine.module))
+                  adapters=adapters_of(engine.module))
     setattr(engine, ENGINE_ATTR, info)
     stacked = unsharded_weights(layouts, min_ndim=3)
     if stacked and engine.global_rank == 0:

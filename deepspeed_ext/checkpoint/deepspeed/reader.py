@@ -110,11 +110,20 @@ class DeepSpeedCheckpoint(DeepSpeedTag):
                                 scalars=tuple(self._scalars),
                                 loader=loader,
                                 dtype=(self.frozen.dtypes[name] if name in self.frozen else
-                                       weights.dtype if torch.is_tensor(weights) else torch.float32),
+                                       weights.dtype if torch.is_tensor(weights) else self._apart_dtype(name)),
                                 range_loader=range_loader,
                                 module_weights=name in self._module_shards or (
                                     name in self.frozen and self.frozen.dtypes[name] in (torch.bfloat16, torch.float16)),
                                 trainable=name not in self.frozen_names)
+
+    def _apart_dtype(self, name: str) -> torch.dtype:
+        """The dtype of a parameter the model states' module does not hold: an AutoEP expert stack, kept in the
+        expert files in the dtype DeepSpeed cast the whole module to (the module's other weights'); else fp32."""
+        if self.experts is None or name not in self.experts.params:
+            return torch.float32
+        dtypes = [value.dtype for value in (self.model_states.get(keys.MODULE) or {}).values()
+                  if torch.is_tensor(value) and value.is_floating_point()]
+        return max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
 
     #: The check of every file's checksums, started by the first :meth:`tensors` (a conversion reads it all).
     _content_check: ContentCheck | None = None

@@ -12,6 +12,7 @@ from deepspeed_ext.checkpoint.deepspeed import keys
 from deepspeed_ext.checkpoint.engine_private.engine import is_zero3_param, partitions_weights, zero3_partition
 from deepspeed_ext.checkpoint.engine_private.optimizer import LiveSlot, base_optimizer
 from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MUON_MOMENTUM, STEP, USE_MUON, optimizer_state_keys
+from deepspeed_ext.errors import CheckpointError
 
 # --------------------------------------------------------------------------- ZeRO-3 partitions
 
@@ -47,12 +48,23 @@ def no_optimizer_holds(param: Any, stage0: Mapping[Any, LiveSlot]) -> bool:
 
 def frozen_weight_targets(param: Any) -> list[tuple[torch.Tensor, int]]:
     """Where this rank keeps a frozen parameter's weights (no optimizer holds them): ``(1-D tensor, start)`` pairs
-    as :func:`state_targets` gives them. ZeRO-3: this rank's partition of the low-precision weights (``ds_tensor``,
-    its real part); else the parameter itself, whole on every DP rank."""
+    as :func:`state_targets` gives them (see :func:`held_weights`)."""
+    return [held_weights(param)]
+
+
+def held_weights(param: Any) -> tuple[torch.Tensor, int]:
+    """The module's weights of ``param`` this rank keeps, as ``(1-D tensor, start)`` in its TP-local shard
+    flattened: under ZeRO-3 its partition (``ds_tensor``, the real part), else the parameter itself, whole. What
+    the forward pass computes with, trainable or frozen. A partition ZeRO-3 keeps on NVMe (``offload_param``) is
+    not in memory and is refused."""
     if is_zero3_param(param):
         start, stop, _ = zero3_partition(param)
-        return [(param.ds_tensor.data.view(-1)[:stop - start], start)]
-    return [(param.data.view(-1), 0)]
+        local = param.ds_tensor.data.view(-1)
+        if local.numel() < stop - start:
+            raise CheckpointError(f"a ZeRO-3 partition of {tuple(param.ds_shape)} is not in memory (offload_param to "
+                                  "NVMe): its weights cannot be read from the live engine")
+        return local[:stop - start], start
+    return param.data.view(-1), 0
 
 
 def owned_frozen_weights(param: Any, dp_rank: int) -> torch.Tensor | None:
