@@ -62,7 +62,7 @@ def expert_parallel_preset(family: str) -> dict[str, Any]:
 
 def hf_weights(engine: Any, *, names: str = "hf", dtype: str = "source", quantize: str | None = None,
                fp8_block: tuple[int, int] = (128, 128), adapters: str = "merge",
-               bucket_bytes: int = 256 << 20) -> Iterator[tuple[str, Any]]:
+               bucket_bytes: int = 32 << 20) -> Iterator[tuple[str, Any]]:
     """The engine's full weights, ``(name, tensor)`` one at a time in a stable order, on every rank (collective:
     every rank iterates to the end). ``names``: ``hf`` (the model's, as ``model.state_dict()`` has them), ``files``
     (the HF files', as ``to-hf`` writes them and vLLM's ``load_weights`` reads them) or ``module`` (the engine's
@@ -87,7 +87,7 @@ def weight_group(host: str, port: int, *, senders: int, receivers: int = 1, rank
 
 
 def send_weights(engine: Any, group: Any, *, version: int | None = None, adapters_only: bool = False,
-                 bucket_bytes: int = 256 << 20) -> int:
+                 bucket_bytes: int = 32 << 20) -> int:
     """Broadcast ``engine``'s weights to the receivers of ``group`` (every training rank calls it; each sends
     what it holds). Returns the update's version (``version``, else one more than the last)."""
     from deepspeed_ext.weights.transfer import send_weights as _send

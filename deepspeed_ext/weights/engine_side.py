@@ -17,7 +17,7 @@ from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, shard_rank, tag_autotp_model
 from deepspeed_ext.module_inject.layout import TPLayout
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_tensors
-from deepspeed_ext.weights.plan import Bucket, Holding, WeightPlan, buckets_of, plan_from_holdings
+from deepspeed_ext.weights.plan import Bucket, Holding, Landing, Piece, TensorPlan, WeightPlan, buckets_of, plan_from_holdings
 
 #: Where an engine keeps its plan: the layouts do not change while it trains.
 _PLAN_ATTR = "_deepspeed_ext_weight_plan"
@@ -79,21 +79,12 @@ def engine_plan(engine: Any) -> WeightPlan:
     return plan
 
 
-def pack(bucket: Bucket, rank: int, local: Mapping[str, tuple[torch.Tensor, int, int, Any]]) -> torch.Tensor | None:
-    """This rank's pieces of ``bucket`` in one byte buffer, where :meth:`Bucket.placed` puts them (None: it sends
-    none)."""
-    placed = bucket.placed(rank)
-    if not placed:
-        return None
-    buffer = None
-    for plan, piece, offset in placed:
-        values, start, shard, _ = local[plan.name]
-        assert shard == piece.shard, f"{plan.name}: plan says shard {piece.shard}, this rank holds {shard}"
-        part = values[piece.start - start:piece.stop - start].contiguous().view(-1).view(torch.uint8)
-        if buffer is None:
-            buffer = torch.zeros(bucket.buffer_bytes(rank), dtype=torch.uint8, device=part.device)
-        buffer[offset:offset + part.numel()].copy_(part)
-    return buffer
+def own_values(local: Mapping[str, tuple[torch.Tensor, int, int, Any]], plan: TensorPlan,
+               piece: Piece) -> torch.Tensor:
+    """This rank's values of ``piece`` (which it owns), where it keeps them: a view, no copy."""
+    values, start, shard, _ = local[plan.name]
+    assert shard == piece.shard, f"{plan.name}: plan says shard {piece.shard}, this rank holds {shard}"
+    return values[piece.start - start:piece.stop - start]
 
 
 def buffer_device(engine: Any) -> torch.device:
@@ -105,26 +96,30 @@ def buffer_device(engine: Any) -> torch.device:
 
 
 def gathered_buckets(engine: Any, plan: WeightPlan, buckets: list[Bucket]) -> Iterator[dict[str, torch.Tensor]]:
-    """Each bucket's full tensors on every rank of the engine: each owner broadcasts its buffer to the others."""
+    """Each bucket's full tensors on every rank of the engine: each piece broadcast by its owner, the next bucket's
+    posted before this one's are handed out."""
     import torch.distributed as dist
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = buffer_device(engine)
+    local = local_tensors(engine)
+
+    def post(owner: int, tensor: torch.Tensor) -> Any:
+        return dist.broadcast(tensor, src=owner, async_op=True) if plan.ranks > 1 else None
+
+    def own(tensor_plan: TensorPlan, piece: Piece) -> torch.Tensor | None:
+        return own_values(local, tensor_plan, piece) if piece.owner == rank else None
+
+    def fresh(tensor_plan: TensorPlan) -> torch.Tensor:
+        return torch.empty(tensor_plan.layout.shape, dtype=tensor_plan.dtype, device=device)
+
+    landing = None
     for bucket in buckets:
-        local = local_tensors(engine)
-        buffers: dict[int, torch.Tensor] = {}
-        works = []
-        for owner in bucket.packed:
-            if owner == rank:
-                packed = pack(bucket, rank, local)
-                assert packed is not None
-                buffers[owner] = packed
-            else:
-                buffers[owner] = torch.empty(bucket.buffer_bytes(owner), dtype=torch.uint8, device=device)
-            if plan.ranks > 1:
-                works.append(dist.broadcast(buffers[owner], src=owner, async_op=True))
-        for work in works:
-            work.wait()
-        yield bucket.unpack(buffers)
+        following = Landing(bucket, fresh, post, own)
+        if landing is not None:
+            yield landing.finish()
+        landing = following
+    if landing is not None:
+        yield landing.finish()
 
 
 def hf_weights(engine: Any, options: WeightOptions, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:

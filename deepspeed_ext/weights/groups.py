@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.weights.plan import Scratch
 
 BACKENDS = ("gloo", "nccl")
 #: The store's keys of one group, under the store shared by all.
@@ -61,6 +62,8 @@ class WeightGroup:
         self.last_version: int | None = None
         self.applied_version: int | None = None
         self.broken: str | None = None
+        #: A receiver's buffers for shards received apart, kept between updates (one per bucket in flight).
+        self.scratch = (Scratch(), Scratch(), Scratch())
         try:
             self._store = getattr(dist, "TCPStore")(host, port, is_master=rank == 0, timeout=self.timeout,
                                         wait_for_workers=False)

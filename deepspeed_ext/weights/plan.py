@@ -26,10 +26,6 @@ _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.bool)}
 
 
-#: Each piece starts on a multiple of this many bytes in a bucket's buffer (the widest dtype's size).
-ALIGN = 8
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -75,15 +71,6 @@ class TensorPlan:
     @property
     def nbytes(self) -> int:
         return sum(piece.numel for piece in self.pieces) * self.dtype.itemsize
-
-    def assemble(self, shard_values: Mapping[int, torch.Tensor]) -> torch.Tensor:
-        """The full tensor from each needed shard's flat values (:meth:`shards`)."""
-        layout = self.layout
-        if layout.is_replicated:
-            return shard_values[0].reshape(layout.shape)
-        shards = [shard_values[s].reshape(layout.local_shape(s)) if s in shard_values else
-                  torch.empty(layout.local_shape(s), dtype=self.dtype) for s in range(layout.tp_size)]
-        return layout.merge(shards, check_replicas=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "layout": self.layout.to_json(), "dtype": dtype_name(self.dtype),
@@ -170,40 +157,114 @@ def plan_from_holdings(layouts: Mapping[str, TPLayout], dtypes: Mapping[str, tor
 
 @dataclass(frozen=True)
 class Bucket:
-    """Consecutive tensors of a plan sent together: each owner's pieces packed in one byte buffer, in plan order."""
+    """Consecutive tensors of a plan sent together: each piece is one message from its owner, in the bucket's order
+    (no packing: an owner sends from where it keeps the weights, a receiver receives where the tensor goes)."""
 
     tensors: tuple[TensorPlan, ...]
-    #: owner -> its pieces, in the order they lie in its buffer, with their tensor.
-    packed: Mapping[int, tuple[tuple[TensorPlan, Piece], ...]]
 
-    def placed(self, owner: int) -> list[tuple[TensorPlan, Piece, int]]:
-        """``owner``'s pieces with their byte offsets in its buffer: each on a multiple of :data:`ALIGN`, so every
-        piece can be viewed in its own dtype where it lies."""
-        placed, offset = [], 0
-        for plan, piece in self.packed.get(owner, ()):
-            placed.append((plan, piece, offset))
-            offset += -(-piece.numel * plan.dtype.itemsize // ALIGN) * ALIGN
-        return placed
+    def pieces_of(self, owner: int) -> list[tuple[TensorPlan, Piece]]:
+        return [(plan, piece) for plan in self.tensors for piece in plan.pieces if piece.owner == owner]
 
-    def buffer_bytes(self, owner: int) -> int:
-        return sum(-(-piece.numel * plan.dtype.itemsize // ALIGN) * ALIGN for plan, piece in self.packed.get(owner, ()))
+    @property
+    def owners(self) -> list[int]:
+        return sorted({piece.owner for plan in self.tensors for piece in plan.pieces})
 
-    def unpack(self, buffers: Mapping[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The bucket's full tensors from each owner's received byte buffer."""
-        shard_parts: dict[str, dict[int, list[tuple[int, torch.Tensor]]]] = {}
-        for owner in self.packed:
-            buffer = buffers[owner]
-            for plan, piece, offset in self.placed(owner):
-                values = buffer[offset:offset + piece.numel * plan.dtype.itemsize].view(plan.dtype)
-                shard_parts.setdefault(plan.name, {}).setdefault(piece.shard, []).append((piece.start, values))
-        full = {}
-        for plan in self.tensors:
-            shards = {}
-            for shard, parts in shard_parts.get(plan.name, {}).items():
-                parts.sort(key=lambda part: part[0])
-                shards[shard] = parts[0][1] if len(parts) == 1 else torch.cat([values for _, values in parts])
-            full[plan.name] = plan.assemble(shards)
-        return full
+    def nbytes(self, owner: int) -> int:
+        return sum(piece.numel * plan.dtype.itemsize for plan, piece in self.pieces_of(owner))
+
+
+class Landing:
+    """Where a bucket's pieces are received: straight into each tensor's destination where a shard lies there in one
+    run (a replicated tensor, a split along its first dimension), else into the shard's own buffer, which
+    :meth:`finish` copies into place once every piece is in. ``post(owner, tensor)`` starts the receive (or, on the
+    owner, the send) of one piece and returns its work; ``own(plan, piece)`` is this rank's own values of a piece it
+    sends (None where it sends none)."""
+
+    def __init__(self, bucket: Bucket, destination: Any, post: Any, own: Any = None, scratch: Scratch | None = None):
+        self.bucket, self.destinations = bucket, {plan.name: destination(plan) for plan in bucket.tensors}
+        if scratch is not None:
+            scratch.reset()
+        self._apart: list[tuple[TensorPlan, int, torch.Tensor]] = []
+        self.works = []
+        for plan in bucket.tensors:
+            flat = self.destinations[plan.name].view(-1)
+            for shard in plan.shards:
+                numel = math.prod(plan.layout.local_shape(shard))
+                base = _run_start(plan.layout, shard)
+                if base is not None:
+                    target = flat[base:base + numel]
+                else:
+                    target = (scratch.take(numel, plan.dtype, flat.device) if scratch is not None else
+                              torch.empty(numel, dtype=plan.dtype, device=flat.device))
+                    self._apart.append((plan, shard, target))
+                for piece in plan.pieces:
+                    if piece.shard != shard:
+                        continue
+                    into = target[piece.start:piece.stop]
+                    mine = own(plan, piece) if own is not None else None
+                    if mine is not None:
+                        into.copy_(mine)
+                        self.works.append(post(piece.owner, mine))
+                    else:
+                        self.works.append(post(piece.owner, into))
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Wait for every piece; the bucket's full tensors."""
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        for plan, shard, values in self._apart:
+            _place(plan.layout, shard, values, self.destinations[plan.name])
+        return self.destinations
+
+
+class Scratch:
+    """Memory a landing's shard buffers are cut from, kept from one bucket (and update) to the next: fresh memory
+    for each would be paged in anew every time, which costs as much as the copy it holds."""
+
+    def __init__(self) -> None:
+        self._memory: torch.Tensor | None = None
+        self._used = 0
+        self._wanted = 0
+
+    def reset(self) -> None:
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        size = -(-numel * dtype.itemsize // 64) * 64
+        memory = self._memory
+        if self._used == 0 and (memory is None or memory.device != device or memory.numel() < max(self._wanted, size)):
+            # A bucket's first buffer: room for as much as any bucket has needed so far.
+            self._wanted = max(self._wanted, size)
+            memory = self._memory = torch.empty(self._wanted, dtype=torch.uint8, device=device)
+        if memory is not None and memory.device == device and self._used + size <= memory.numel():
+            values = memory[self._used:self._used + numel * dtype.itemsize].view(dtype)
+            self._used += size
+            return values
+        self._wanted = max(self._wanted, self._used + size)  # the next bucket has room for it
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _run_start(layout: TPLayout, shard: int) -> int | None:
+    """Where shard ``shard`` starts in the full tensor flattened, if its elements lie there in one run; else None."""
+    if layout.is_replicated:
+        return 0
+    logical = layout.logical_shape
+    pieces = [(offset, length) for offset, length in layout.rank_pieces(shard) if length]
+    if math.prod(logical[:layout.dim]) != 1 or len(pieces) > 1:
+        return None
+    return pieces[0][0] * math.prod(logical[layout.dim + 1:]) if pieces else 0
+
+
+def _place(layout: TPLayout, shard: int, values: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy shard ``shard``'s values into the full tensor, where the layout put them."""
+    local = values.view(layout.local_view_shape(shard))
+    view = full.view(layout.logical_shape)
+    position = 0
+    for offset, length in layout.rank_pieces(shard):
+        if length:
+            view.narrow(layout.dim, offset, length).copy_(local.narrow(layout.dim, position, length))
+        position += length
 
 
 def buckets_of(tensors: Sequence[TensorPlan], bucket_bytes: int) -> list[Bucket]:
@@ -218,13 +279,4 @@ def buckets_of(tensors: Sequence[TensorPlan], bucket_bytes: int) -> list[Bucket]
             size = 0
         groups[-1].append(plan)
         size += plan.nbytes
-    buckets = []
-    for group in groups:
-        if not group:
-            continue
-        packed: dict[int, list[tuple[TensorPlan, Piece]]] = {}
-        for plan in group:
-            for piece in plan.pieces:
-                packed.setdefault(piece.owner, []).append((plan, piece))
-        buckets.append(Bucket(tuple(group), {owner: tuple(entries) for owner, entries in sorted(packed.items())}))
-    return buckets
+    return [Bucket(tuple(group)) for group in groups if group]

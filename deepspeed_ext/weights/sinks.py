@@ -57,7 +57,9 @@ class ModuleSink(Sink):
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             for name, value in tensors:
-                self.targets[name].copy_(value)
+                target = self.targets[name]
+                if value.data_ptr() != target.data_ptr():  # else it was received in place
+                    target.copy_(value)
 
 
 class LoadWeightsSink(Sink):

@@ -25,13 +25,17 @@ import torch
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.weights.groups import WeightGroup
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_shapes, named_tensors
-from deepspeed_ext.weights.plan import Bucket, WeightPlan, buckets_of
-from deepspeed_ext.weights.sinks import sink_for
+from deepspeed_ext.weights.plan import Bucket, Landing, TensorPlan, WeightPlan, buckets_of
+from deepspeed_ext.checkpoint.expert_names import has_autoep_names
+from deepspeed_ext.checkpoint.families import hf_expert_splits
+from deepspeed_ext.weights.sinks import ModuleSink, Sink, sink_for
 
 _HEADER, _TRAILER = 0x6473785748, 0x6473785754  # "dsxWH", "dsxWT"
 #: Buffers a training rank keeps in flight: the next bucket is packed while the last one is sent.
 _IN_FLIGHT = 2
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 32 << 20
+#: Buckets a receiver has posted beyond the one it is putting in place: the senders' bytes keep flowing meanwhile.
+_LOOKAHEAD = 2
 
 
 def _int64(values: list[int], device: torch.device) -> torch.Tensor:
@@ -44,7 +48,7 @@ def send_weights(engine: Any, group: WeightGroup, *, version: int | None = None,
     the first time: the ranks agree on who sends what). Each rank broadcasts only the pieces it holds. Returns the
     update's version: ``version``, else one more than the last sent (1 first). ``adapters_only``: a peft model's
     adapters alone (LoRA RL: a few MB)."""
-    from deepspeed_ext.weights.engine_side import adapters_plan, engine_plan, local_tensors, pack
+    from deepspeed_ext.weights.engine_side import adapters_plan, engine_plan, local_tensors, own_values
     if not group.is_sender:
         raise ValueError("send_weights runs on the training ranks; a receiver calls receive_weights")
     assert group.rank is not None
@@ -61,19 +65,22 @@ def send_weights(engine: Any, group: WeightGroup, *, version: int | None = None,
                                "adapters_only": adapters_only}).encode()
             group.broadcast(0, _int64([_HEADER, version, len(text)], device)).wait()
             group.broadcast(0, torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)).wait()
-        in_flight: list[tuple[Any, torch.Tensor]] = []
+        # Each piece from where this rank keeps it; a bucket's sends wait for those of the bucket before last.
+        in_flight: list[list[tuple[Any, torch.Tensor]]] = []
         local = local_tensors(engine)
         for bucket in buckets_of(plan.tensors, bucket_bytes):
-            buffer = pack(bucket, rank, local)
-            if buffer is None:
-                continue
-            buffer = buffer.to(device)
-            in_flight.append((group.broadcast(rank, buffer), buffer))
-            sent += buffer.numel()
+            works = []
+            for tensor_plan, piece in bucket.pieces_of(rank):
+                values = own_values(local, tensor_plan, piece).to(device)
+                works.append((group.broadcast(rank, values), values))
+                sent += values.numel() * values.element_size()
+            in_flight.append(works)
             if len(in_flight) >= _IN_FLIGHT:
-                in_flight.pop(0)[0].wait()
-        for work, _ in in_flight:
-            work.wait()
+                for work, _ in in_flight.pop(0):
+                    work.wait()
+        for works in in_flight:
+            for work, _ in works:
+                work.wait()
         group.broadcast(rank, _int64([_TRAILER, version, sent], device)).wait()
     except CheckpointError:
         raise
@@ -143,8 +150,10 @@ def _receive(group: WeightGroup, sink: Any, names: str | None, dtype: str, quant
     options = WeightOptions(names=target.names, dtype=dtype, quantize=quantize, fp8_block=fp8_block,
                             adapters="only" if adapters_only and target.names != "module" else "merge")
     sent: dict[int, int] = {}
-    arriving = _received(group, buckets_of(plan.tensors, int(header["bucket_bytes"])), sent, device)
-    source = StreamedSource(plan, arriving, label)
+    buckets = buckets_of(plan.tensors, int(header["bucket_bytes"]))
+
+    def fresh(tensor_plan: TensorPlan) -> torch.Tensor:
+        return torch.empty(tensor_plan.layout.shape, dtype=tensor_plan.dtype, device=device)
     expected = expect_version if expect_version is not None else (
         None if group.last_version is None else group.last_version + 1)
     problem = None
@@ -153,26 +162,56 @@ def _receive(group: WeightGroup, sink: Any, names: str | None, dtype: str, quant
         problem += _kept(group)
     else:
         try:
-            target.check(named_shapes(source, options), label)
+            target.check(named_shapes(StreamedSource(plan, iter(()), label), options), label)
         except CheckpointError as exc:
             problem = f"{exc}; refused, {_kept(group)}"
     if problem is not None:
-        for _ in arriving:  # the senders' buffers, taken and dropped
+        for _ in _received(group, buckets, sent, device, fresh):  # the senders' pieces, taken and dropped
             pass
         _check_trailers(group, version, sent, device, label)
         group.last_version = version
         raise UpdateRefused(problem)
+    # Straight into the sink's own tensors where they fit (not for an atomic update: nothing is loaded before
+    # the whole of it is in).
+    destination = None if atomic else _in_place(target, plan, options, device)
+    source = StreamedSource(plan, _received(group, buckets, sent, device, destination or fresh), label)
     stream: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]] = named_tensors(source, options)
     if atomic:  # every byte in and checked before the sink sees any of it
         stream = list(stream)
         source.drain()
         _check_trailers(group, version, sent, device, label)
     state["loading"] = not atomic
-    target.load(stream)
+    target.load(stream)  # what was received in place is there already
     if not atomic:
         source.drain()
         _check_trailers(group, version, sent, device, label)
     return version
+
+
+def _in_place(target: Sink, plan: WeightPlan, options: WeightOptions, device: torch.device) -> Any:
+    """Where a module sink's own tensors can take the pieces as they arrive (no copy on the receiver): the stream
+    names the plan's tensors as the module does (no renames, merges or splits) in their own dtype, and the module's
+    tensor is contiguous, of that dtype and shape, on the group's device. None where nothing can."""
+    if not isinstance(target, ModuleSink) or options.quantize is not None or options.dtype != "source":
+        return None
+    if options.names != "module" and (plan.adapters or has_autoep_names(plan.by_name)):
+        return None
+    if options.names == "files" and hf_expert_splits((plan.model_config or {}).get("model_type")):
+        return None
+    ours = {}
+    for tensor_plan in plan.tensors:
+        found = target.targets.get(tensor_plan.name)
+        if (found is not None and found.is_contiguous() and found.dtype == tensor_plan.dtype
+                and tuple(found.shape) == tuple(tensor_plan.layout.shape) and found.device == device):
+            ours[tensor_plan.name] = found.data
+    if not ours:
+        return None
+
+    def destination(tensor_plan: TensorPlan) -> torch.Tensor:
+        found = ours.get(tensor_plan.name)
+        return found if found is not None else torch.empty(tensor_plan.layout.shape, dtype=tensor_plan.dtype,
+                                                           device=device)
+    return destination
 
 
 def _kept(group: WeightGroup) -> str:
@@ -180,18 +219,19 @@ def _kept(group: WeightGroup) -> str:
             f"the sink keeps version {group.applied_version}")
 
 
-def _received(group: WeightGroup, buckets: list[Bucket], sent: dict[int, int],
-              device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
-    """Each bucket's full tensors, from the buffers its owners broadcast (all of a bucket's received at once)."""
-    for bucket in buckets:
-        buffers = {owner: torch.empty(bucket.buffer_bytes(owner), dtype=torch.uint8, device=device)
-                   for owner in bucket.packed}
-        works = [group.broadcast(owner, buffer) for owner, buffer in buffers.items()]
-        for work in works:
-            work.wait()
-        for owner, buffer in buffers.items():
-            sent[owner] = sent.get(owner, 0) + buffer.numel()
-        yield bucket.unpack(buffers)
+def _received(group: WeightGroup, buckets: list[Bucket], sent: dict[int, int], device: torch.device,
+              destination: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """Each bucket's full tensors, its pieces received where ``destination(plan)`` puts each tensor; the next
+    bucket's receives are posted before this one's tensors are handed out."""
+    landings: list[Landing] = []
+    for index, bucket in enumerate(buckets):
+        landings.append(Landing(bucket, destination, group.broadcast, scratch=group.scratch[index % len(group.scratch)]))
+        for owner in bucket.owners:
+            sent[owner] = sent.get(owner, 0) + bucket.nbytes(owner)
+        if len(landings) > _LOOKAHEAD:
+            yield landings.pop(0).finish()
+    while landings:
+        yield landings.pop(0).finish()
 
 
 def _check_trailers(group: WeightGroup, version: int, received: dict[int, int], device: torch.device,

@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("engine", ["checkpoint.engine_private", "checkpoint.engine_private.*", "checkpoint.engine_fingerprints", "checkpoint.restore",
                 "module_inject", "module_inject.autotp", "module_inject.adapters_tp", "module_inject.peft_layers",
                 "module_inject.tp_collectives", "module_inject.linear_attention_tp", "module_inject.inplace_outputs",
-                "module_inject.grouped_attention_tp"]),
+                "module_inject.grouped_attention_tp", "checkpoint.live_module"]),
+    ("weights", ["weights", "weights.*"]),
     ("front", ["", "__main__", "runtime", "runtime.*", "api", "cli", "cli.*", "option_spelling", "presets", "demo", "demo.*"]),
 ]
 #: Imports allowed to climb, each with why (the issue that set the budget allows three; there are none).

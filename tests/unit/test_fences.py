@@ -25,6 +25,8 @@ FENCES: dict[str, list[str]] = {
     "transformers and Accelerate": ["checkpoint.transformers_private", "runtime.integrations"],
     # orbax_private.check_orbax_internals (before any read or write)
     "Orbax": ["checkpoint.orbax_private"],
+    # groups._backend_class (before a weight group is built): torch's backend classes under new_group, their options
+    "torch (process groups of their own)": ["weights.groups"],
     # peft_layers.check_lora_layer (each LoRA layer, before AutoTP shards the model)
     "peft (its LoRA layers' parts)": ["module_inject.peft_layers"],
 }

@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--hf-adapters")
     parser.add_argument("--adapters-only", action="store_true")
     parser.add_argument("--versions", default="")
-    parser.add_argument("--bucket-bytes", type=int, default=256 << 20)
+    parser.add_argument("--bucket-bytes", type=int, default=32 << 20)
     parser.add_argument("--die-at", type=int)
     probes, rest = parser.parse_known_args()
 
