@@ -36,7 +36,7 @@ from convert import llama_config  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("update", "floor_one", "floor_ranks")
+KINDS = ("update", "floor_one", "floor_ranks", "floor_pieces")
 
 
 def _status_kib(field: str) -> int:
@@ -70,7 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     values = json.loads(Path(args.config).read_text())
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(values.pop("model_type"), **values))
     engine, *_ = deepspeed_ext.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(tp=2, dp=1, zero=1, dtype="bf16"))
+                                          config=ds_config(tp=args.tp, dp=2 // args.tp, zero=1, dtype="bf16"))
     del model
     rank = dist.get_rank()
     group = deepspeed_ext.weight_group("127.0.0.1", args.port, senders=2, rank=rank, timeout=600)
@@ -82,6 +82,15 @@ def worker(args: argparse.Namespace) -> None:
     one = torch.randint(0, 256, (total if rank == 0 else 0, ), dtype=torch.uint8)
     mine = torch.randint(0, 256, (shares[rank], ), dtype=torch.uint8)
     gains: list[int] = []
+    # The update's own pieces, each one message from where the rank keeps it, with nothing else (floor_pieces).
+    from deepspeed_ext.weights.engine_side import local_tensors, own_values
+    local = local_tensors(engine)
+    pieces = {r: [own_values(local, t, p) for t in plan.tensors for p in t.pieces if p.owner == r] for r in (0, 1)}
+    sizes = [torch.tensor([v.numel() * v.element_size() for v in pieces[r]], dtype=torch.int64) for r in (0, 1)]
+    if rank == 0:
+        group.broadcast(0, torch.tensor([len(sizes[0]), len(sizes[1])], dtype=torch.int64)).wait()
+        for r in (0, 1):
+            group.broadcast(0, sizes[r]).wait()
     for round_ in range(args.rounds):
         for kind in _order(round_):
             dist.barrier()
@@ -95,8 +104,12 @@ def worker(args: argparse.Namespace) -> None:
             elif kind == "floor_one":
                 if rank == 0:
                     group.broadcast(0, one).wait()
-            else:
+            elif kind == "floor_ranks":
                 group.broadcast(rank, mine).wait()
+            else:
+                works = [group.broadcast(rank, values) for values in pieces[rank]]
+                for work in works:
+                    work.wait()
     gathered: list = [None, None]
     dist.all_gather_object(gathered, max(gains))
     if rank == 0:
@@ -117,6 +130,12 @@ def receiver(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
     gains: list[int] = []
     buffers: dict[int, torch.Tensor] = {}
+    counts = torch.empty(2, dtype=torch.int64)
+    group.broadcast(0, counts).wait()
+    sizes = [torch.empty(int(counts[r]), dtype=torch.int64) for r in (0, 1)]
+    for r in (0, 1):
+        group.broadcast(0, sizes[r]).wait()
+    piece_buffers = {r: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[r]] for r in (0, 1)}
     for _ in range(args.rounds * len(KINDS)):
         signal = torch.empty(3, dtype=torch.int64)
         group.broadcast(0, signal).wait()
@@ -131,8 +150,12 @@ def receiver(args: argparse.Namespace) -> None:
             gains.append(_status_kib("VmHWM") - before)
         elif kind == "floor_one":
             group.broadcast(0, buffers[-1]).wait()
-        else:
+        elif kind == "floor_ranks":
             works = [group.broadcast(sender, buffers[sender]) for sender in (0, 1)]
+            for work in works:
+                work.wait()
+        else:
+            works = [group.broadcast(sender, buffer) for sender in (0, 1) for buffer in piece_buffers[sender]]
             for work in works:
                 work.wait()
         times[kind].append(time.perf_counter() - start)
@@ -144,6 +167,8 @@ def main() -> None:
     model_arguments(p)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bucket-bytes", type=int, default=32 << 20)
+    p.add_argument("--tp", type=int, default=2, choices=[1, 2], help="AutoTP degree of the two training ranks (1: DP=2, "
+                   "each rank sending the half of the replicated tensors its plan gives it)")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--receiver", action="store_true")
     p.add_argument("--config")
@@ -164,7 +189,7 @@ def main() -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     common = ["--config", str(work / "config.json"), "--out", str(work), "--port", str(port), "--rounds",
-              str(args.rounds), "--bucket-bytes", str(args.bucket_bytes)]
+              str(args.rounds), "--bucket-bytes", str(args.bucket_bytes), "--tp", str(args.tp)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     receiving = subprocess.Popen([sys.executable, __file__, "--receiver", *common], cwd=ROOT, env=env)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
@@ -179,14 +204,14 @@ def main() -> None:
 def report(args: argparse.Namespace, senders: dict, received: dict) -> None:
     times = received["times"]
     total = senders["total"]
-    print(f"\nweight_stream: {args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}), TP=2 "
-          f"ZeRO-1 bf16, {total / 2**20:.0f} MiB an update (ranks: {', '.join(f'{s / 2**20:.0f}' for s in senders['shares'])}"
+    print(f"\nweight_stream: {args.layers}-layer Llama (hidden {args.hidden}, intermediate {args.intermediate}), "
+          f"TP={args.tp} DP={2 // args.tp} ZeRO-1 bf16, {total / 2**20:.0f} MiB an update (ranks: {', '.join(f'{s / 2**20:.0f}' for s in senders['shares'])}"
           f" MiB), bucket {args.bucket_bytes / 2**20:.0f} MiB, {args.rounds} rounds, gloo on loopback, CPU")
     for kind in KINDS:
         values = times[kind]
         print(f"  {kind:12s} median {statistics.median(values):.3f} s  ({min(values):.3f}-{max(values):.3f})  "
               f"{total / statistics.median(values) / 2**30:.2f} GiB/s")
-    for floor in ("floor_one", "floor_ranks"):
+    for floor in ("floor_one", "floor_ranks", "floor_pieces"):
         ratios = [f / u for f, u in zip(times[floor], times["update"])]
         print(f"  update vs {floor}: {statistics.median(ratios):.2f}x of the floor's rate "
               f"({min(ratios):.2f}-{max(ratios):.2f})")

@@ -63,7 +63,7 @@ class WeightGroup:
         self.applied_version: int | None = None
         self.broken: str | None = None
         #: A receiver's buffers for shards received apart, kept between updates (one per bucket in flight).
-        self.scratch = (Scratch(), Scratch(), Scratch())
+        self.scratch = tuple(Scratch() for _ in range(3))
         try:
             self._store = getattr(dist, "TCPStore")(host, port, is_master=rank == 0, timeout=self.timeout,
                                         wait_for_workers=False)

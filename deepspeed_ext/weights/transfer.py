@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.errors import CheckpointError
+from deepspeed_ext.weights.engine_sink import EngineSink, is_engine
 from deepspeed_ext.weights.groups import WeightGroup
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_shapes, named_tensors
 from deepspeed_ext.weights.plan import Bucket, Landing, TensorPlan, WeightPlan, buckets_of
@@ -95,8 +96,9 @@ def send_weights(engine: Any, group: WeightGroup, *, version: int | None = None,
 def receive_weights(group: WeightGroup, sink: Any, *, names: str | None = None, dtype: str = "source",
                     quantize: str | None = None, fp8_block: tuple[int, int] = (128, 128), atomic: bool = False,
                     expect_version: int | None = None) -> int:
-    """Receive the next update of ``group`` into ``sink`` (a torch module, loaded in place; a model with vLLM's
-    ``load_weights``; a callable ``(name, tensor)``); returns its version.
+    """Receive the next update of ``group`` into ``sink`` (a torch module, loaded in place; a DeepSpeed engine, each
+    of whose ranks is a receiver and keeps its own shards; a model with vLLM's ``load_weights``; a callable
+    ``(name, tensor)``); returns its version.
 
     ``names``: what the sink loads (default: the model's names for a module, the HF files' for ``load_weights``).
     ``dtype``, ``quantize``, ``fp8_block``: as :func:`~deepspeed_ext.hf_weights`. ``atomic``: hold the whole update
@@ -146,7 +148,7 @@ def _receive(group: WeightGroup, sink: Any, names: str | None, dtype: str, quant
     if plan.ranks != group.senders:
         raise CheckpointError(f"{label}: sent by {plan.ranks} training ranks, the group has {group.senders}")
     adapters_only = bool(header["adapters_only"])
-    target = sink_for(sink, names, adapters_only)
+    target = EngineSink(sink) if is_engine(sink) else sink_for(sink, names, adapters_only)
     options = WeightOptions(names=target.names, dtype=dtype, quantize=quantize, fp8_block=fp8_block,
                             adapters="only" if adapters_only and target.names != "module" else "merge")
     sent: dict[int, int] = {}

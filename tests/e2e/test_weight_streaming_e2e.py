@@ -168,3 +168,22 @@ def test_a_training_rank_gone_mid_update(tmp_path):
     assert line.startswith("weight update 2: incomplete, refused (") and line.endswith(
         "the sink holds part of it (tensors were loaded as they arrived)"), line
     assert [p.name for p in sorted((tmp_path / "recv").glob("logits_*"))] == ["logits_v1.pt"]
+
+
+def test_into_an_engine_of_another_layout(tmp_path):
+    """The other way: a DeepSpeed engine of another job (ZeRO-3 over two ranks) receives the updates of an AutoTP
+    TP=2 run, each rank keeping its partitions; its checkpoint after each update converts to the same HF files as the
+    trainer's at that step, bit for bit."""
+    port = _free_port()
+    receiving = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(WORKERS / "receive_into_engine.py"), "--group", f"127.0.0.1:{port}", "--senders", "2", "--updates", "2",
+         "--save-dir", str(tmp_path / "received"), "--tp", "1", "--zero", "3"], env=child_env(),
+        stdout=open(tmp_path / "engine.log", "w"), stderr=subprocess.STDOUT)
+    _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "2", "--receivers", "2", "--save-at", "1",
+                            "--save-at", "2"])
+    assert _finish(receiving, timeout=180) == 0, (tmp_path / "engine.log").read_text()[-3000:]
+    for version, step in ((1, 1), (2, 2)):
+        received = tmp_path / f"received_hf{version}"
+        cli(["to-hf", str(tmp_path / "received"), "--tag", f"v{version}", "-o", str(received)], tmp_path / "to-hf.log")
+        _assert_same_tensors(_files(received), _files(_to_hf(tmp_path, step)))
