@@ -1,6 +1,6 @@
 """The training side of a weight stream: the plan of a live engine (collective, once per engine), this rank's
-pieces packed into a bucket's buffer, and the source over the engine that :func:`~deepspeed_ext.hf_weights`
-names (every rank receives each bucket from the ranks that hold it)."""
+values of each piece it sends (views of where it keeps them), and the source over the engine that
+:func:`~deepspeed_ext.hf_weights` names (every rank receives each bucket's pieces from the ranks that hold them)."""
 
 from __future__ import annotations
 

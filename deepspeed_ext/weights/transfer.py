@@ -5,11 +5,13 @@ An update, on the wire:
 
 1. training rank 0, in its group: a header (``[magic, version, length]``, then the plan as JSON: every tensor's
    layout, dtype and pieces, the model's config and adapters, the bucket size);
-2. every training rank, in its own group: one byte buffer per bucket it holds pieces of, in the plan's order;
+2. every training rank, in its own group: each piece it sends, one message each, from where it keeps it, bucket by
+   bucket in the plan's order;
 3. every training rank: a trailer ``[magic, version, bytes sent]``.
 
-A receiver assembles each bucket's full tensors as its buffers arrive, names them as its sink loads them (the
-converters' names, :mod:`~deepspeed_ext.weights.naming`) and hands them on, so it holds a bucket at a time. It
+A receiver receives each piece where its tensor goes (:class:`~deepspeed_ext.weights.plan.Landing`: in place in a
+module sink where the names and dtype allow), names the tensors as its sink loads them (the converters' names,
+:mod:`~deepspeed_ext.weights.naming`) and hands them on, so it holds a few buckets at a time. It
 refuses an update whose version is not the one after the last it saw (it missed one), and one that ends early or
 short (a training rank died): in one line, after which the group is given up, so no peer waits forever.
 """
@@ -22,17 +24,17 @@ from typing import Any
 
 import torch
 
+from deepspeed_ext.checkpoint.expert_names import has_autoep_names
+from deepspeed_ext.checkpoint.families import hf_expert_splits
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.weights.engine_sink import EngineSink, is_engine
 from deepspeed_ext.weights.groups import WeightGroup
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_shapes, named_tensors
 from deepspeed_ext.weights.plan import Bucket, Landing, TensorPlan, WeightPlan, buckets_of
-from deepspeed_ext.checkpoint.expert_names import has_autoep_names
-from deepspeed_ext.checkpoint.families import hf_expert_splits
 from deepspeed_ext.weights.sinks import ModuleSink, Sink, sink_for
 
 _HEADER, _TRAILER = 0x6473785748, 0x6473785754  # "dsxWH", "dsxWT"
-#: Buffers a training rank keeps in flight: the next bucket is packed while the last one is sent.
+#: Buckets a training rank keeps in flight: it waits for a bucket's sends only once the next one is started.
 _IN_FLIGHT = 2
 DEFAULT_BUCKET_BYTES = 32 << 20
 #: Buckets a receiver has posted beyond the one it is putting in place: the senders' bytes keep flowing meanwhile.

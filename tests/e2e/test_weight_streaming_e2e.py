@@ -53,6 +53,8 @@ def _train(tmp: Path, port: int, args: list[str], check: bool = True) -> subproc
 
 def _to_hf(tmp: Path, step: int, *options: str) -> Path:
     out = tmp / f"hf{step}{'_'.join(options)}"
+    if out.is_dir():
+        return out
     cli(["to-hf", str(tmp / "ckpt"), "--tag", f"global_step{step}", "-o", str(out), *options], tmp / "to-hf.log")
     return out
 
@@ -92,27 +94,53 @@ def _check_updates(tmp: Path, received: Path, steps: list[int], *to_hf_options: 
         assert (logits.float() - reference.float()).abs().max().item() == 0, f"update {version}"
 
 
-def test_tensor_parallel_updates_and_refusals(tmp_path):
-    """AutoTP TP=2: three updates equal to to-hf's output; a fourth whose version skips one is refused; a receiver
-    of another model (fewer KV heads) refuses every update, naming the first tensor that does not fit."""
+def test_tensor_parallel_updates_refusals_a_rank_gone_and_an_engine_receiving(tmp_path):
+    """AutoTP TP=2, four receivers of one group: a transformers model, a model with fewer KV heads, and a DeepSpeed
+    engine of another job and layout (ZeRO-3 over two ranks, each a receiver keeping its partitions).
+
+    Updates 1 and 2 equal to-hf's output of the checkpoints saved at those steps (the model's logits; the engine's
+    own checkpoint after each, converted, bit for bit). The third update's version skips one: refused by each in one
+    line, the sinks untouched. The model with fewer KV heads refuses every update, naming the first tensor that does
+    not fit. In the fourth the last training rank leaves after one bucket: every receiver gives it up in one line
+    and ends, none hangs."""
     port = _free_port()
-    good = _start_receiver(tmp_path / "recv", port, "--receivers", "2", "--updates", "4")
-    other = _start_receiver(tmp_path / "other", port, "--receivers", "2", "--receiver", "1", "--updates", "4",
+    good = _start_receiver(tmp_path / "recv", port, "--receivers", "4", "--updates", "4")
+    other = _start_receiver(tmp_path / "other", port, "--receivers", "4", "--receiver", "1", "--updates", "4",
                             "--kv-heads", "2")
-    _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "4", "--receivers", "2", "--hf-weights",
-                            str(tmp_path / "hfw"), "--hf-names", "files", "--versions", "1,2,3,5",
-                            *[a for s in (1, 2, 3, 4) for a in ("--save-at", str(s))]])
-    assert _finish(good) == 0 and _finish(other) == 0
-    _check_updates(tmp_path, tmp_path / "recv", [1, 2, 3], names="files")
-    (refused, ) = (tmp_path / "recv" / "refused.txt").read_text().splitlines()
-    assert refused == ("weight update 5: expected version 4, this is 5 (an update was missed); refused, the sink "
-                       "keeps version 3")
-    assert not (tmp_path / "recv" / "logits_v5.pt").exists()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(WORKERS / "receive_into_engine.py"), "--group", f"127.0.0.1:{port}", "--senders", "2", "--updates", "4",
+         "--receivers", "4", "--first-receiver", "2", "--save-dir", str(tmp_path / "received"), "--tp", "1",
+         "--zero", "3"], env=child_env(), stdout=open(tmp_path / "engine.log", "w"), stderr=subprocess.STDOUT)
+    started = time.monotonic()
+    failed = _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "4", "--receivers", "4", "--hf-weights",
+                                     str(tmp_path / "hfw"), "--hf-names", "files", "--versions", "1,2,4,5",
+                                     "--bucket-bytes", "4096", "--die-at", "4",
+                                     *[a for s in (1, 2, 3, 4) for a in ("--save-at", str(s))]], check=False)
+    assert failed.returncode != 0  # its last rank left mid-update, as asked
+    assert _finish(good, timeout=150) == 0 and _finish(other, timeout=150) == 0
+    assert _finish(engine, timeout=150) == 0, (tmp_path / "engine.log").read_text()[-3000:]
+    assert time.monotonic() - started < 400
+    _check_updates(tmp_path, tmp_path / "recv", [1, 2], names="files")
+    assert [p.name for p in sorted((tmp_path / "recv").glob("logits_*"))] == ["logits_v1.pt", "logits_v2.pt"]
+    skipped, cut = (tmp_path / "recv" / "refused.txt").read_text().splitlines()
+    assert skipped == ("weight update 4: expected version 3, this is 4 (an update was missed); refused, the sink "
+                       "keeps version 2")
+    assert cut.startswith("weight update 5: incomplete, refused (") and cut.endswith(
+        "the sink holds part of it (tensors were loaded as they arrived)"), cut
     lines = (tmp_path / "other" / "refused.txt").read_text().splitlines()
     assert len(lines) == 4 and not list((tmp_path / "other").glob("logits_*"))
-    assert lines[0].startswith("weight update 1: model.layers.0.self_attn.k_proj.weight is [16, 64] in the update, "
-                               "[8, 64] in the receiving LlamaForCausalLM (another model, or a model sharded another "
-                               "way?); refused, the sink keeps what it held"), lines[0]
+    assert lines[0] == ("weight update 1: model.layers.0.self_attn.k_proj.weight is [16, 64] in the update, [8, 64] "
+                        "in the receiving LlamaForCausalLM (another model, or a model sharded another way?); refused, "
+                        "the sink keeps what it held"), lines[0]
+    for version in (1, 2):  # the engine's checkpoint after the update, as the trainer's at that step
+        received = tmp_path / f"received_hf{version}"
+        cli(["to-hf", str(tmp_path / "received"), "--tag", f"v{version}", "-o", str(received)], tmp_path / "to-hf.log")
+        _assert_same_tensors(_files(received), _files(_to_hf(tmp_path, version)))
+    assert not (tmp_path / "received" / "v4").exists() and not (tmp_path / "received" / "v5").exists()
+    for rank in (0, 1):
+        skipped, cut = (tmp_path / "received" / f"refused.rank{rank}.txt").read_text().splitlines()
+        assert skipped.startswith("weight update 4: expected version 3") and cut.startswith("weight update 5: incomplete")
 
 
 def test_zero3_updates_atomic(tmp_path):
@@ -140,50 +168,20 @@ def test_expert_parallel_updates(tmp_path):
 
 def test_lora_updates_merged_and_adapters_alone(tmp_path):
     """peft LoRA under AutoTP TP=2: the receiver (a plain model) gets the merged weights, as to-hf --merge writes
-    them; hf_weights(adapters="only") gives what to-hf writes as the PEFT adapter, bit for bit."""
-    port = _free_port()
+    them; hf_weights(adapters="only") gives what to-hf writes as the PEFT adapter, bit for bit; and a receiver that is
+    the peft model takes the adapters alone over a second group (a few KB an update), the same tensors."""
+    port, adapters_port = _free_port(), _free_port()
     receiver = _start_receiver(tmp_path / "recv", port, "--updates", "2")
+    peft_receiver = _start_receiver(tmp_path / "peft", adapters_port, "--updates", "2", "--peft-lora", "4")
     _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--lora", "4", "--steps", "2", "--hf-weights",
                             str(tmp_path / "hfw"), "--hf-names", "files", "--hf-adapters", str(tmp_path / "adapters"),
-                            "--save-at", "1", "--save-at", "2"])
-    assert _finish(receiver) == 0
+                            "--adapters-group", f"127.0.0.1:{adapters_port}", "--save-at", "1", "--save-at", "2"])
+    assert _finish(receiver) == 0 and _finish(peft_receiver) == 0
     _check_updates(tmp_path, tmp_path / "recv", [1, 2], "--merge", names="files")
     for step in (1, 2):
-        _assert_same_tensors(torch.load(tmp_path / "adapters" / f"step{step}.pt"), _files(_to_hf(tmp_path, step)))
-
-
-def test_a_training_rank_gone_mid_update(tmp_path):
-    """The last training rank leaves after one bucket of update 2: the receiver refuses the update in one line and
-    ends (no hang); update 1 stays what it loaded."""
-    port = _free_port()
-    receiver = _start_receiver(tmp_path / "recv", port, "--updates", "3")
-    started = time.monotonic()
-    failed = _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "3", "--bucket-bytes", "4096",
-                                     "--die-at", "2", *[a for s in (1, 2, 3) for a in ("--save-at", str(s))]],
-                    check=False)
-    assert failed.returncode != 0
-    assert _finish(receiver, timeout=150) == 0
-    assert time.monotonic() - started < 300
-    (line, ) = (tmp_path / "recv" / "refused.txt").read_text().splitlines()
-    assert line.startswith("weight update 2: incomplete, refused (") and line.endswith(
-        "the sink holds part of it (tensors were loaded as they arrived)"), line
-    assert [p.name for p in sorted((tmp_path / "recv").glob("logits_*"))] == ["logits_v1.pt"]
-
-
-def test_into_an_engine_of_another_layout(tmp_path):
-    """The other way: a DeepSpeed engine of another job (ZeRO-3 over two ranks) receives the updates of an AutoTP
-    TP=2 run, each rank keeping its partitions; its checkpoint after each update converts to the same HF files as the
-    trainer's at that step, bit for bit."""
-    port = _free_port()
-    receiving = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(WORKERS / "receive_into_engine.py"), "--group", f"127.0.0.1:{port}", "--senders", "2", "--updates", "2",
-         "--save-dir", str(tmp_path / "received"), "--tp", "1", "--zero", "3"], env=child_env(),
-        stdout=open(tmp_path / "engine.log", "w"), stderr=subprocess.STDOUT)
-    _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "2", "--receivers", "2", "--save-at", "1",
-                            "--save-at", "2"])
-    assert _finish(receiving, timeout=180) == 0, (tmp_path / "engine.log").read_text()[-3000:]
-    for version, step in ((1, 1), (2, 2)):
-        received = tmp_path / f"received_hf{version}"
-        cli(["to-hf", str(tmp_path / "received"), "--tag", f"v{version}", "-o", str(received)], tmp_path / "to-hf.log")
-        _assert_same_tensors(_files(received), _files(_to_hf(tmp_path, step)))
+        streamed = torch.load(tmp_path / "adapters" / f"step{step}.pt")
+        _assert_same_tensors(streamed, _files(_to_hf(tmp_path, step)))
+        # The live names (".default." in them), in the dtype peft keeps adapters in (fp32): the same values.
+        received = torch.load(tmp_path / "peft" / f"adapters_v{step}.pt")
+        _assert_same_tensors({name.replace(".default.", "."): t.to(torch.bfloat16) for name, t in received.items()},
+                             streamed)

@@ -2,7 +2,11 @@
 family, which after each update writes the logits of the demo's evaluation batch.
 
     --group HOST:PORT --senders N --family F --kv-heads K --dtype bf16 --updates U --out DIR
-    [--receiver I] [--receivers R]
+    [--receiver I] [--receivers R] [--peft-lora R]
+
+``--peft-lora R``: the receiver is the trainer's peft model (the demo's base, LoRA adapters of rank R on every
+linear layer), which takes updates of the adapters alone; after each it writes its adapters' tensors (live names) to
+DIR/adapters_v<version>.pt instead of logits.
 
 DIR/logits_v<version>.pt for each update; an update refused: its one line in DIR/refused.txt, and the receiver
 goes on to the next (``--updates`` counts both).
@@ -28,6 +32,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--atomic", action="store_true")
+    parser.add_argument("--peft-lora", type=int, default=0)
     args = parser.parse_args()
 
     import deepspeed_ext
@@ -40,6 +45,10 @@ def main() -> None:
     # first update replaces.
     model = AutoModelForCausalLM.from_config(tiny_config(args.family, args.kv_heads), dtype=dtype,
                                              attn_implementation="eager").eval()
+    if args.peft_lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=args.peft_lora, lora_alpha=2 * args.peft_lora, lora_dropout=0.0,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
     host, port = args.group.rsplit(":", 1)
     group = deepspeed_ext.weight_group(host, int(port), senders=args.senders, receivers=args.receivers,
                                        receiver=args.receiver, timeout=120)
@@ -53,6 +62,10 @@ def main() -> None:
                 handle.write(f"{exc}\n")
             if group.broken is not None:
                 break
+            continue
+        if args.peft_lora:
+            torch.save({name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name},
+                       out / f"adapters_v{version}.pt")
             continue
         with torch.no_grad():
             torch.save(model(input_ids=eval_batch()).logits, out / f"logits_v{version}.pt")

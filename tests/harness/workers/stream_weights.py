@@ -7,6 +7,7 @@ the engine's weights to the receivers of a weight group (``deepspeed_ext.send_we
     --hf-names NAMES    hf_weights' names (hf, files)
     --hf-adapters DIR   after each save, rank 0 writes hf_weights(engine, adapters="only") to DIR/step<S>.pt
     --adapters-only     send a peft model's adapters alone
+    --adapters-group HOST:PORT   also send the adapters alone to the receivers of this second group
     --versions V,V,...  the version of each update in turn (default: deepspeed_ext's count)
     --bucket-bytes N    the buckets of both
     --die-at STEP       the last rank leaves abruptly (os._exit) in the middle of the update after that step's save
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--hf-names", default="hf")
     parser.add_argument("--hf-adapters")
     parser.add_argument("--adapters-only", action="store_true")
+    parser.add_argument("--adapters-group")
     parser.add_argument("--versions", default="")
     parser.add_argument("--bucket-bytes", type=int, default=32 << 20)
     parser.add_argument("--die-at", type=int)
@@ -62,6 +64,12 @@ def main() -> None:
             engine_side.pack = pack_then_die  # type: ignore[assignment]
         deepspeed_ext.send_weights(engine, groups["group"], adapters_only=probes.adapters_only,
                                    bucket_bytes=probes.bucket_bytes, version=versions.pop(0) if versions else None)
+        if probes.adapters_group:
+            if "adapters" not in groups:
+                adapters_host, adapters_port = probes.adapters_group.rsplit(":", 1)
+                groups["adapters"] = deepspeed_ext.weight_group(adapters_host, int(adapters_port), senders=world,
+                                                                rank=rank, timeout=120)
+            deepspeed_ext.send_weights(engine, groups["adapters"], adapters_only=True, bucket_bytes=probes.bucket_bytes)
         for directory, adapters in ((probes.hf_weights, "merge"), (probes.hf_adapters, "only")):
             if not directory:
                 continue
