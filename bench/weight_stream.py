@@ -85,8 +85,9 @@ def worker(args: argparse.Namespace) -> None:
     # The update's own pieces, each one message from where the rank keeps it, with nothing else (floor_pieces).
     from deepspeed_ext.weights.engine_side import local_tensors, own_values
     local = local_tensors(engine)
-    pieces = {r: [own_values(local, t, p) for t in plan.tensors for p in t.pieces if p.owner == r] for r in (0, 1)}
-    sizes = [torch.tensor([v.numel() * v.element_size() for v in pieces[r]], dtype=torch.int64) for r in (0, 1)]
+    mine_pieces = [own_values(local, t, p) for t in plan.tensors for p in t.pieces if p.owner == rank]
+    sizes = [torch.tensor([p.numel * t.dtype.itemsize for t in plan.tensors for p in t.pieces if p.owner == r],
+                          dtype=torch.int64) for r in (0, 1)]
     if rank == 0:
         group.broadcast(0, torch.tensor([len(sizes[0]), len(sizes[1])], dtype=torch.int64)).wait()
         for r in (0, 1):
@@ -107,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
             elif kind == "floor_ranks":
                 group.broadcast(rank, mine).wait()
             else:
-                works = [group.broadcast(rank, values) for values in pieces[rank]]
+                works = [group.broadcast(rank, values) for values in mine_pieces]
                 for work in works:
                     work.wait()
     gathered: list = [None, None]
