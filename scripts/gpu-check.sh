@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need an accelerator, as one command (scripts/gpu_check.py says what each checks): train on CUDA,
 # save synchronously and in the background (the copy snapshot), resume across devices and TP degrees, convert a
-# GPU-saved checkpoint, and the async stall bench at a 1B shape. Prints PASS/FAIL per check; non-zero if any failed.
+# GPU-saved checkpoint, stream its weights to a receiver, and the async stall bench at a 1B shape. Prints
+# PASS/FAIL per check; non-zero if any failed.
 #
 #   bash scripts/gpu-check.sh                # on a machine with one CUDA GPU
 #   bash scripts/gpu-check.sh --device cpu   # a dry run of the script on a machine without one

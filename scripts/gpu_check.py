@@ -1,5 +1,6 @@
 """The checks that need an accelerator, as one command (scripts/gpu-check.sh runs it): the real DeepSpeed engine
-on CUDA, through deepspeed-ext's save, background save (the copy snapshot), restore, fingerprints and converters.
+on CUDA, through deepspeed-ext's save, background save (the copy snapshot), restore, fingerprints, converters and
+weight streams.
 
 NCCL needs a GPU per rank, so on a one-GPU machine a run on CUDA is one rank (NCCL); the TP=2 runs are on the CPU
 (gloo), and the checkpoints cross between the two. Each check prints one line, ``PASS`` or ``FAIL``, with its
@@ -25,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "harness" / "workers" / "train.py"
+STREAM = ROOT / "tests" / "harness" / "workers" / "stream_weights.py"
+RECEIVE = ROOT / "tests" / "harness" / "workers" / "receive_weights.py"
 RESULTS: list[tuple[str, bool, str]] = []
 
 
@@ -144,6 +147,56 @@ def check_converters(work: Path) -> None:
            + (steps[-1][1].stdout.strip().splitlines() or [""])[-1])
 
 
+def check_weight_stream(work: Path, accelerator: str) -> None:
+    """A ZeRO-3 engine on the device (one rank) sends two updates to a receiver process on the CPU (a gloo weight
+    group: the pieces leave device memory one by one) and iterates hf_weights; both against to-hf of the
+    checkpoints it saved at those steps: the files bit for bit, the receiver's logits exactly."""
+    import socket
+
+    import torch
+    directory = work / "weights"
+    directory.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    with open(directory / "receiver.log", "w") as out:
+        receiver = subprocess.Popen([sys.executable, str(RECEIVE), "--group", f"127.0.0.1:{port}", "--senders", "1",
+                                     "--updates", "2", "--out", str(directory / "received")], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    ok = run_ranks(1, ["--group", f"127.0.0.1:{port}", "--hf-weights", str(directory / "streamed"), "--hf-names",
+                       "files", "--tp", "1", "--zero", "3", "--dtype", "bf16", "--steps", "2", "--save-dir",
+                       str(directory / "ckpt"), "--save-at", "1", "--save-at", "2"], directory / "train.log",
+                   accelerator, script=STREAM)
+    ok = receiver.wait(timeout=300) == 0 and ok
+    details = []
+    if ok:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from deepspeed_ext.demo.models import eval_batch
+        for step in (1, 2):
+            out = directory / f"hf{step}"
+            proc = cli("to-hf", str(directory / "ckpt"), "--tag", f"global_step{step}", "-o", str(out))
+            ok = ok and proc.returncode == 0
+            if proc.returncode != 0:
+                details.append(proc.stderr.strip()[-300:])
+                continue
+            written = {name: t for path in sorted(out.glob("*.safetensors")) for name, t in load_file(path).items()}
+            streamed = torch.load(directory / "streamed" / f"step{step}.pt", map_location="cpu")
+            same = sorted(written) == sorted(streamed) and all(torch.equal(written[n], streamed[n]) for n in written)
+            model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, attn_implementation="eager")
+            with torch.no_grad():
+                reference = model.eval()(input_ids=eval_batch()).logits
+            received = torch.load(directory / "received" / f"logits_v{step}.pt")
+            delta = (reference.float() - received.float()).abs().max().item()
+            ok = ok and same and delta == 0
+            details.append(f"update {step}: hf_weights {'==' if same else '!='} to-hf files, receiver logits max |d| "
+                           f"{delta}")
+    report(f"weight stream ({accelerator} ZeRO-3 engine -> a receiver)", ok, "; ".join(details) or "did not run")
+
+
 def check_stall_bench(work: Path, accelerator: str, hidden: int, layers: int) -> None:
     """The stall of a save in the background (copy snapshot) against a synchronous save, one rank, bf16, ZeRO-1,
     at a 1-3B shape (absolute times hold on a GPU): bench/gpu_async_stall.py."""
@@ -184,6 +237,7 @@ def main() -> None:
     check_background_saves(work, args.device)
     check_cross_device_resumes(work, args.device)
     check_converters(work)
+    check_weight_stream(work, args.device)
     if not args.skip_bench:
         check_stall_bench(work, args.device, args.bench_hidden, args.bench_layers)
     failed = [name for name, ok, _ in RESULTS if not ok]
