@@ -98,49 +98,49 @@ def test_tensor_parallel_updates_refusals_a_rank_gone_and_an_engine_receiving(tm
     """AutoTP TP=2, four receivers of one group: a transformers model, a model with fewer KV heads, and a DeepSpeed
     engine of another job and layout (ZeRO-3 over two ranks, each a receiver keeping its partitions).
 
-    Updates 1 and 2 equal to-hf's output of the checkpoints saved at those steps (the model's logits; the engine's
-    own checkpoint after each, converted, bit for bit). The third update's version skips one: refused by each in one
+    Updates 1 to 3 equal to-hf's output of the checkpoints saved at those steps (the model's logits; the engine's
+    own checkpoint after each, converted, bit for bit). The fourth update's version skips one: refused by each in one
     line, the sinks untouched. The model with fewer KV heads refuses every update, naming the first tensor that does
-    not fit. In the fourth the last training rank leaves after one bucket: every receiver gives it up in one line
+    not fit. In the fifth the last training rank leaves after one bucket: every receiver gives it up in one line
     and ends, none hangs."""
     port = _free_port()
-    good = _start_receiver(tmp_path / "recv", port, "--receivers", "4", "--updates", "4")
-    other = _start_receiver(tmp_path / "other", port, "--receivers", "4", "--receiver", "1", "--updates", "4",
+    good = _start_receiver(tmp_path / "recv", port, "--receivers", "4", "--updates", "5")
+    other = _start_receiver(tmp_path / "other", port, "--receivers", "4", "--receiver", "1", "--updates", "5",
                             "--kv-heads", "2")
     engine = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(WORKERS / "receive_into_engine.py"), "--group", f"127.0.0.1:{port}", "--senders", "2", "--updates", "4",
+         str(WORKERS / "receive_into_engine.py"), "--group", f"127.0.0.1:{port}", "--senders", "2", "--updates", "5",
          "--receivers", "4", "--first-receiver", "2", "--save-dir", str(tmp_path / "received"), "--tp", "1",
          "--zero", "3"], env=child_env(), stdout=open(tmp_path / "engine.log", "w"), stderr=subprocess.STDOUT)
     started = time.monotonic()
-    failed = _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "4", "--receivers", "4", "--hf-weights",
-                                     str(tmp_path / "hfw"), "--hf-names", "files", "--versions", "1,2,4,5",
-                                     "--bucket-bytes", "4096", "--die-at", "4",
-                                     *[a for s in (1, 2, 3, 4) for a in ("--save-at", str(s))]], check=False)
+    failed = _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "5", "--receivers", "4", "--hf-weights",
+                                     str(tmp_path / "hfw"), "--hf-names", "files", "--versions", "1,2,3,5,6",
+                                     "--bucket-bytes", "4096", "--die-at", "5",
+                                     *[a for s in (1, 2, 3, 4, 5) for a in ("--save-at", str(s))]], check=False)
     assert failed.returncode != 0  # its last rank left mid-update, as asked
     assert _finish(good, timeout=150) == 0 and _finish(other, timeout=150) == 0
     assert _finish(engine, timeout=150) == 0, (tmp_path / "engine.log").read_text()[-3000:]
     assert time.monotonic() - started < 400
-    _check_updates(tmp_path, tmp_path / "recv", [1, 2], names="files")
-    assert [p.name for p in sorted((tmp_path / "recv").glob("logits_*"))] == ["logits_v1.pt", "logits_v2.pt"]
+    _check_updates(tmp_path, tmp_path / "recv", [1, 2, 3], names="files")
+    assert [p.name for p in sorted((tmp_path / "recv").glob("logits_*"))] == [f"logits_v{v}.pt" for v in (1, 2, 3)]
     skipped, cut = (tmp_path / "recv" / "refused.txt").read_text().splitlines()
-    assert skipped == ("weight update 4: expected version 3, this is 4 (an update was missed); refused, the sink "
-                       "keeps version 2")
-    assert cut.startswith("weight update 5: incomplete, refused (") and cut.endswith(
+    assert skipped == ("weight update 5: expected version 4, this is 5 (an update was missed); refused, the sink "
+                       "keeps version 3")
+    assert cut.startswith("weight update 6: incomplete, refused (") and cut.endswith(
         "the sink holds part of it (tensors were loaded as they arrived)"), cut
     lines = (tmp_path / "other" / "refused.txt").read_text().splitlines()
-    assert len(lines) == 4 and not list((tmp_path / "other").glob("logits_*"))
+    assert len(lines) == 5 and not list((tmp_path / "other").glob("logits_*"))
     assert lines[0] == ("weight update 1: model.layers.0.self_attn.k_proj.weight is [16, 64] in the update, [8, 64] "
                         "in the receiving LlamaForCausalLM (another model, or a model sharded another way?); refused, "
                         "the sink keeps what it held"), lines[0]
-    for version in (1, 2):  # the engine's checkpoint after the update, as the trainer's at that step
+    for version in (1, 2, 3):  # the engine's checkpoint after the update, as the trainer's at that step
         received = tmp_path / f"received_hf{version}"
         cli(["to-hf", str(tmp_path / "received"), "--tag", f"v{version}", "-o", str(received)], tmp_path / "to-hf.log")
         _assert_same_tensors(_files(received), _files(_to_hf(tmp_path, version)))
-    assert not (tmp_path / "received" / "v4").exists() and not (tmp_path / "received" / "v5").exists()
+    assert sorted(p.name for p in (tmp_path / "received").glob("v*")) == ["v1", "v2", "v3"]
     for rank in (0, 1):
         skipped, cut = (tmp_path / "received" / f"refused.rank{rank}.txt").read_text().splitlines()
-        assert skipped.startswith("weight update 4: expected version 3") and cut.startswith("weight update 5: incomplete")
+        assert skipped.startswith("weight update 5: expected version 4") and cut.startswith("weight update 6: incomplete")
 
 
 def test_zero3_updates_atomic(tmp_path):
