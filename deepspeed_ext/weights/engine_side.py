@@ -60,7 +60,7 @@ def engine_plan(engine: Any) -> WeightPlan:
     trainable: dict[str, bool] = {}
     for name, param in module.named_parameters(remove_duplicate=True):
         layouts[name] = getattr(param, LAYOUT_ATTR)
-        dtypes[name] = engine_private.held_weights(param)[0].dtype if name in local else param.dtype
+        dtypes[name] = local[name][0].dtype if name in local else param.dtype
         trainable[name] = bool(param.requires_grad)
     for name, buffer in persistent_buffers(module).items():
         if name not in layouts:
