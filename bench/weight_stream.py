@@ -10,7 +10,9 @@ Paired rounds, in alternating order, each timed on the receiver from a start sig
 * **floor, one broadcast**: training rank 0 broadcasts one buffer of the update's bytes to the receiver (the
   issue's floor: ``torch.distributed.broadcast`` of the same bytes);
 * **floor, per rank**: each training rank broadcasts a buffer of its own share at once, over the same groups as the
-  update (the floor of the update's own parallel shape, no packing, naming or loading).
+  update (the floor of the update's own parallel shape, no packing, naming or loading);
+* **floor, same messages**: each training rank sends the update's messages (its large pieces one each, small ones
+  packed) and nothing else: what the update costs beyond its messages is what the receiver does with them.
 
 The memory each process gains during an update (peak RSS over the RSS before it: bucket buffers, assembled
 tensors) is reported per rank. Medians and spreads (min-max) over the rounds, ratios taken per round.
@@ -82,11 +84,15 @@ def worker(args: argparse.Namespace) -> None:
     one = torch.randint(0, 256, (total if rank == 0 else 0, ), dtype=torch.uint8)
     mine = torch.randint(0, 256, (shares[rank], ), dtype=torch.uint8)
     gains: list[int] = []
-    # The update's own pieces, each one message from where the rank keeps it, with nothing else (floor_pieces).
+    # The update's own messages (each large piece from where the rank keeps it, small ones packed), with nothing
+    # else (floor_pieces).
     from deepspeed_ext.weights.engine_side import local_tensors, own_values
+    from deepspeed_ext.weights.plan import buckets_of, pack
     local = local_tensors(engine)
-    mine_pieces = [own_values(local, t, p) for t in plan.tensors for p in t.pieces if p.owner == rank]
-    sizes = [torch.tensor([p.numel * t.dtype.itemsize for t in plan.tensors for p in t.pieces if p.owner == r],
+    messages = [m for bucket in buckets_of(plan.tensors, args.bucket_bytes) for r in (0, 1) for m in bucket.messages(r)]
+    mine_pieces = [own_values(local, *m[0]) if len(m) == 1 else pack([own_values(local, t, p) for t, p in m])
+                   for m in messages if m[0][1].owner == rank]
+    sizes = [torch.tensor([sum(p.numel * t.dtype.itemsize for t, p in m) for m in messages if m[0][1].owner == r],
                           dtype=torch.int64) for r in (0, 1)]
     if rank == 0:
         group.broadcast(0, torch.tensor([len(sizes[0]), len(sizes[1])], dtype=torch.int64)).wait()
@@ -136,14 +142,16 @@ def receiver(args: argparse.Namespace) -> None:
     sizes = [torch.empty(int(counts[r]), dtype=torch.int64) for r in (0, 1)]
     for r in (0, 1):
         group.broadcast(0, sizes[r]).wait()
-    piece_buffers = {r: [torch.empty(int(n), dtype=torch.uint8) for n in sizes[r]] for r in (0, 1)}
+    # Every floor's buffers written once before the first round, as the model's weights are: memory's first touch
+    # (page faults) is no part of a broadcast.
+    piece_buffers = {r: [torch.zeros(int(n), dtype=torch.uint8) for n in sizes[r]] for r in (0, 1)}
     for _ in range(args.rounds * len(KINDS)):
         signal = torch.empty(3, dtype=torch.int64)
         group.broadcast(0, signal).wait()
         kind, shares = KINDS[int(signal[0])], [int(signal[1]), int(signal[2])]
         if not buffers:
-            buffers = {-1: torch.empty(sum(shares), dtype=torch.uint8),
-                       **{sender: torch.empty(shares[sender], dtype=torch.uint8) for sender in (0, 1)}}
+            buffers = {-1: torch.zeros(sum(shares), dtype=torch.uint8),
+                       **{sender: torch.zeros(shares[sender], dtype=torch.uint8) for sender in (0, 1)}}
         start = time.perf_counter()
         if kind == "update":
             before = _reset_peak()

@@ -17,7 +17,7 @@ from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.autotp import LAYOUT_ATTR, shard_rank, tag_autotp_model
 from deepspeed_ext.module_inject.layout import TPLayout
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_tensors
-from deepspeed_ext.weights.plan import Bucket, Holding, Landing, Piece, TensorPlan, WeightPlan, buckets_of, plan_from_holdings
+from deepspeed_ext.weights.plan import Bucket, Holding, Landing, Piece, TensorPlan, WeightPlan, plan_from_holdings
 
 #: Where an engine keeps its plan: the layouts do not change while it trains.
 _PLAN_ATTR = "_deepspeed_ext_weight_plan"
@@ -127,7 +127,7 @@ def hf_weights(engine: Any, options: WeightOptions, bucket_bytes: int) -> Iterat
     plan = engine_plan(engine)
     if options.adapters == "only" and options.names != "module":
         plan = adapters_plan(plan)
-    source = StreamedSource(plan, gathered_buckets(engine, plan, buckets_of(plan.tensors, bucket_bytes)),
+    source = StreamedSource(plan, gathered_buckets(engine, plan, plan.buckets(bucket_bytes)),
                             "live engine")
     yield from named_tensors(source, options)
     source.drain()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -61,12 +62,19 @@ class TensorPlan:
     trainable: bool
     pieces: tuple[Piece, ...]
 
-    @property
+    @cached_property
     def shards(self) -> tuple[int, ...]:
         """The shards the full tensor is made from: one of a replicated tensor, else every non-empty one."""
         if self.layout.is_replicated:
             return (0, )
         return tuple(s for s in range(self.layout.tp_size) if math.prod(self.layout.local_shape(s)))
+
+    @cached_property
+    def runs(self) -> tuple[tuple[int, int, int | None], ...]:
+        """``(shard, elements, where it starts in the full tensor flattened)`` of each of :attr:`shards`; the start
+        None where the shard's elements do not lie in one run there. Worked out once: a plan serves every update."""
+        return tuple((shard, math.prod(self.layout.local_shape(shard)), _run_start(self.layout, shard))
+                     for shard in self.shards)
 
     @property
     def nbytes(self) -> int:
@@ -103,9 +111,18 @@ class WeightPlan:
     model_class: str | None = None
     adapters: Mapping[str, Any] | None = None
     by_name: dict[str, TensorPlan] = field(init=False, repr=False)
+    _buckets: dict[int, list[Bucket]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tensors}
+        self._buckets = {}
+
+    def buckets(self, bucket_bytes: int) -> list[Bucket]:
+        """:func:`buckets_of` the plan's tensors, worked out once per size (a plan serves every update)."""
+        found = self._buckets.get(bucket_bytes)
+        if found is None:
+            found = self._buckets[bucket_bytes] = buckets_of(self.tensors, bucket_bytes)
+        return found
 
     def only(self, names: Iterable[str]) -> WeightPlan:
         wanted = set(names)
@@ -122,37 +139,86 @@ class WeightPlan:
                    data.get("model_class"), data.get("adapters"))
 
 
+#: A replicated range is split over its holders only into parts at least this big: a part is a message, and a
+#: message costs more than sending a few hundred KiB more from one rank.
+MIN_SPLIT_BYTES = 4 << 20
+
+
 def plan_from_holdings(layouts: Mapping[str, TPLayout], dtypes: Mapping[str, torch.dtype],
-                       trainable: Mapping[str, bool], holdings: Sequence[Sequence[Holding]]) -> list[TensorPlan]:
+                       trainable: Mapping[str, bool], holdings: Sequence[Sequence[Holding]], *,
+                       min_split_bytes: int = MIN_SPLIT_BYTES) -> list[TensorPlan]:
     """The plan of every tensor in ``layouts`` (the module's order) from each rank's holdings (``holdings[rank]``):
-    every range of every needed shard sent once, replicas' work given to the rank with the fewest bytes so far."""
+    every range of every needed shard sent once. A range only one rank holds is its to send; the ranges several
+    hold (DP replicas, a replicated tensor under TP) balance the ranks' bytes: the whole range to the rank with the
+    fewest bytes (counting what it alone will send later) while that keeps the ranks level, else split over its
+    holders so that they end level (an update lasts as long as its busiest sender)."""
     held: dict[str, dict[int, list[tuple[int, int, int]]]] = {}
     for rank, rank_holdings in enumerate(holdings):
         for holding in rank_holdings:
             held.setdefault(holding.name, {}).setdefault(holding.shard, []).append(
                 (holding.start, holding.stop, rank))
-    load = [0] * len(holdings)
+    segments: dict[str, list[tuple[int, int, int, tuple[int, ...]]]] = {}
+    load = [0] * len(holdings)  # bytes each rank will send: first those only it holds
+    shared = 0
+    for name, layout in layouts.items():
+        partial = TensorPlan(name, layout, dtypes[name], trainable[name], ())
+        found = segments[name] = []
+        for shard in partial.shards:
+            for start, stop, ranks in _segments(name, shard, math.prod(layout.local_shape(shard)),
+                                                held.get(name, {}).get(shard, [])):
+                found.append((shard, start, stop, ranks))
+                nbytes = (stop - start) * dtypes[name].itemsize
+                if len(ranks) == 1:
+                    load[ranks[0]] += nbytes
+                else:
+                    shared += nbytes
+    level = (sum(load) + shared) / max(1, len(load))
     plans = []
     for name, layout in layouts.items():
-        dtype = dtypes[name]
-        partial = TensorPlan(name, layout, dtype, trainable[name], ())
+        itemsize = dtypes[name].itemsize
         pieces = []
-        for shard in partial.shards:
-            numel = math.prod(layout.local_shape(shard))
-            candidates = sorted(held.get(name, {}).get(shard, []))
-            position = 0
-            while position < numel:
-                covering = [(start, stop, rank) for start, stop, rank in candidates if start <= position < stop]
-                if not covering:
-                    raise CheckpointError(f"{name}: no rank holds elements from {position} of shard {shard} "
-                                          f"({numel} elements): the engine's ranks disagree on its layout")
-                start, stop, rank = min(covering, key=lambda c: (load[c[2]], c[2]))
-                stop = min(stop, numel)
-                pieces.append(Piece(rank, shard, position, stop))
-                load[rank] += (stop - position) * dtype.itemsize
-                position = stop
-        plans.append(TensorPlan(name, layout, dtype, trainable[name], tuple(pieces)))
+        for shard, start, stop, ranks in segments[name]:
+            if len(ranks) == 1:
+                pieces.append(Piece(ranks[0], shard, start, stop))
+                continue
+            for rank, numel in _shares(ranks, load, stop - start, itemsize, level, min_split_bytes):
+                pieces.append(Piece(rank, shard, start, start + numel))
+                load[rank] += numel * itemsize
+                start += numel
+        plans.append(TensorPlan(name, layout, dtypes[name], trainable[name], tuple(pieces)))
     return plans
+
+
+def _segments(name: str, shard: int, numel: int,
+              candidates: Sequence[tuple[int, int, int]]) -> Iterable[tuple[int, int, tuple[int, ...]]]:
+    """Elements ``[0, numel)`` of a shard cut where the set of ranks holding them changes: ``(start, stop, ranks)``."""
+    cuts = sorted({0, numel, *(min(max(c, 0), numel) for start, stop, _ in candidates for c in (start, stop))})
+    for start, stop in zip(cuts, cuts[1:]):
+        ranks = tuple(sorted({rank for low, high, rank in candidates if low <= start and stop <= high}))
+        if not ranks:
+            raise CheckpointError(f"{name}: no rank holds elements from {start} of shard {shard} ({numel} elements): "
+                                  "the engine's ranks disagree on its layout")
+        yield start, stop, ranks
+
+
+def _shares(ranks: Sequence[int], load: Sequence[int], numel: int, itemsize: int, level: float,
+            min_split_bytes: int) -> list[tuple[int, int]]:
+    """How a range several ``ranks`` hold is sent: ``(rank, elements)`` in order. Whole by the least loaded while
+    that keeps it at or under ``level`` (or the range is too small to split); else over the least loaded holders,
+    each given what brings it to a common level, as many holders as keep every part at least ``min_split_bytes``."""
+    order = sorted(ranks, key=lambda r: (load[r], r))
+    nbytes = numel * itemsize
+    if load[order[0]] + nbytes <= level or nbytes < 2 * min_split_bytes:
+        return [(order[0], numel)]
+    for count in range(len(order), 1, -1):
+        chosen = order[:count]
+        common = (sum(load[r] for r in chosen) + nbytes) / count
+        parts = [max(0.0, common - load[r]) for r in chosen]
+        if all(part >= min_split_bytes for part in parts):
+            counts = [int(part // itemsize) for part in parts]
+            counts[0] += numel - sum(counts)
+            return sorted(zip(chosen, counts))
+    return [(order[0], numel)]
 
 
 @dataclass(frozen=True)
@@ -165,12 +231,56 @@ class Bucket:
     def pieces_of(self, owner: int) -> list[tuple[TensorPlan, Piece]]:
         return [(plan, piece) for plan in self.tensors for piece in plan.pieces if piece.owner == owner]
 
-    @property
+    @cached_property
     def owners(self) -> list[int]:
         return sorted({piece.owner for plan in self.tensors for piece in plan.pieces})
 
     def nbytes(self, owner: int) -> int:
-        return sum(piece.numel * plan.dtype.itemsize for plan, piece in self.pieces_of(owner))
+        key = ("bytes", owner)
+        if key not in self._memo:
+            self._memo[key] = sum(piece.numel * plan.dtype.itemsize for plan, piece in self.pieces_of(owner))
+        return int(self._memo[key])
+
+    def messages(self, owner: int) -> list[list[tuple[TensorPlan, Piece]]]:
+        """What ``owner`` sends of this bucket, message by message: a piece of :data:`SMALL_PIECE_BYTES` or more
+        alone (from where the owner keeps it, into where it goes), consecutive smaller ones packed into one message
+        of up to :data:`PACK_BYTES` (a message costs about what copying a MiB does)."""
+        key = ("messages", owner, SMALL_PIECE_BYTES, PACK_BYTES)
+        if key not in self._memo:
+            self._memo[key] = self._group_messages(owner)
+        found: list[list[tuple[TensorPlan, Piece]]] = self._memo[key]
+        return found
+
+    @cached_property
+    def _memo(self) -> dict[tuple[Any, ...], Any]:
+        """What is worked out once per bucket (a plan's buckets serve every update)."""
+        return {}
+
+    def _group_messages(self, owner: int) -> list[list[tuple[TensorPlan, Piece]]]:
+        found: list[list[tuple[TensorPlan, Piece]]] = []
+        packed = PACK_BYTES  # bytes in the last message: none open yet
+        for plan, piece in self.pieces_of(owner):
+            nbytes = piece.numel * plan.dtype.itemsize
+            if nbytes >= SMALL_PIECE_BYTES:
+                found.append([(plan, piece)])
+                packed = PACK_BYTES  # a pack does not span a large piece: the order on the wire is the plan's
+                continue
+            if packed + nbytes > PACK_BYTES:
+                found.append([])
+                packed = 0
+            found[-1].append((plan, piece))
+            packed += nbytes
+        return found
+
+
+#: Pieces under this size travel packed with their neighbours (:meth:`Bucket.messages`), in messages up to PACK_BYTES.
+SMALL_PIECE_BYTES = 1 << 20
+PACK_BYTES = 4 << 20
+
+
+def pack(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Several pieces' values as one message: their bytes one after another."""
+    return torch.cat([v.reshape(-1).view(torch.uint8) for v in values])
 
 
 class Landing:
@@ -185,12 +295,12 @@ class Landing:
         if scratch is not None:
             scratch.reset()
         self._apart: list[tuple[TensorPlan, int, torch.Tensor]] = []
-        self.works = []
+        self._packs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._sent: list[torch.Tensor] = []
+        targets: dict[tuple[str, Piece], torch.Tensor] = {}
         for plan in bucket.tensors:
             flat = self.destinations[plan.name].view(-1)
-            for shard in plan.shards:
-                numel = math.prod(plan.layout.local_shape(shard))
-                base = _run_start(plan.layout, shard)
+            for shard, numel, base in plan.runs:
                 if base is not None:
                     target = flat[base:base + numel]
                 else:
@@ -198,21 +308,39 @@ class Landing:
                               torch.empty(numel, dtype=plan.dtype, device=flat.device))
                     self._apart.append((plan, shard, target))
                 for piece in plan.pieces:
-                    if piece.shard != shard:
-                        continue
-                    into = target[piece.start:piece.stop]
-                    mine = own(plan, piece) if own is not None else None
-                    if mine is not None:
-                        into.copy_(mine)
-                        self.works.append(post(piece.owner, mine))
-                    else:
-                        self.works.append(post(piece.owner, into))
+                    if piece.shard == shard:
+                        targets[(plan.name, piece)] = target[piece.start:piece.stop]
+        self.works = []
+        for owner in bucket.owners:
+            for message in bucket.messages(owner):
+                into = [targets[(plan.name, piece)] for plan, piece in message]
+                mine = [own(plan, piece) for plan, piece in message] if own is not None else []
+                if mine and mine[0] is not None:  # this rank sends it: its own targets from its own values
+                    for target, values in zip(into, mine):
+                        target.copy_(values)
+                    values = mine[0] if len(mine) == 1 else pack(mine)
+                    self._sent.append(values)  # alive until its work is done
+                    self.works.append(post(owner, values))
+                elif len(into) == 1:
+                    self.works.append(post(owner, into[0]))
+                else:
+                    nbytes = sum(t.numel() * t.element_size() for t in into)
+                    buffer = (scratch.take(nbytes, torch.uint8, into[0].device) if scratch is not None else
+                              torch.empty(nbytes, dtype=torch.uint8, device=into[0].device))
+                    self._packs.append((buffer, into))
+                    self.works.append(post(owner, buffer))
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Wait for every piece; the bucket's full tensors."""
         for work in self.works:
             if work is not None:
                 work.wait()
+        for buffer, into in self._packs:
+            position = 0
+            for target in into:
+                nbytes = target.numel() * target.element_size()
+                target.view(-1).view(torch.uint8).copy_(buffer[position:position + nbytes])
+                position += nbytes
         for plan, shard, values in self._apart:
             _place(plan.layout, shard, values, self.destinations[plan.name])
         return self.destinations

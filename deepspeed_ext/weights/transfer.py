@@ -4,9 +4,10 @@
 An update, on the wire:
 
 1. training rank 0, in its group: a header (``[magic, version, length]``, then the plan as JSON: every tensor's
-   layout, dtype and pieces, the model's config and adapters, the bucket size);
-2. every training rank, in its own group: each piece it sends, one message each, from where it keeps it, bucket by
-   bucket in the plan's order;
+   layout, dtype and pieces, the model's config and adapters, the bucket size; the same text from one update to the
+   next while the plan is the same);
+2. every training rank, in its own group: each piece it sends, bucket by bucket in the plan's order, a large one as
+   one message from where it keeps it, small neighbours packed together (:meth:`~deepspeed_ext.weights.plan.Bucket.messages`);
 3. every training rank: a trailer ``[magic, version, bytes sent]``.
 
 A receiver receives each piece where its tensor goes (:class:`~deepspeed_ext.weights.plan.Landing`: in place in a
@@ -30,7 +31,7 @@ from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.weights.engine_sink import EngineSink, is_engine
 from deepspeed_ext.weights.groups import WeightGroup
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_shapes, named_tensors
-from deepspeed_ext.weights.plan import Bucket, Landing, TensorPlan, WeightPlan, buckets_of
+from deepspeed_ext.weights.plan import Bucket, Landing, TensorPlan, WeightPlan, pack
 from deepspeed_ext.weights.sinks import ModuleSink, Sink, sink_for
 
 _HEADER, _TRAILER = 0x6473785748, 0x6473785754  # "dsxWH", "dsxWT"
@@ -64,17 +65,18 @@ def send_weights(engine: Any, group: WeightGroup, *, version: int | None = None,
     sent = 0
     try:
         if rank == 0:
-            text = json.dumps({"plan": plan.to_json(), "bucket_bytes": bucket_bytes, "version": version,
+            text = json.dumps({"plan": plan.to_json(), "bucket_bytes": bucket_bytes,
                                "adapters_only": adapters_only}).encode()
             group.broadcast(0, _int64([_HEADER, version, len(text)], device)).wait()
             group.broadcast(0, torch.frombuffer(bytearray(text), dtype=torch.uint8).to(device)).wait()
         # Each piece from where this rank keeps it; a bucket's sends wait for those of the bucket before last.
         in_flight: list[list[tuple[Any, torch.Tensor]]] = []
         local = local_tensors(engine)
-        for bucket in buckets_of(plan.tensors, bucket_bytes):
+        for bucket in plan.buckets(bucket_bytes):
             works = []
-            for tensor_plan, piece in bucket.pieces_of(rank):
-                values = own_values(local, tensor_plan, piece).to(device)
+            for message in bucket.messages(rank):
+                parts = [own_values(local, tensor_plan, piece) for tensor_plan, piece in message]
+                values = (parts[0] if len(parts) == 1 else pack(parts)).to(device)
                 works.append((group.broadcast(rank, values), values))
                 sent += values.numel() * values.element_size()
             in_flight.append(works)
@@ -145,8 +147,15 @@ def _receive(group: WeightGroup, sink: Any, names: str | None, dtype: str, quant
     label = state["label"] = f"weight update {version}"
     text = torch.empty(length, dtype=torch.uint8, device=device)
     group.broadcast(0, text).wait()
-    header = json.loads(bytes(text.cpu().numpy()))
-    plan = WeightPlan.from_json(header["plan"])
+    raw = bytes(text.cpu().numpy())
+    # The header of the update before, where this one's is the same (the usual case: the version travels apart):
+    # its plan's buckets and messages are worked out already.
+    if group.received_plan is not None and group.received_plan[0] == raw:
+        header, plan = group.received_plan[1:]
+    else:
+        header = json.loads(raw)
+        plan = WeightPlan.from_json(header["plan"])
+        group.received_plan = (raw, header, plan)
     if plan.ranks != group.senders:
         raise CheckpointError(f"{label}: sent by {plan.ranks} training ranks, the group has {group.senders}")
     adapters_only = bool(header["adapters_only"])
@@ -154,7 +163,7 @@ def _receive(group: WeightGroup, sink: Any, names: str | None, dtype: str, quant
     options = WeightOptions(names=target.names, dtype=dtype, quantize=quantize, fp8_block=fp8_block,
                             adapters="only" if adapters_only and target.names != "module" else "merge")
     sent: dict[int, int] = {}
-    buckets = buckets_of(plan.tensors, int(header["bucket_bytes"]))
+    buckets = plan.buckets(int(header["bucket_bytes"]))
 
     def fresh(tensor_plan: TensorPlan) -> torch.Tensor:
         return torch.empty(tensor_plan.layout.shape, dtype=tensor_plan.dtype, device=device)

@@ -14,7 +14,7 @@ import torch
 from deepspeed_ext.errors import CheckpointError
 from deepspeed_ext.module_inject.layout import TPLayout
 from deepspeed_ext.weights.naming import StreamedSource, WeightOptions, named_shapes, named_tensors
-from deepspeed_ext.weights.plan import (Bucket, Holding, Landing, Scratch, WeightPlan, buckets_of,
+from deepspeed_ext.weights.plan import (Bucket, Holding, Landing, Scratch, WeightPlan, buckets_of, pack,
                                         plan_from_holdings)
 from deepspeed_ext.weights.sinks import CallbackSink, LoadWeightsSink, ModuleSink, sink_for
 
@@ -44,23 +44,40 @@ def _holdings(layouts: dict[str, TPLayout], dp: int) -> list[list[Holding]]:
 
 
 @pytest.mark.parametrize("dp", [1, 2])
-def test_every_layout_lands_whole(dp):
+@pytest.mark.parametrize("small, packed", [(0, 0), (64, 100), (1 << 20, 4 << 20)],
+                         ids=["every piece alone", "small ones in packs of 100 bytes", "every piece packed"])
+def test_every_layout_lands_whole(dp, small, packed, monkeypatch):
+    from deepspeed_ext.weights import plan as plan_module
+    monkeypatch.setattr(plan_module, "SMALL_PIECE_BYTES", small)
+    monkeypatch.setattr(plan_module, "PACK_BYTES", packed)
     fulls = {name: torch.arange(layout.numel, dtype=torch.float32).reshape(layout.shape).to(torch.bfloat16)
              for name, layout in LAYOUTS.items()}
     plans = plan_from_holdings(LAYOUTS, {n: torch.bfloat16 for n in LAYOUTS}, {n: True for n in LAYOUTS},
                                _holdings(LAYOUTS, dp))
     for bucket_bytes in (1, 40, 1 << 20):
+        sent: dict[str, torch.Tensor] = {}
         got: dict[str, torch.Tensor] = {}
-        scratch = Scratch()
+        scratches = Scratch(), Scratch()
         for bucket in buckets_of(plans, bucket_bytes):
             def own(plan, piece):  # every owner's values of its piece: its shard's elements, flattened
                 flat = LAYOUTS[plan.name].slice(fulls[plan.name], piece.shard).reshape(-1)
                 return flat[piece.start:piece.stop]
-            landing = Landing(bucket, lambda plan: torch.full(plan.layout.shape, -1, dtype=plan.dtype),
-                              lambda owner, tensor: None, own, scratch)
-            got.update(landing.finish())
+            wire: dict[int, list[torch.Tensor]] = {}
+
+            def send(owner, tensor):
+                wire.setdefault(owner, []).append(tensor.clone())
+
+            def receive(owner, buffer):  # the messages of each owner in the order they were sent, size for size
+                message = wire[owner].pop(0)
+                assert message.shape == buffer.shape and message.dtype == buffer.dtype
+                buffer.copy_(message)
+            fresh = lambda plan: torch.full(plan.layout.shape, -1, dtype=plan.dtype)  # noqa: E731
+            # A sending rank (every owner at once: each piece's values its own) and a rank that receives it all.
+            sent.update(Landing(bucket, fresh, send, own, scratches[0]).finish())
+            got.update(Landing(bucket, fresh, receive, None, scratches[1]).finish())
+            assert not any(wire.values())
         for name, full in fulls.items():
-            assert torch.equal(got[name], full), (name, dp, bucket_bytes)
+            assert torch.equal(sent[name], full) and torch.equal(got[name], full), (name, dp, bucket_bytes)
 
 
 def test_replicas_share_the_sending_and_every_range_is_sent_once():
@@ -69,6 +86,20 @@ def test_replicas_share_the_sending_and_every_range_is_sent_once():
     plans = plan_from_holdings(layouts, {n: torch.float32 for n in layouts}, {n: True for n in layouts}, holdings)
     assert [p.pieces[0].owner for p in plans] == [0, 1, 0, 1]
     assert all(len(p.pieces) == 1 and p.pieces[0].numel == 16 for p in plans)
+    # Under TP a replicated tensor (an embedding) that would leave one rank the busiest is split over its holders, so
+    # that both end with the same bytes; ranges below the split size go whole.
+    tp_layouts = {"embed": TPLayout.replicated((10, 8), 2), "q": TPLayout.split((8, 4), 2, 0, (4, 4), "column"),
+                  "norm": TPLayout.replicated((4, ), 2)}
+    tp_holdings = [[Holding("embed", 0, 0, 80), Holding("q", rank, 0, 16), Holding("norm", 0, 0, 4)] for rank in (0, 1)]
+    plans = plan_from_holdings(tp_layouts, {n: torch.float32 for n in tp_layouts}, {n: True for n in tp_layouts},
+                               tp_holdings, min_split_bytes=16)
+    assert [(p.owner, p.start, p.stop) for p in plans[0].pieces] == [(0, 0, 40), (1, 40, 80)]
+    assert len(plans[2].pieces) == 1
+    sent = [sum(p.numel for plan in plans for p in plan.pieces if p.owner == rank) for rank in (0, 1)]
+    assert abs(sent[0] - sent[1]) <= 4
+    whole = plan_from_holdings(tp_layouts, {n: torch.float32 for n in tp_layouts}, {n: True for n in tp_layouts},
+                               tp_holdings, min_split_bytes=1 << 20)
+    assert [len(p.pieces) for p in whole] == [1, 2, 1]
     with pytest.raises(CheckpointError, match=r"^w0: no rank holds elements from 8 of shard 0 \(16 elements\)"):
         plan_from_holdings({"w0": layouts["w0"]}, {"w0": torch.float32}, {"w0": True}, [[Holding("w0", 0, 0, 8)]])
 
@@ -210,8 +241,10 @@ def test_pieces_over_a_weight_group_and_a_sender_gone():
     for thread in threads:
         thread.join()
     sender, receiver = groups["sender"], groups["receiver"]
-    for plan, piece in bucket.pieces_of(0):
-        sender.broadcast(0, fulls[plan.name].reshape(-1)[piece.start:piece.stop].contiguous())
+    messages = bucket.messages(0)
+    assert [len(m) for m in messages] == [2]  # two small tensors: one message, packed
+    for message in messages:
+        sender.broadcast(0, pack([fulls[plan.name].reshape(-1)[piece.start:piece.stop] for plan, piece in message]))
     landing = Landing(bucket, lambda plan: torch.empty(plan.layout.shape), receiver.broadcast)
     got = landing.finish()
     assert all(torch.equal(got[name], fulls[name]) for name in fulls)
