@@ -22,7 +22,7 @@ from deepspeed_ext.weights.plan import Scratch
 
 BACKENDS = ("gloo", "nccl")
 #: Threads of each gloo group (see :meth:`WeightGroup._make`).
-GLOO_THREADS = 16
+GLOO_THREADS = 8
 #: The store's keys of one group, under the store shared by all.
 _PREFIX = "deepspeed_ext/weights/sender{}"
 
@@ -84,9 +84,10 @@ class WeightGroup:
 
     def _make(self, group_class: Any, store: Any, rank: int, size: int) -> Any:
         if self.backend == "gloo":
-            # gloo runs a group's collectives on its own threads, two unless told: an update's pieces (a few hundred
-            # messages) then go two at a time, and each message's round trip shows. More threads keep more of them
-            # on the wire (246M, TP=2: 130 pieces a rank, 0.26 -> 0.15 s on loopback). Options are a private class
+            # gloo runs a group's collectives on its own threads, two unless told: an update's messages (a hundred
+            # or more a rank) then go two at a time, and each one's round trip shows. More threads keep more of them
+            # on the wire: at 246M TP=2, a rank's 130 pieces sent bare took 0.26 s with two threads, 0.14-0.18 s
+            # with eight (bench/weight_stream.py, loopback; 4 and 16 measured alike). Options are a private class
             # of torch's; without it, the default group.
             options_class = getattr(group_class, "_Options", None)
             make_device = getattr(group_class, "create_default_device", None)
