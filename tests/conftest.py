@@ -28,11 +28,15 @@ SPLIT_EACH = {"test_maxtext_model_code.py", "test_maxtext.py", "test_maxtext_con
 #: tests/e2e/test_weight_streaming_e2e.py stays one group: each of its tests runs six processes beside the workers'
 #: pools (two training ranks, two receivers, a receiving engine's two ranks); three at once ran the machine out of
 #: memory (24 GiB), and the kernel killed a worker.
-#: The longest groups start first, so neither worker is left alone with one at the end (scripts/test.sh passes
+#: The longest groups start first, so no worker is left alone with one at the end (scripts/test.sh passes
 #: --no-loadscope-reorder, else pytest-xdist orders the groups by their number of tests instead); the rest keep
-#: collection order, the many short unit-test groups last, where they fill in.
-LONGEST_FIRST = ["test_install.py", "test_node_local_e2e.py", "test_trainers.py", "test_adapters_trainer_e2e.py", "test_maxtext_continue_e2e.py", "test_kv_heads.py",
-                 "test_expert_parallel.py", "test_maxtext.py"]
+#: collection order, the many short unit-test groups last, where they fill in. By the seconds their processes ran
+#: in a CI run (DSX_TEST_TIMING_LOG), test_install.py's single test first; test_weight_streaming_e2e.py early
+#: also while the workers' pools are still few (its six processes each need memory).
+LONGEST_FIRST = ["test_install.py", "test_trainers.py", "test_save_safety_e2e.py", "test_weight_streaming_e2e.py",
+                 "test_pipeline_parallel.py", "test_async_save_e2e.py", "test_fingerprints_e2e.py",
+                 "test_older_deepspeed.py", "test_node_local_e2e.py", "test_adapters_trainer_e2e.py",
+                 "test_maxtext_continue_e2e.py", "test_kv_heads.py", "test_expert_parallel.py", "test_maxtext.py"]
 
 #: The skips that stay skips under CI=true, by their exact reason: each is about the platform the test runs on,
 #: which no setup changes, not about something scripts/setup.sh installs. Every other skip (a missing package or

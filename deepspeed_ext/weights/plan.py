@@ -2,10 +2,11 @@
 
 Every rank of the engine describes the pieces of the module's weights it keeps (its TP or EP shard of each
 parameter; under ZeRO-3 its partition of that shard); the ranks exchange those descriptions once, and each
-computes the same :class:`WeightPlan`: for every tensor, which rank sends which range of which shard. A shard
-held whole by several ranks (DP replicas) is sent by one of them, the one with the fewest bytes so far, so the
-sending is spread over the ranks and no rank gathers the model. The plan is plain data: it travels to the
-receivers of :func:`~deepspeed_ext.weights.transfer.send_weights` as JSON, and they assemble with it.
+computes the same :class:`WeightPlan`: for every tensor, which rank sends which range of which shard. What
+several ranks hold (DP replicas; a tensor TP leaves whole) is given out so that the ranks send the same bytes
+(whole, or split between them where one tensor would leave one rank the busiest), and no rank gathers the model.
+The plan is plain data: it travels to the receivers of :func:`~deepspeed_ext.weights.transfer.send_weights` as
+JSON, and they assemble with it.
 """
 
 from __future__ import annotations
@@ -223,8 +224,8 @@ def _shares(ranks: Sequence[int], load: Sequence[int], numel: int, itemsize: int
 
 @dataclass(frozen=True)
 class Bucket:
-    """Consecutive tensors of a plan sent together: each piece is one message from its owner, in the bucket's order
-    (no packing: an owner sends from where it keeps the weights, a receiver receives where the tensor goes)."""
+    """Consecutive tensors of a plan sent together, owner by owner in the bucket's order (:meth:`messages`): a large
+    piece is sent from where its owner keeps it and received where its tensor goes, with no copy on either side."""
 
     tensors: tuple[TensorPlan, ...]
 

@@ -104,7 +104,7 @@ def torchrun_train(nproc: int, args: list[str], log: Path, python: str = sys.exe
     once, which is most of a tiny run's time. Its output is in ``log`` as a fresh run's would be."""
     pool = _pool_for(nproc, [args], python, check)
     if pool is not None:
-        return pool.run([args], log)
+        return _pooled(pool, [args], log)
     return run_logged([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                        str(TRAIN_WORKER), *args], log, check=check)
 
@@ -115,7 +115,7 @@ def torchrun_train_runs(nproc: int, runs: list[list[str]], log: Path, python: st
     torchrun each, run I's output in ``log`` with ``.I`` before its suffix."""
     pool = _pool_for(nproc, runs, python, True)
     if pool is not None:
-        pool.run(runs, log)
+        _pooled(pool, runs, log)
         return
     for index, args in enumerate(runs):
         torchrun_train(nproc, args, log if len(runs) == 1 else log.with_suffix(f".{index}{log.suffix}"),
@@ -160,6 +160,10 @@ def torchrun_nodes(nproc_per_node: int, runs: list[list[str]], log: Path, check:
 OWNER_ENV = "DSX_TEST_POOL_OWNER"
 
 
+class PoolReleased(Exception):
+    """A pool that left while idle (the machine short of memory) before this run could claim it."""
+
+
 class _TrainPool:
     """``torchrun ... workers/train.py --serve DIR``: ``nproc`` ranks kept for runs at any TP degree (the ranks
     drop DeepSpeed's TP groups before a run at another one), each run a fresh model and engine. Requests and answers are files in DIR
@@ -184,6 +188,10 @@ class _TrainPool:
     def run(self, runs: list[list[str]], log: Path) -> subprocess.CompletedProcess:
         import time
         number, self.requests = self.requests, self.requests + 1
+        try:  # the pool may have left while idle, the machine short of memory (workers/train.py's serve)
+            os.close(os.open(self.directory / f"claim.{number}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            raise PoolReleased(str(self.directory)) from None
         log.parent.mkdir(parents=True, exist_ok=True)
         command = f"torchrun --nproc_per_node={self.nproc} {TRAIN_WORKER} (pooled, {self.directory} #{number})"
         log.write_text("".join(f"$ {command} {' '.join(args)}\n" for args in runs) + "--- output\n")
@@ -228,6 +236,18 @@ class _TrainPool:
 _POOLS: dict[tuple, _TrainPool] = {}
 #: At most this many pooled ranks alive per test process (each holds torch, DeepSpeed and transformers).
 POOLED_RANKS = 10
+
+
+def _pooled(pool: _TrainPool, runs: list[list[str]], log: Path) -> subprocess.CompletedProcess:
+    """``pool.run``; where the pool has left meanwhile (idle while memory ran short), on a new pool of its kind."""
+    try:
+        return pool.run(runs, log)
+    except PoolReleased:
+        pool.close()
+        _POOLS.pop(pool.key, None)
+        fresh = _TrainPool(pool.nproc, pool.key)
+        _POOLS[pool.key] = fresh
+        return fresh.run(runs, log)
 
 
 def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _TrainPool | None:

@@ -315,11 +315,17 @@ def serve(directory: Path) -> None:
     number, tp_degree = 0, None
     while True:
         request = directory / f"{number}.json"
+        idle_since = checked = time.monotonic()
         while not request.exists():
             if (directory / "stop").exists():
                 finish_distributed()
             if owner and not _alive(owner):  # the test process is gone without a word: leave, no collective
                 os._exit(0)
+            now = time.monotonic()
+            if rank == 0 and now - idle_since > IDLE_S and now - checked > 1:
+                checked = now
+                if _available_bytes() < LOW_MEMORY_BYTES and _claim(directory, number):
+                    (directory / "stop").write_text("released")  # every rank leaves; the owner starts a new pool
             time.sleep(0.05)
         spec = json.loads(request.read_text())
         with output_to(spec["log"]):
@@ -339,6 +345,33 @@ def serve(directory: Path) -> None:
         if rank == 0:
             (directory / f"{number}.done").write_text("")
         number += 1
+
+
+#: An idle pool gives its memory back when the machine runs short: three test processes' pools once held most of
+#: CI's 24 GiB while idle, and the kernel killed a test process that needed more.
+IDLE_S = float(os.environ.get("DSX_TEST_POOL_IDLE_S", "10"))
+LOW_MEMORY_BYTES = int(os.environ.get("DSX_TEST_POOL_LOW_MEMORY", str(4 << 30)))
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _claim(directory: Path, number: int) -> bool:
+    """Take request number ``number`` before the owner does (``harness.runner._TrainPool.run`` claims it the same
+    way before writing it): whoever creates ``claim.N`` first decides whether the pool serves it or leaves."""
+    try:
+        os.close(os.open(directory / f"claim.{number}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
