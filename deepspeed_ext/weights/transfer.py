@@ -7,7 +7,8 @@ An update, on the wire:
    layout, dtype and pieces, the model's config and adapters, the bucket size; the same text from one update to the
    next while the plan is the same);
 2. every training rank, in its own group: each piece it sends, bucket by bucket in the plan's order, a large one as
-   one message from where it keeps it, small neighbours packed together (:meth:`~deepspeed_ext.weights.plan.Bucket.messages`);
+   one message from where it keeps it, small neighbours packed together
+   (:meth:`~deepspeed_ext.weights.plan.Bucket.messages`);
 3. every training rank: a trailer ``[magic, version, bytes sent]``.
 
 A receiver receives each piece where its tensor goes (:class:`~deepspeed_ext.weights.plan.Landing`: in place in a
