@@ -134,9 +134,13 @@ def hf_weights(engine: Any, options: WeightOptions, bucket_bytes: int) -> Iterat
 
 
 def adapters_plan(plan: WeightPlan) -> WeightPlan:
-    """The part of ``plan`` that is a peft model's adapters (their LoRA factors); one line where it has none."""
+    """The part of ``plan`` that is a peft model's adapters (their LoRA factors); one line where it has none. Kept
+    with the plan, so its buckets are worked out once too."""
     from deepspeed_ext.checkpoint.adapters import is_lora_factor
-    adapters = plan.only(name for name in plan.by_name if is_lora_factor(name) or ".lora_" in name)
+    adapters = plan.adapters_only
+    if adapters is None:
+        adapters = plan.adapters_only = plan.only(name for name in plan.by_name
+                                                  if is_lora_factor(name) or ".lora_" in name)
     if not adapters.tensors:
         raise CheckpointError("adapters only: the engine's model has no peft LoRA adapters")
     return adapters

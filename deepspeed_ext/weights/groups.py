@@ -90,13 +90,12 @@ class WeightGroup:
             # with eight (bench/weight_stream.py, loopback; 4 and 16 measured alike). Options are a private class
             # of torch's; without it, the default group.
             options_class = getattr(group_class, "_Options", None)
-            make_device = getattr(group_class, "create_default_device", None)
-            if options_class is None or make_device is None:
+            if options_class is None or not hasattr(group_class, "create_default_device"):
                 return group_class(store, rank, size, self.timeout)
             options = options_class()
             options._timeout = self.timeout
             options._threads = GLOO_THREADS
-            options._devices = [make_device()]
+            options._devices = _gloo_devices(group_class)
             return group_class(store, rank, size, options)
         options = group_class.Options()
         options._timeout = self.timeout
@@ -132,6 +131,16 @@ class WeightGroup:
                 except Exception:  # the group is already down: nothing more to release
                     pass
         self._groups.clear()
+
+
+def _gloo_devices(group_class: Any) -> list[Any]:
+    """The network devices torch's own gloo groups would use: one per interface ``GLOO_SOCKET_IFNAME`` names (a host
+    with several networks, where the hostname does not resolve to the one the peers reach), else the default."""
+    import os
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+    if names:
+        return [group_class.create_device(interface=name) for name in names]
+    return [group_class.create_default_device()]
 
 
 def _root_options() -> Any:

@@ -113,6 +113,8 @@ class WeightPlan:
     adapters: Mapping[str, Any] | None = None
     by_name: dict[str, TensorPlan] = field(init=False, repr=False)
     _buckets: dict[int, list[Bucket]] = field(init=False, repr=False, compare=False)
+    #: The plan of the adapters alone (``engine_side.adapters_plan``), once worked out.
+    adapters_only: WeightPlan | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self) -> None:
         self.by_name = {t.name: t for t in self.tensors}
@@ -209,6 +211,7 @@ def _shares(ranks: Sequence[int], load: Sequence[int], numel: int, itemsize: int
     each given what brings it to a common level, as many holders as keep every part at least ``min_split_bytes``."""
     order = sorted(ranks, key=lambda r: (load[r], r))
     nbytes = numel * itemsize
+    min_split_bytes = max(min_split_bytes, itemsize)  # every part at least one element
     if load[order[0]] + nbytes <= level or nbytes < 2 * min_split_bytes:
         return [(order[0], numel)]
     for count in range(len(order), 1, -1):
@@ -259,17 +262,18 @@ class Bucket:
 
     def _group_messages(self, owner: int) -> list[list[tuple[TensorPlan, Piece]]]:
         found: list[list[tuple[TensorPlan, Piece]]] = []
-        packed = PACK_BYTES  # bytes in the last message: none open yet
+        current: list[tuple[TensorPlan, Piece]] | None = None  # the pack open for more small pieces
+        packed = 0
         for plan, piece in self.pieces_of(owner):
             nbytes = piece.numel * plan.dtype.itemsize
             if nbytes >= SMALL_PIECE_BYTES:
                 found.append([(plan, piece)])
-                packed = PACK_BYTES  # a pack does not span a large piece: the order on the wire is the plan's
+                current = None  # a pack does not span a large piece: the order on the wire is the plan's
                 continue
-            if packed + nbytes > PACK_BYTES:
-                found.append([])
-                packed = 0
-            found[-1].append((plan, piece))
+            if current is None or packed + nbytes > PACK_BYTES:
+                current, packed = [], 0
+                found.append(current)
+            current.append((plan, piece))
             packed += nbytes
         return found
 

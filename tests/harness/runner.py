@@ -264,6 +264,8 @@ def _pool_for(nproc: int, runs: list[list[str]], python: str, check: bool) -> _T
     # (workers/train.py).
     key = (nproc, any("--allow-cpu-fp16" in args for args in runs))
     pool = _POOLS.pop(key, None)
+    if pool is not None and not pool.alive():
+        pool.close()  # its directory (it left on its own, or failed)
     if pool is None or not pool.alive():
         while _POOLS and sum(p.nproc for p in _POOLS.values()) + nproc > POOLED_RANKS:
             _POOLS.pop(next(iter(_POOLS))).close()

@@ -100,6 +100,16 @@ def test_replicas_share_the_sending_and_every_range_is_sent_once():
     whole = plan_from_holdings(tp_layouts, {n: torch.float32 for n in tp_layouts}, {n: True for n in tp_layouts},
                                tp_holdings, min_split_bytes=1 << 20)
     assert [len(p.pieces) for p in whole] == [1, 2, 1]
+    # However small the split size, every part is at least one element, and each rank's messages hold them all.
+    skewed = [[Holding("embed", 0, 0, 80)] + ([Holding("q", 0, 0, 32)] if rank == 0 else []) for rank in range(3)]
+    for min_split in (0, 1, 3):
+        plans = plan_from_holdings({"embed": tp_layouts["embed"], "q": TPLayout.replicated((8, 4), 3)},
+                                   {"embed": torch.float32, "q": torch.float32}, {"embed": True, "q": True}, skewed,
+                                   min_split_bytes=min_split)
+        assert all(p.numel > 0 for plan in plans for p in plan.pieces), min_split
+        (bucket, ) = buckets_of(plans, 1 << 20)
+        for rank in range(3):
+            assert [piece for m in bucket.messages(rank) for piece in m] == bucket.pieces_of(rank)
     with pytest.raises(CheckpointError, match=r"^w0: no rank holds elements from 8 of shard 0 \(16 elements\)"):
         plan_from_holdings({"w0": layouts["w0"]}, {"w0": torch.float32}, {"w0": True}, [[Holding("w0", 0, 0, 8)]])
 
@@ -217,10 +227,20 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_pieces_over_a_weight_group_and_a_sender_gone():
+def test_a_weight_group_uses_the_interfaces_gloo_is_told(monkeypatch):
+    """GLOO_SOCKET_IFNAME names the interfaces torch's own gloo groups use; a weight group's groups use them too (an
+    interface that does not exist is an error, as it is for torch's groups, not the default one taken instead)."""
+    from deepspeed_ext.weights.groups import WeightGroup
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif0")
+    with pytest.raises(RuntimeError, match="nosuchif0"):
+        WeightGroup("127.0.0.1", _free_port(), senders=1, rank=0, timeout=10)
+
+
+def test_pieces_over_a_weight_group_and_a_sender_gone(monkeypatch):
     """A bucket sent over a real group (gloo, two threads: training rank 0 and one receiver), then the sender's
     group given up mid-bucket: the receiver's wait ends with an error instead of hanging."""
     from deepspeed_ext.weights.groups import WeightGroup
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # Linux's loopback, named: the groups take the interface named
     layouts = {"rows": LAYOUTS["rows, uneven"], "columns": LAYOUTS["columns"]}
     fulls = {name: torch.randn(layout.shape) for name, layout in layouts.items()}
     plans = plan_from_holdings({n: TPLayout.replicated(l.shape, 1) for n, l in layouts.items()},
