@@ -18,6 +18,7 @@ from pathlib import Path
 
 from deepspeed_ext.demo import runner as demo_runner
 from deepspeed_ext.demo.runner import read_losses
+from harness.workers.pool_claim import claim
 
 #: The demo training script plus the probes (state dumps, loss scales) tests read.
 TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
@@ -188,10 +189,8 @@ class _TrainPool:
     def run(self, runs: list[list[str]], log: Path) -> subprocess.CompletedProcess:
         import time
         number, self.requests = self.requests, self.requests + 1
-        try:  # the pool may have left while idle, the machine short of memory (workers/train.py's serve)
-            os.close(os.open(self.directory / f"claim.{number}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            raise PoolReleased(str(self.directory)) from None
+        if not claim(self.directory, number):  # it left while idle, the machine short of memory (train.py's serve)
+            raise PoolReleased(str(self.directory))
         log.parent.mkdir(parents=True, exist_ok=True)
         command = f"torchrun --nproc_per_node={self.nproc} {TRAIN_WORKER} (pooled, {self.directory} #{number})"
         log.write_text("".join(f"$ {command} {' '.join(args)}\n" for args in runs) + "--- output\n")
@@ -239,14 +238,15 @@ POOLED_RANKS = 10
 
 
 def _pooled(pool: _TrainPool, runs: list[list[str]], log: Path) -> subprocess.CompletedProcess:
-    """``pool.run``; where the pool has left meanwhile (idle while memory ran short), on a new pool of its kind."""
+    """``pool.run``; where the pool has left meanwhile (idle while memory ran short), on a new pool of its kind,
+    started as any other (``_pool_for``)."""
     try:
         return pool.run(runs, log)
     except PoolReleased:
-        pool.close()
         _POOLS.pop(pool.key, None)
-        fresh = _TrainPool(pool.nproc, pool.key)
-        _POOLS[pool.key] = fresh
+        pool.close()
+        fresh = _pool_for(pool.nproc, runs, sys.executable, True)
+        assert fresh is not None  # the runs were pooled a moment ago
         return fresh.run(runs, log)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pool_claim import claim  # this script's directory: the protocol it shares with harness.runner
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # Adam's; another optimizer's are its own keys (tensor_state_keys)
 
@@ -324,7 +325,7 @@ def serve(directory: Path) -> None:
             now = time.monotonic()
             if rank == 0 and now - idle_since > IDLE_S and now - checked > 1:
                 checked = now
-                if _available_bytes() < LOW_MEMORY_BYTES and _claim(directory, number):
+                if _available_bytes() < LOW_MEMORY_BYTES and claim(directory, number):
                     (directory / "stop").write_text("released")  # every rank leaves; the owner starts a new pool
             time.sleep(0.05)
         spec = json.loads(request.read_text())
@@ -362,16 +363,6 @@ def _available_bytes() -> int:
     except OSError:
         pass
     return 1 << 62
-
-
-def _claim(directory: Path, number: int) -> bool:
-    """Take request number ``number`` before the owner does (``harness.runner._TrainPool.run`` claims it the same
-    way before writing it): whoever creates ``claim.N`` first decides whether the pool serves it or leaves."""
-    try:
-        os.close(os.open(directory / f"claim.{number}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
 
 
 def _alive(pid: int) -> bool:
