@@ -86,6 +86,10 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("_blocks"):  # MXFP4: two E2M1 values a byte, every nibble a finite value
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    if name.endswith("_scales"):  # MXFP4: E8M0 exponents near 2^-5 (255 is NaN)
+        return torch.randint(118, 127, shape, dtype=torch.uint8, generator=generator)
     if dtype == torch.float8_e4m3fn:
         # Bytes 0..253 with 127..253 moved up one: every byte but 0x7f and 0xff (e4m3fn's NaNs), so all finite.
         raw = torch.randint(0, 254, shape, dtype=torch.uint8, generator=generator)
@@ -98,13 +102,13 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, generat
     return torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=generator)
 
 
-def generate(config: dict[str, Any], out: Path, max_shard_size: int) -> None:
-    """The FP8 checkpoint in shards of at most ``max_shard_size`` bytes (a tensor never straddles two), one shard
-    in memory at a time."""
+def generate(config: dict[str, Any], out: Path, max_shard_size: int, specs: list[Spec] | None = None) -> None:
+    """The checkpoint of ``specs`` (by default the FP8 one of ``config``) in shards of at most ``max_shard_size``
+    bytes (a tensor never straddles two), one shard in memory at a time."""
     from safetensors.torch import save_file
     shards: list[list[Spec]] = [[]]
     size = 0
-    for spec in tensor_specs(config):
+    for spec in (tensor_specs(config) if specs is None else specs):
         if shards[-1] and size + nbytes(*spec[1:]) > max_shard_size:
             shards.append([])
             size = 0

@@ -1,170 +1,214 @@
-"""Streaming throughput at the margin: what each command adds per extra byte, against ``cp -r``.
+"""Each conversion's speed at the margin against a floor of exactly what it writes (round four).
 
-A command's wall time on one checkpoint mixes a fixed cost (interpreter start, imports, metadata) with the
-time it spends moving bytes. Running it on two checkpoints of the same shapes that differ only in their number
-of layers (by default 246M and 608M parameters: hidden 1024, MLP 2816, vocab 32000, 16 and 48 layers, TP=2
-ZeRO-1 bf16, trained one step by the real engine; 70 layers, 857M, would need more than 11 GiB per training
-rank, which a 24 GiB machine cannot give two ranks) and dividing the bytes difference by the time difference
-leaves the marginal rate, which fixed costs cannot hide. Each command runs with its input evicted from the page
-cache (cold) and read into it after a ``sync`` (warm), ``--rounds`` times in alternating order; rows are medians;
-before each, the interpreter's shared libraries are read into the page cache too (a command that filled a tmpfs had
-evicted them, and the next one paid for reading them back). Three marginal rates, each as a fraction of cp's: the
-extra checkpoint bytes per extra second (the same bytes for every command, so against cp it is cp's extra time over
-the command's), the extra bytes of output per extra second (what the command leaves behind, measured by its size:
-"per byte written"), and the extra bytes the command itself read and wrote per extra second as the block layer
-counts them (a warm cache and a tmpfs count almost none). Three floors (bench/maxtext_floor.py: every bf16 weight
-of the model-states files transposed as MaxText lays it out and written with tensorstore, or written as it lies, or
-transposed and written as plain zarr3 files by two threads of ours without tensorstore or OCDBT; nothing checked,
-merged or recorded) show what any writer of MaxText's layout pays per byte on this machine, and what leaving
-tensorstore would save. A second copy floor, ``cp`` of the model-states files alone, writes as many bytes as
-to-maxtext does (``cp -r`` writes seven times as many). Besides the medians, each command's output per extra second
-is printed against cp's in the same round (paired), and cp's own extra seconds per round: the spread of the floor.
+A command's wall time on one checkpoint mixes a fixed cost (interpreter, imports, metadata) with the time it
+spends moving bytes. Each workload runs on two sources of the same shapes that differ only in their number of
+layers; the difference of the two times is what the extra layers cost, which no fixed cost can hide. The floor is
+``bench/floor_write.py``: it reads the same input and writes **the same files with the same sizes** the command
+wrote on that source (the layout recorded from a first, untimed run), from memory, on one thread, with nothing
+computed (``--floor-writes-only``: the writes alone); both are timed as ``CMD && sync`` (the user waits for the
+data to be on the disk), the output on the real disk unless ``--out-dir`` says otherwise. Per round, the command
+and its floor run back to back on both sizes,
+in an order that alternates from round to round; the round's ratio is the floor's extra seconds over the command's
+(the same extra bytes written by both: the command's rate per byte written at the margin against the floor's).
+Rows give the median ratio with its spread over the rounds (min-max, and a 95% confidence interval of the median
+from the order statistics), the floor's own extra seconds with theirs, and the peak RSS on both sizes (memory flat
+in the model size: the same on both).
 
-    python bench/marginal.py                         # builds both checkpoints once (about 2 min), then 3 rounds
-    python bench/marginal.py --small 16 --large 70 --rounds 3 --cache cold warm    # where memory allows
-    python bench/marginal.py --large 32 --cache warm --out-dir /mnt/ram    # outputs on a tmpfs: no disk writeback
+Workloads (sources generated or trained once, cached under --workdir):
+  to-universal, to-hf, to-hf --quantize fp8, to-maxtext (zstd, the default)
+      a DeepSpeed checkpoint trained one step by the real engine (Llama 246M shapes: hidden 1024, MLP 2816, vocab
+      32000, TP=2 ZeRO-1 bf16), --ds-layers SMALL LARGE layers
+  from-hf fp8     a block-FP8 release at Llama-3-8B's shapes (bench/fp8_from_hf.py), --fp8-layers SMALL LARGE
+  from-hf mxfp4   a gpt-oss release at gpt-oss-20b's shapes, experts MXFP4 (bench/mxfp4_source.py),
+                  --mxfp4-layers SMALL LARGE
+
+    python bench/marginal.py --workloads "from-hf fp8" --rounds 9 --cache warm
+    python bench/marginal.py --workloads "from-hf fp8" --cores 1     # the same under `taskset -c 0`
+    python bench/marginal.py --out-dir /dev/shm/m                     # outputs on a tmpfs (no disk writeback)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
+import math
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convert import (build_checkpoint, checkpoint_workdir, conversion_commands, du, timed, warm,  # noqa: E402
-                     warm_program)
+from convert import build_checkpoint, checkpoint_workdir, timed, warm, warm_program  # noqa: E402
+from fp8_from_hf import cached_source  # noqa: E402
 from maxtext_rss import model_arguments  # noqa: E402
+from mxfp4_source import cached_mxfp4_source  # noqa: E402
 
-#: bench/maxtext_floor.py: the least a writer of MaxText's layout does (no checks, no TP merge), with and
-#: without MaxText's transposition: what any to-maxtext pays per byte on this machine; and the same arrays written
-#: as plain zarr3 files without tensorstore: what a writer of our own would pay.
-FLOOR_TRANSPOSED = "floor: transpose + write"
-FLOOR_COPY = "floor: write as laid out"
-FLOOR_FILES = "floor: transpose + plain files"
-#: A second copy floor, as large as to-maxtext's output: ``cp`` of the model-states files alone (the bf16 weights
-#: to-maxtext reads). ``cp -r`` of a whole tag writes 7x to-maxtext's bytes into the page cache or a tmpfs, and on
-#: a VM the time to find that much fresh memory moved cp's margin 2x from round to round; this floor writes as
-#: many bytes as the command it is set beside.
-FLOOR_CP_WEIGHTS = "cp model states"
-COMMANDS = ("cp -r", "deepspeed-ext to-universal", "to-hf (bf16)", "to-maxtext (bf16 params)",
-            "to-maxtext --compression none", "to-maxtext --no-ocdbt --compression none", FLOOR_TRANSPOSED, FLOOR_COPY,
-            FLOOR_FILES, FLOOR_CP_WEIGHTS)
+FLOOR = str(Path(__file__).with_name("floor_write.py"))
+#: workload: (source kind, the command's arguments after ``deepspeed-ext``, with SRC and OUT)
+WORKLOADS = {
+    "to-universal": ("deepspeed", ["to-universal", "SRC", "-o", "OUT", "-q"]),
+    "to-hf": ("deepspeed", ["to-hf", "SRC", "-o", "OUT", "-q"]),
+    "to-hf --quantize fp8": ("deepspeed", ["to-hf", "SRC", "-o", "OUT", "-q", "--quantize", "fp8"]),
+    "to-maxtext": ("deepspeed", ["to-maxtext", "SRC", "-o", "OUT", "-q"]),
+    "from-hf fp8": ("fp8", ["from-hf", "SRC", "-o", "OUT", "-q"]),
+    "from-hf mxfp4": ("mxfp4", ["from-hf", "SRC", "-o", "OUT", "-q"]),
+}
 
 
-def checkpoint(args: argparse.Namespace, layers: int) -> Path:
-    return build_checkpoint(argparse.Namespace(**{**vars(args), "layers": layers}), checkpoint_workdir(args, layers))
+def source(args: argparse.Namespace, kind: str, layers: int) -> Path:
+    if kind == "deepspeed":
+        settings = argparse.Namespace(**{**vars(args), "layers": layers})
+        return build_checkpoint(settings, checkpoint_workdir(settings, layers))
+    if kind == "fp8":
+        return cached_source(argparse.Namespace(workdir=args.workdir, shapes="llama3-8b", layers=layers,
+                                                max_shard_size=5.0))
+    return cached_mxfp4_source(args.workdir, layers)
 
 
-def marginal_commands(args: argparse.Namespace, tag_dir: Path, out: Path) -> dict[str, list[str]]:
-    """bench/convert.py's commands and the three floors."""
-    floor = [sys.executable, str(Path(__file__).with_name("maxtext_floor.py")), str(tag_dir), str(out)]
-    weights = " ".join(shlex.quote(str(path)) for path in sorted(tag_dir.glob("mp_rank_*_model_states.pt")))
-    return {**conversion_commands(args, tag_dir, out), FLOOR_TRANSPOSED: floor, FLOOR_COPY: [*floor, "--no-transpose"],
-            FLOOR_FILES: [*floor, "--files"],
-            FLOOR_CP_WEIGHTS: ["sh", "-c", f"mkdir -p {shlex.quote(str(out))} && cp {weights} {shlex.quote(str(out))}"]}
+def layout_of(out: Path) -> list[tuple[str, int]]:
+    """(relative path, size) of every file under ``out``, in path order."""
+    return [(str(p.relative_to(out)), p.stat().st_size) for p in sorted(out.rglob("*")) if p.is_file()]
 
 
-def measure(args: argparse.Namespace, tag_dirs: dict[int, Path], cache: str) -> dict[tuple[str, int], dict]:
-    """Median wall time and bytes moved of each command on each checkpoint, ``cache`` cold or warm; cp's own
-    spread over the rounds is printed (a ratio against a floor is only as sound as the floor)."""
-    runs: dict[tuple[str, int], list[dict[str, float]]] = {}
+def on_tmpfs(path: Path) -> bool:
+    probe = path if path.exists() else path.parent
+    return subprocess.run(["stat", "-f", "-c", "%T", str(probe)], capture_output=True, text=True).stdout.strip() \
+        in ("tmpfs", "ramfs")
+
+
+def settle(args: argparse.Namespace) -> None:
+    """Every run starts from the same memory: the last run's writes on the disk, and (``--drop-caches``, as root)
+    the page cache emptied, so that no run pays to evict what the one before it left (the floor's extra seconds
+    moved 2.2-10.5 s over seven rounds without it)."""
+    subprocess.run(["sync"], check=True)
+    if args.drop_caches:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval of the median: order statistics ``k`` and ``n + 1 - k`` with
+    the binomial(n, 1/2) tail below ``k`` at most 2.5% (for n < 6, the whole range)."""
+    ordered, n = sorted(values), len(values)
+    k, tail = 0, 0.0
+    while k < n // 2 and tail + math.comb(n, k) / 2**n <= 0.025:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
+
+
+def measure(args: argparse.Namespace, name: str, cache: str) -> dict:
+    kind, template = WORKLOADS[name]
+    small, large = getattr(args, f"{kind}_layers")
+    sources = {layers: source(args, kind, layers) for layers in (small, large)}
+    out = Path(args.out_dir) / "out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pin = ["taskset", "-c", f"0-{args.cores - 1}"] if args.cores else []
+
+    def command(src: Path) -> list[str]:
+        return [*pin, sys.executable, "-m", "deepspeed_ext",
+                *(str(src) if a == "SRC" else str(out) if a == "OUT" else a for a in template)]
+
+    layouts: dict[int, Path] = {}
+    for layers, src in sources.items():  # a first, untimed run: the layout the floor writes (and warm libraries)
+        shutil.rmtree(out, ignore_errors=True)
+        timed(command(src), cold=None)
+        layouts[layers] = Path(args.out_dir) / f"layout_{layers}.json"
+        layouts[layers].write_text(json.dumps(layout_of(out)))
+    shutil.rmtree(out, ignore_errors=True)
+    runs: dict[tuple[str, int], list[dict]] = {}
     for round_ in range(args.rounds):
-        for layers, tag_dir in (tag_dirs.items() if round_ % 2 == 0 else reversed(tag_dirs.items())):
-            out = (Path(args.out_dir) if args.out_dir else tag_dir.parent.parent) / "out"
-            commands = {name: cmd for name, cmd in marginal_commands(args, tag_dir, out).items()
-                        if name in args.commands}
-            for name in (list(commands) if round_ % 2 == 0 else list(reversed(commands))):
+        sizes = list(sources) if round_ % 2 == 0 else list(reversed(sources))
+        for layers in sizes:
+            src = sources[layers]
+            pair = {"command": command(src), "floor": [*pin, sys.executable, FLOOR, "-" if args.floor_writes_only
+                                                       else str(src), str(layouts[layers]), str(out)]}
+            for which in (list(pair) if (round_ // 2) % 2 == 0 else list(reversed(pair))):
                 shutil.rmtree(out, ignore_errors=True)
-                warm_program()  # cold or warm, the input alone is what differs
+                settle(args)
+                warm_program()
                 if cache == "warm":
-                    warm(tag_dir)
-                result = timed(commands[name], cold=tag_dir if cache == "cold" else None)
-                result["output"] = du(out)  # the issue's "per byte written": what the command leaves behind
-                runs.setdefault((name, layers), []).append(result)
-                print(f"{cache} round {round_ + 1}: {name} on {layers} layers: {result['wall']:.1f} s, "
-                      f"read {result['read'] / 2**30:.2f} GiB, written {result['written'] / 2**30:.2f} GiB "
-                      f"(block layer), output {result['output'] / 2**30:.2f} GiB", flush=True)
-            shutil.rmtree(out, ignore_errors=True)
-    cp = {layers: [r["wall"] for r in runs[("cp -r", layers)]] for layers in tag_dirs}
-    extra = [large - small for small, large in zip(*cp.values(), strict=True)]
-    print(f"{cache}: cp -r wall per round: " + "; ".join(f"{layers} layers {', '.join(f'{w:.2f}' for w in walls)} s"
-                                                         for layers, walls in cp.items())
-          + f"; its extra s per round {', '.join(f'{e:.2f}' for e in extra)} (spread {min(extra):.2f}-"
-          f"{max(extra):.2f})", flush=True)
-    small, large = tag_dirs
-    for name in [name for name in args.commands if name != "cp -r"]:
-        # Paired: each round's output bytes per extra second against cp's in the same round (the same state of
-        # the machine's memory and cache), so a floor that drifts between rounds moves both sides of a ratio.
-        ratios = [((b["output"] - a["output"]) / max(b["wall"] - a["wall"], 1e-3))
-                  / ((d["output"] - c["output"]) / max(d["wall"] - c["wall"], 1e-3))
-                  for a, b, c, d in zip(runs[(name, small)], runs[(name, large)], runs[("cp -r", small)],
-                                        runs[("cp -r", large)], strict=True)]
-        extras = [b["wall"] - a["wall"] for a, b in zip(runs[(name, small)], runs[(name, large)], strict=True)]
-        print(f"{cache}: {name}: extra s per round {', '.join(f'{e:.2f}' for e in extras)}; output per extra second "
-              f"against cp's in the same round {', '.join(f'{r:.2f}' for r in ratios)}", flush=True)
-    return {key: {field: statistics.median(r[field] for r in results) for field in results[0]}
-            for key, results in runs.items()}
+                    warm(src)
+                result = timed(pair[which], cold=src if cache == "cold" else None)
+                files = layout_of(out)
+                result["output"], result["files"] = sum(size for _, size in files), len(files)
+                runs.setdefault((which, layers), []).append(result)
+                print(f"{name}, {cache}, round {round_ + 1}: {which} on {layers} layers: {result['wall']:.2f} s, "
+                      f"{result['output'] / 1e9:.3f} GB in {result['files']} files, peak RSS {result['rss']:.2f} GiB",
+                      flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    extra = {which: [b["wall"] - a["wall"] for a, b in zip(runs[(which, small)], runs[(which, large)], strict=True)]
+             for which in ("command", "floor")}
+    ratios = [f / c if c > 0 else math.inf for c, f in zip(extra["command"], extra["floor"], strict=True)]
+    written = statistics.median(r["output"] for r in runs[("command", large)]) - \
+        statistics.median(r["output"] for r in runs[("command", small)])
+    mismatch = [f"{layers} layers" for layers in sources
+                if {r["output"] for r in runs[("command", layers)]} != {r["output"] for r in runs[("floor", layers)]}]
+    return {"workload": name, "cache": cache, "layers": [small, large], "rounds": args.rounds, "cores": args.cores,
+            "floor_reads_input": not args.floor_writes_only,
+            "extra_bytes_written": written, "files": [runs[("command", n)][0]["files"] for n in (small, large)],
+            "extra_s": extra, "ratios": ratios, "ratio_median": statistics.median(ratios),
+            "ratio_interval": median_interval(ratios),
+            "wall": {f"{w} {n}": [r["wall"] for r in runs[(w, n)]] for w, n in runs},
+            "rss": {n: statistics.median(r["rss"] for r in runs[("command", n)]) for n in (small, large)},
+            "output_mismatch": mismatch}
 
 
-def report(medians: dict[tuple[str, int], dict], sizes: dict[int, int], small: int, large: int, cache: str) -> None:
-    """Per command: the time the larger checkpoint adds, per extra GB of checkpoint, per extra GB of output (the
-    output's size: a tmpfs or a warm cache hides writes from the block layer) and per extra GB the command itself
-    moved (read + written as the block layer counts them), each against cp's."""
-    extra_size = sizes[large] - sizes[small]
-
-    def rates(name: str) -> tuple[float, float, float]:
-        a, b = medians[(name, small)], medians[(name, large)]
-        seconds = max(b["wall"] - a["wall"], 1e-3)
-        return (extra_size / seconds, ((b["read"] + b["written"]) - (a["read"] + a["written"])) / seconds,
-                (b["output"] - a["output"]) / seconds)
-
-    cp_size_rate, cp_moved_rate, cp_output_rate = rates("cp -r")
-    print(f"\n{cache} cache, medians; marginal = {large} layers ({sizes[large] / 2**30:.2f} GiB) - {small} layers "
-          f"({sizes[small] / 2**30:.2f} GiB)\n")
-    print(f"| command | wall s, {small} layers | wall s, {large} layers | extra s | checkpoint GB/s at the margin | "
-          "vs cp | output GB written/s at the margin | vs cp | GB moved/s at the margin | vs cp |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in [name for name in COMMANDS if (name, small) in medians]:
-        a, b = medians[(name, small)], medians[(name, large)]
-        size_rate, moved_rate, output_rate = rates(name)
-        # Bytes moved come from the block layer's counters: a warm cache and a tmpfs count (almost) none.
-        moved = (f"{moved_rate / 1e9:.2f} | {moved_rate / cp_moved_rate:.2f}"
-                 if cp_moved_rate * 100 >= cp_size_rate and moved_rate > 0 else "n/a (not counted) | n/a")
-        print(f"| {name} | {a['wall']:.1f} | {b['wall']:.1f} | {b['wall'] - a['wall']:.1f} | {size_rate / 1e9:.2f} | "
-              f"{size_rate / cp_size_rate:.2f} | {output_rate / 1e9:.2f} | {output_rate / cp_output_rate:.2f} | "
-              f"{moved} |")
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    floor = "writing the command's files alone" if args.floor_writes_only else \
+        "reading the input, then writing the command's files"
+    print(f"\n{args.rounds} paired rounds{', page cache emptied before each run' if args.drop_caches else ''}, "
+          f"the floor {floor}, outputs in {args.out_dir}"
+          f"{' (a tmpfs: no disk writeback)' if on_tmpfs(Path(args.out_dir)) else ' (the disk)'}"
+          f"{f', pinned to {args.cores} core(s)' if args.cores else ''}\n")
+    print("| workload | cache | layers | extra GB written (files) | command: extra s, median (min-max) | floor: "
+          "extra s, median (min-max) | per byte written vs floor: median (min-max; 95% CI) | "
+          "peak RSS GiB, small / large |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        c, f = row["extra_s"]["command"], row["extra_s"]["floor"]
+        low, high = row["ratio_interval"]
+        print(f"| {row['workload']} | {row['cache']} | {row['layers'][0]} / {row['layers'][1]} | "
+              f"{row['extra_bytes_written'] / 1e9:.2f} ({row['files'][0]} / {row['files'][1]}) | "
+              f"{statistics.median(c):.2f} ({min(c):.2f}-{max(c):.2f}) | {statistics.median(f):.2f} "
+              f"({min(f):.2f}-{max(f):.2f}) | **{row['ratio_median']:.2f}x** ({min(row['ratios']):.2f}-"
+              f"{max(row['ratios']):.2f}; {low:.2f}-{high:.2f}) | {row['rss'][row['layers'][0]]:.2f} / "
+              f"{row['rss'][row['layers'][1]]:.2f} |")
+        if row["output_mismatch"]:
+            print(f"  (the floor's output differed in size from the command's on {', '.join(row['output_mismatch'])})")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_arguments(p)
-    p.add_argument("--small", type=int, default=16, help="layers of the smaller checkpoint")
-    p.add_argument("--large", type=int, default=48, help="layers of the larger checkpoint")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=["cold", "warm"])
-    p.add_argument("--save", help="also write the medians to this JSON file")
-    p.add_argument("--out-dir", help="write the outputs here (default: beside each checkpoint); a tmpfs takes the "
-                                     "disk's writeback out of every command and of the floor")
-    p.add_argument("--commands", nargs="+", choices=COMMANDS, default=list(COMMANDS),
-                   help="which commands (cp -r always runs: it is the floor)")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--cache", nargs="+", choices=["cold", "warm"], default=["warm", "cold"])
+    p.add_argument("--ds-layers", dest="deepspeed_layers", type=int, nargs=2, default=[8, 24], metavar=("SMALL",
+                                                                                                         "LARGE"))
+    p.add_argument("--fp8-layers", dest="fp8_layers", type=int, nargs=2, default=[2, 6], metavar=("SMALL", "LARGE"))
+    p.add_argument("--mxfp4-layers", dest="mxfp4_layers", type=int, nargs=2, default=[1, 3],
+                   metavar=("SMALL", "LARGE"))
+    p.add_argument("--floor-writes-only", action="store_true",
+                   help="the floor writes the command's files and reads nothing (default: it reads every file of the "
+                   "input first, as a converter that needs all of it would)")
+    p.add_argument("--cores", type=int, help="run the command and its floor on the first N cores (taskset)")
+    p.add_argument("--out-dir", help="where the outputs go (default: --workdir/marginal, on its disk)")
+    p.add_argument("--save", help="also write the rows to this JSON file")
+    p.add_argument("--no-drop-caches", dest="drop_caches", action="store_false",
+                   help="leave the page cache as the last run left it (default: emptied before each run, as root)")
     args = p.parse_args()
     args.no_upstream = True
-    args.commands = ["cp -r", *(name for name in args.commands if name != "cp -r")]
-    tag_dirs = {layers: checkpoint(args, layers) for layers in (args.small, args.large)}
-    sizes = {layers: du(tag_dir) for layers, tag_dir in tag_dirs.items()}
-    for layers, tag_dir in tag_dirs.items():
-        print(f"{layers} layers: {tag_dir} ({sizes[layers] / 2**30:.2f} GiB)")
-    results = {cache: measure(args, tag_dirs, cache) for cache in args.cache}
-    for cache, medians in results.items():
-        report(medians, sizes, args.small, args.large, cache)
+    args.out_dir = args.out_dir or str(Path(args.workdir) / "marginal")
+    args.drop_caches = args.drop_caches and os.access("/proc/sys/vm/drop_caches", os.W_OK)
+    if args.cores:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.cores))
+    rows = [measure(args, name, cache) for name in args.workloads for cache in args.cache]
+    report(rows, args)
     if args.save:
-        Path(args.save).write_text(json.dumps({cache: {f"{name}|{layers}": value for (name, layers), value in
-                                                       medians.items()} for cache, medians in results.items()}))
+        Path(args.save).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

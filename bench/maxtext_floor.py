@@ -1,4 +1,4 @@
-"""The least work a bf16 to-maxtext can do, as a floor for bench/marginal.py: no checks, no TP merge, no manifest.
+"""The least work a bf16 to-maxtext can do, as a floor for bench/marginal_cp.py: no checks, no TP merge, no manifest.
 
 Every 2-D bf16 weight of a DeepSpeed tag's model-states files (each TP rank's slice, memory-mapped) is laid out
 the way MaxText's kernels hold it (transposed: torch keeps ``[out, in]``, MaxText ``[in, out]``) by torch's
@@ -11,7 +11,7 @@ buffers) are left out: a few MB.
 
     python bench/maxtext_floor.py TAG_DIR OUT [--no-transpose] [--files]
 
-bench/marginal.py runs it beside ``cp -r`` and to-maxtext: what any writer of MaxText's layout pays per byte on
+bench/marginal_cp.py runs it beside ``cp -r`` and to-maxtext: what any writer of MaxText's layout pays per byte on
 this machine, whatever it checks.
 """
 

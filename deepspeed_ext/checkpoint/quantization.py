@@ -34,12 +34,15 @@ and where a release's own scale holds a tile exactly, that scale.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from deepspeed_ext.checkpoint.float_bits import (E2M1_AS_HALF_EXPONENT, E4M3_AS_HALF_FACTOR, e2m1_as_half,
+                                                  e4m3_as_float32, folds)
 from deepspeed_ext.errors import CheckpointError
 
 FP8 = "fp8"
@@ -285,7 +288,10 @@ def dequantize_rows(tensor: QuantizedTensor, read: SliceReader, first: int, last
             parts.append(_mxfp4_rows(tensor, read, index, local, stop))
         row = lead * per_lead + stop
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.to(dtype)
+    if out.dtype == dtype and out.is_contiguous():
+        return out
+    # one pass to the dtype and a row-major layout (MXFP4's rows arrive as a transposed view)
+    return torch.empty(out.shape, dtype=dtype).copy_(out)
 
 
 def _lead_index(lead_shape: tuple[int, ...], lead: int) -> tuple[int, ...]:
@@ -320,17 +326,41 @@ def _fp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...]
 
 def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
                 stop: int) -> torch.Tensor:
-    """Rows ``[first, stop)`` of the model tensor are columns of the stored one: read the blocks that hold them."""
+    """Rows ``[first, stop)`` of the model tensor are columns of the stored one: the blocks that hold them, from
+    the stored matrix (an expert's) read whole once a thread and kept while the rows asked for are in it."""
     group_first, group_stop = first // MX_BLOCK, -(-stop // MX_BLOCK)
-    blocks = read(tensor.data, (*index, slice(None), slice(group_first, group_stop)))  # [out, groups, 16]
-    scales = read(tensor.scales, (*index, slice(None), slice(group_first, group_stop)))  # [out, groups]
-    return mxfp4_dequantize(blocks, scales)[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
+    blocks, scales = _stored_matrix(tensor, read, index)  # [out, groups, 16], [out, groups]
+    values = mxfp4_dequantize(blocks[:, group_first:group_stop], scales[:, group_first:group_stop])
+    return values[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
+
+
+_last_matrix = threading.local()
+
+
+def _stored_matrix(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed blocks and scales of one stored matrix (``index``: an expert), kept for this thread's next call.
+    A block of model rows is a few groups of every stored row, bytes strided over the whole matrix: read alone,
+    each block touched (and safetensors mapped) the matrix's every page, a 265 MB expert stack at once in RSS. An
+    expert is a few MiB (gpt-oss: 8 MiB, the largest)."""
+    key = (read, tensor.data, tensor.scales, index)
+    kept = getattr(_last_matrix, "kept", None)
+    if kept is None or kept[0] != key:
+        kept = _last_matrix.kept = (key, read(tensor.data, index), read(tensor.scales, index))
+    return kept[1], kept[2]
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Stored ``blocks [out, groups, 16]`` and ``scales [out, groups]`` -> the model's ``[groups * 32, out]``
-    (a transposed view), in fp32: each E2M1 value times ``2 ** (scale - 127)``."""
-    values = torch.ldexp(unpack_e2m1(blocks), (scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1))
+    (a transposed view), in fp32: each E2M1 value times ``2 ** (scale - 127)``, one rounding, as transformers
+    computes it. The E2M1 values are widened through fp16 (:func:`e2m1_as_half`), whose factor the scales take."""
+    exponent = scales.to(torch.int32) - E8M0_BIAS
+    values = e2m1_as_half(blocks).to(torch.float32)  # [out, groups, 32], each value over E2M1_AS_HALF_FACTOR
+    if not exponent.numel() or int(exponent.max()) + E2M1_AS_HALF_EXPONENT <= 127:
+        # 2 ** (exponent + factor) built from its bits: a normal fp32 power of two (exponent >= -127)
+        values.mul_(((exponent + (E2M1_AS_HALF_EXPONENT + 127)) << 23).view(torch.float32).unsqueeze(-1))
+    else:  # scales past 2 ** 113: the factor first (exact), then the scale
+        values = torch.ldexp(values.mul_(2.0 ** E2M1_AS_HALF_EXPONENT), exponent.unsqueeze(-1))
     return values.reshape(values.shape[0], -1).t()
 
 
@@ -377,35 +407,55 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
                         torch.ones_like(amax))
     scale_inv = (1.0 / scale).to(torch.float32)
     q = torch.clamp(x * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    qf = q.to(torch.float32)
+    qf = e4m3_as_float32(q)
 
-    def exact(candidate: torch.Tensor) -> torch.Tensor:
-        return (qf * candidate[:, None, :, None] == x).all(dim=3).all(dim=1)
+    def exact(candidate: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+        return (qf[:, rows] * candidate[:, None, :, None] == x[:, rows]).all(dim=3).all(dim=1)
 
-    settled = exact(scale_inv)
-    if not bool(settled.all()):
-        best = scale_inv.clone()
-        for step in (1, -1, 2, -2, 3, -3, 4, -4):
-            candidate = scale_inv
-            toward = torch.full_like(scale_inv, math.inf if step > 0 else 0.0)
-            for _ in range(abs(step)):
-                candidate = torch.nextafter(candidate, toward)
-            hit = exact(candidate) & ~settled
+    # Each candidate is first tried on every tile's first row (a 1/bm of the values): a weight that was never
+    # quantized (a trained one) fails there for all nine at once, and only a tile that passes is checked whole.
+    settled = torch.zeros_like(amax, dtype=torch.bool)
+    best = scale_inv
+    for step in (0, 1, -1, 2, -2, 3, -3, 4, -4):
+        candidate = scale_inv
+        toward = torch.full_like(scale_inv, math.inf if step > 0 else 0.0)
+        for _ in range(abs(step)):
+            candidate = torch.nextafter(candidate, toward)
+        maybe = exact(candidate, slice(0, 1)) & ~settled
+        if bool(maybe.any()):
+            hit = maybe & exact(candidate)
             best = torch.where(hit, candidate, best)
             settled |= hit
             if bool(settled.all()):
                 break
-        scale_inv = best
-    return q.reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols].contiguous(), scale_inv
+    return q.reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols].contiguous(), best
 
 
 def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], row_offset: int = 0
                    ) -> torch.Tensor:
     """``q [rows, cols]`` (FP8 values, or E2M1 values unpacked to fp32) times its tile's scale (``scale_inv``'s rows
-    start ``row_offset`` rows above ``q``'s first), elementwise in fp32 as transformers computes it."""
+    start ``row_offset`` rows above ``q``'s first), elementwise in fp32 as transformers computes it: one rounding
+    of each value times its scale.
+
+    The scales are laid out once per row of ``q`` (a 1/``bn`` of its size) and multiplied a tile row at a time,
+    never spread over every element; FP8 values are widened by :func:`e4m3_as_float32`."""
     rows, cols = q.shape
-    scale = e8m0_to_float(scale_inv).repeat_interleave(block[0], 0)[row_offset:row_offset + rows]
-    return q.to(torch.float32) * scale.repeat_interleave(block[1], 1)[:, :cols]
+    bm, bn = block
+    per_row = e8m0_to_float(scale_inv).repeat_interleave(bm, 0)[row_offset:row_offset + rows]  # [rows, grid_cols]
+    if q.dtype == FP8_DTYPE:
+        out, factor = e4m3_as_float32(q, scaled_down=True), E4M3_AS_HALF_FACTOR
+        if folds(per_row, factor):
+            per_row = per_row * factor  # exact: one rounding of value x scale below, as transformers'
+        else:
+            out.mul_(factor)  # exact (a power of two on values at most 448)
+    else:
+        out = q.to(torch.float32, copy=True)
+    whole = cols // bn
+    if whole:
+        out[:, :whole * bn].view(rows, whole, bn).mul_(per_row[:, :whole, None])
+    if whole * bn < cols:  # a partial tile at the right edge
+        out[:, whole * bn:].mul_(per_row[:, whole:whole + 1])
+    return out
 
 
 def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -281,6 +281,28 @@ def zip_crc32(enabled: bool) -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: ``taskset``, a container's cpuset), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def worker_threads() -> int:
+    """Writer threads for a conversion: one a core, at least two (one computes while the other waits on a write).
+    Each streams its own tensors block by block, so memory grows by a few blocks a thread, never with the model."""
+    return max(2, usable_cores())
+
+
+def one_torch_thread() -> None:
+    """A worker thread's torch operations on that thread alone (OpenMP's thread count is set per calling thread):
+    the workers are the parallelism, one a core. With torch's intra-op threads on as well, every small operation of
+    every worker waited at OpenMP's barrier for a thread the other workers had descheduled: a bf16 -> fp32 copy of
+    1 Mi elements took 8 ms on two busy cores, 0.3 ms on one thread (docs/performance.md)."""
+    torch.set_num_threads(1)
+
+
 class BackgroundWriter:
     """Runs file writes on worker threads while the caller prepares the next tensors.
 
@@ -289,11 +311,13 @@ class BackgroundWriter:
     which bounds the memory this adds; the first failure is re-raised by the next ``submit`` or ``close``.
     """
 
-    def __init__(self, workers: int = 2, max_pending: int = 4):
+    def __init__(self, workers: int | None = None, max_pending: int | None = None):
         from concurrent.futures import ThreadPoolExecutor
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deepspeed-ext-writer")
+        workers = worker_threads() if workers is None else workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deepspeed-ext-writer",
+                                        initializer=one_torch_thread)
         self._pending: collections.deque[Future[Any]] = collections.deque()
-        self._max_pending = max_pending
+        self._max_pending = 2 * workers if max_pending is None else max_pending
 
     def submit(self, write: Any, *args: Any) -> None:
         while len(self._pending) >= self._max_pending:

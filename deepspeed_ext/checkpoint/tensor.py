@@ -52,6 +52,9 @@ class LogicalTensor:
     dtype: torch.dtype = torch.float32
     extra: dict[str, Any] = field(default_factory=dict)
     range_loader: Callable[[str, int, int], torch.Tensor] | None = None
+    #: The elements a block may be cut at (a multiple of it) where ``range_loader`` reads any rows of the last
+    #: dimension; None: whole slices of the first dimension (an expert stack's expert).
+    range_row: int | None = None
     #: Which of ``states`` are scalars (the optimizer step; carried per param group, never streamed in blocks).
     scalars: tuple[str, ...] = (STEP, )
     #: Whether the source also holds the module's own copy of the weights in ``dtype`` (``MODULE_WEIGHTS``, read
@@ -82,8 +85,8 @@ class LogicalTensor:
     def blocks(self, state: str, low: int = 0, high: int | None = None,
                block_elements: int = BLOCK_ELEMENTS) -> Iterator[torch.Tensor]:
         """Elements ``[low, high)`` (default: all) of the full tensor of ``state`` flattened, as consecutive
-        blocks of about ``block_elements``, cut at whole rows (the slice of every dimension after the first)
-        where they can be; one block where the source cannot read ranges (it loads the whole tensor). A block
+        blocks of about ``block_elements``, cut at whole rows (``range_row`` elements where the source set it,
+        else the slice of every dimension after the first) where they can be; one block where the source cannot read ranges (it loads the whole tensor). A block
         may be a view into a memory-mapped file: consume it before asking for the next."""
         self._check_readable(state)
         numel = math.prod(self.shape)
@@ -91,7 +94,7 @@ class LogicalTensor:
         if self.range_loader is None:
             yield self.load_tensor(state).reshape(-1)[low:high]
             return
-        row = math.prod(self.shape[1:]) or 1
+        row = self.range_row or math.prod(self.shape[1:]) or 1
         step = max(1, block_elements // row) * row
         start = low
         while start < high:

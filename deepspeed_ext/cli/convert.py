@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,33 +24,49 @@ def cmd_to_universal(args: argparse.Namespace) -> int:
     output, options = args.output, {}
     if args.output_folder:
         output, options = args.output_folder, {"tag_directory": True}
-    if args.distributed:
-        import torch.distributed as dist
-        if "RANK" not in os.environ:
-            raise ValueError("--distributed runs under torchrun (torchrun --nproc_per_node K -m deepspeed_ext "
-                             "to-universal --distributed ...)")
-        from deepspeed_ext.checkpoint.collective import RefusedOnEveryRank, on_every_rank
-        dist.init_process_group("gloo")
-        try:
-            # Every rank opens the checkpoint; one that cannot is heard by all (the same one line everywhere).
-            source = on_every_rank(lambda: read_source(checkpoint, args.tag, reads="deepspeed", command="to-universal"))
-            out = write_output(source, output, "universal", args, distributed=True, **options)
-        except RefusedOnEveryRank as exc:
-            # torchrun stops the other ranks as soon as one exits with an error: every rank has the same message,
-            # rank 0 says it, then all exit together.
-            if dist.get_rank() == 0:
-                say_error(str(exc))
-            dist.barrier()
-            return 2
-        finally:
-            dist.destroy_process_group()
-        if int(os.environ["RANK"]) != 0:
-            return 0
-    else:
-        source = read_source(checkpoint, args.tag, reads="deepspeed", command="to-universal")
-        out = write_output(source, output, "universal", args, **options)
+
+    def open_source() -> Any:
+        return read_source(checkpoint, args.tag, reads="deepspeed", command="to-universal")
+
+    def write(source: Any) -> Any:
+        return write_output(source, output, "universal", args, distributed=args.distributed, **options)
+
+    done = _on_every_rank("to-universal", open_source, write) if args.distributed else (source := open_source(),
+                                                                                         write(source))
+    if isinstance(done, int):
+        return done
+    source, out = done
     _say_universal_written(args, source, out)
     return 0
+
+
+def _on_every_rank(command: str, open_source: Callable[[], Any], write: Callable[[Any], Any]
+                   ) -> tuple[Any, Path] | int:
+    """Open the source and write its universal form on every rank of a torchrun job, the ranks joined in a gloo
+    group that splits the parameters between them (one host, or several sharing a file system: the ranks find each
+    other through torchrun's rendezvous). Returns rank 0's (source, output), or an exit code: 0 on the other ranks,
+    2 where a rank could not open the source (every rank has the same one line; rank 0 says it)."""
+    import torch.distributed as dist
+    if "RANK" not in os.environ:
+        raise ValueError(f"--distributed runs under torchrun (torchrun --nproc_per_node K -m deepspeed_ext "
+                         f"{command} --distributed ...)")
+    from deepspeed_ext.checkpoint.collective import RefusedOnEveryRank, on_every_rank
+    dist.init_process_group("gloo")
+    try:
+        # Every rank opens the checkpoint; one that cannot is heard by all (the same one line everywhere). The
+        # write agrees on its own failures at its own points.
+        source = on_every_rank(open_source)
+        out = write(source)
+    except RefusedOnEveryRank as exc:
+        # torchrun stops the other ranks as soon as one exits with an error: every rank has the same message,
+        # rank 0 says it, then all exit together.
+        if dist.get_rank() == 0:
+            say_error(str(exc))
+        dist.barrier()
+        return 2
+    finally:
+        dist.destroy_process_group()
+    return (source, out) if int(os.environ["RANK"]) == 0 else 0
 
 
 def _say_universal_written(args: argparse.Namespace, source: Any, out: Path) -> None:
@@ -178,9 +195,19 @@ def _fp8_block(text: str) -> tuple[int, int]:
 
 
 def cmd_from_hf(args: argparse.Namespace) -> int:
-    source = read_source(args.source, None, args.config, dtype=args.dtype, mtp=args.mtp, reads="huggingface",
-                         command="from-hf", base=args.base)
-    out = write_output(source, args.output, "universal", args, progress_label="from-hf")
+    def open_source() -> Any:
+        return read_source(args.source, None, args.config, dtype=args.dtype, mtp=args.mtp, reads="huggingface",
+                           command="from-hf", base=args.base)
+
+    def write(source: Any) -> Any:
+        return write_output(source, args.output, "universal", args, progress_label="from-hf",
+                            distributed=args.distributed)
+
+    done = _on_every_rank("from-hf", open_source, write) if args.distributed else (source := open_source(),
+                                                                                    write(source))
+    if isinstance(done, int):
+        return done
+    source, out = done
     if not args.quiet:
         print(f"wrote universal checkpoint {out} ({len(source.info.layouts)} parameters, fresh optimizer state); "
               "train from it with \"checkpoint\": {\"load_universal\": true} at any TP degree")
@@ -344,7 +371,9 @@ def add_from_hf(sub: Any) -> None:
         DeepSpeed's universal layout with fresh optimizer state: start DeepSpeed AutoTP training from
         pretrained weights at any TP degree with "checkpoint": {"load_universal": true}."""), """
         deepspeed-ext from-hf Llama-3.1-8B/ -o universal/
-        deepspeed-ext from-hf model/ -o universal/ --dtype float32""", extra="hf")
+        deepspeed-ext from-hf model/ -o universal/ --dtype float32
+        torchrun --nnodes 2 --nproc-per-node 1 ... -m deepspeed_ext from-hf release/ -o universal/ --distributed""",
+                       extra="hf")
     p.add_argument("source", help="HF model directory: config.json and *.safetensors (with or without an index)")
     p.add_argument("-o", "--output", required=True, help="output save directory: OUT/global_step0_universal and "
                    "OUT/latest_universal, loadable with engine.load_checkpoint(OUT)")
@@ -356,6 +385,9 @@ def add_from_hf(sub: Any) -> None:
     p.add_argument("--base", help="SOURCE is a PEFT adapter directory (adapter_config.json): its base model, an HF "
                    "directory (default: the local directory its base_model_name_or_path names); the output holds "
                    "the PeftModel's parameters, the base frozen (docs/adapters.md)")
+    p.add_argument("--distributed", action="store_true",
+                   help="run under torchrun, on one host or several sharing a file system: the ranks split the "
+                   "tensors (torch.distributed, gloo) and write the same output a single process would")
     writer_options(p)
     p.set_defaults(func=cmd_from_hf)
 

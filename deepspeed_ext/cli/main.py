@@ -56,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if argv is None:  # the program itself: torch is not loaded yet (a caller in Python keeps its environment)
         _idle_openmp_workers_sleep()
+        _keep_freed_blocks_mapped()
     # Importing torch, DeepSpeed, JAX and Orbax creates millions of objects that live as long as the process; the
     # collections their creation triggered found next to nothing but walked them all (1-2 s of each command on a
     # 2-core VM, docs/performance.md). The collector is off until the source is open (read_source) or the command starts
@@ -76,6 +77,28 @@ def _idle_openmp_workers_sleep() -> None:
     2-core VM ran 10.3 / 9.0 s with spinning workers and 8.5 / 7.2 s with sleeping ones (user CPU 11.8 / 11.1
     against 8.4 / 7.2 s; docs/performance.md). libgomp reads the policy once, when torch loads it."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+#: glibc's mallopt parameters, and the values the program sets: blocks up to 32 MiB come from the heap, and up to
+#: 128 MiB of freed memory stays in each arena.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_TRIM_THRESHOLD_BYTES, _MMAP_THRESHOLD_BYTES = 128 << 20, 32 << 20
+
+
+def _keep_freed_blocks_mapped() -> None:
+    """Freed blocks stay in the heap for the next: a conversion streams its tensors in blocks of a few MiB, each
+    allocated and freed on a writer thread, and glibc by default maps blocks that large afresh (a worker thread's
+    arena also hands its free top back), so each block's pages were faulted in and zeroed again: a block-FP8 from-hf
+    spent 7-8 of its 12-14 CPU-seconds in the kernel, 5 with the blocks kept (docs/performance.md). Bounded: 128 MiB
+    of free memory an arena at most. Left as it is for a caller in Python (its process's allocator is its own) and
+    where the C library has no mallopt (musl, macOS)."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
 
 
 def _run(argv: Sequence[str] | None) -> int:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                "checkpoint.metadata", "checkpoint.background", "checkpoint.snapshot", "checkpoint.device_staging",
                "checkpoint.adapters"]),
     ("stream", ["checkpoint.tensor", "checkpoint.source", "checkpoint.model_config", "checkpoint.expert_names",
-                "checkpoint.quantization", "checkpoint.multimodal", "checkpoint.writing",
+                "checkpoint.quantization", "checkpoint.float_bits", "checkpoint.multimodal", "checkpoint.writing",
                 "checkpoint.transformers_private", "checkpoint.adapter_merge"]),
     ("formats", ["checkpoint.deepspeed", "checkpoint.deepspeed.*", "checkpoint.universal", "checkpoint.universal.*",
                  "checkpoint.hf", "checkpoint.hf.*",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 from collections.abc import Iterable, Mapping
@@ -236,6 +237,93 @@ def tokenizer_files(directory: Path) -> list[Path]:
         raise CheckpointError(f"{directory}: no tokenizer files (--tokenizer expects what save_pretrained writes: "
                               "tokenizer.json, tokenizer_config.json, ...)")
     return found
+
+
+#: safetensors' dtype codes read by :func:`read_stored_part` (others go through safetensors itself).
+_READ_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+
+
+@dataclass(frozen=True)
+class StoredSpan:
+    """Where a tensor's bytes lie in its safetensors file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # from the start of the file
+
+
+def stored_spans(path: Path) -> dict[str, StoredSpan]:
+    """The spans of the tensors of a safetensors file whose header safetensors has already read and checked, for
+    the dtypes :func:`read_stored_part` reads; an entry whose offsets disagree with its shape is left out (read
+    through safetensors, which says what is wrong)."""
+    with open(path, "rb") as handle:
+        (length, ) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        size = handle.seek(0, 2)
+    spans = {}
+    for name, entry in header.items():
+        dtype = _READ_DTYPES.get(str(entry.get("dtype"))) if isinstance(entry, dict) else None
+        if dtype is None or name == "__metadata__":
+            continue
+        shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
+        start = 8 + length + begin
+        if end - begin == math.prod(shape) * dtype.itemsize and start + (end - begin) <= size:
+            spans[name] = StoredSpan(dtype, shape, start)
+    return spans
+
+
+def read_stored_part(path: Path, span: StoredSpan, index: tuple[Any, ...]) -> torch.Tensor | None:
+    """The part of a stored tensor that ``index`` selects, read with one ``pread`` into a fresh tensor, where it is
+    one run of the file: whole (``()``), or leading integers and then one slice (rows, or an expert's rows); None
+    otherwise. safetensors maps the whole file for each read, which cost more than reading the bytes here."""
+    shape = span.shape
+    ints = 0
+    while ints < len(index) and isinstance(index[ints], int):
+        ints += 1
+    rest = index[ints:]
+    if len(rest) > 1 or ints > len(shape) or (rest and (ints == len(shape) or not isinstance(rest[0], slice)
+                                                          or rest[0].step not in (None, 1))):
+        return None
+    element = 0
+    for dim, at in enumerate(index[:ints]):
+        if not -shape[dim] <= at < shape[dim]:
+            return None
+        element = element * shape[dim] + at % shape[dim]
+    first, last = (rest[0].indices(shape[ints])[:2] if rest else (0, shape[ints] if ints < len(shape) else 1))
+    last = max(first, last)
+    inner = math.prod(shape[ints + 1:])
+    out_shape = ((last - first, *shape[ints + 1:]) if rest else tuple(shape[ints:]))
+    element = (element * (shape[ints] if ints < len(shape) else 1) + first) * inner
+    return _read_into(path, span, element, torch.empty(out_shape, dtype=span.dtype))
+
+
+def read_stored_range(path: Path, span: StoredSpan, low: int, high: int) -> torch.Tensor:
+    """Elements ``[low, high)`` of a stored tensor flattened, read with one ``pread``."""
+    return _read_into(path, span, low, torch.empty(max(0, high - low), dtype=span.dtype))
+
+
+def _read_into(path: Path, span: StoredSpan, element: int, out: torch.Tensor) -> torch.Tensor:
+    """``out`` filled from the file, from element ``element`` of the tensor of ``span`` on."""
+    nbytes = out.numel() * span.dtype.itemsize
+    if not nbytes:
+        return out
+    if element < 0 or element * span.dtype.itemsize + nbytes > math.prod(span.shape) * span.dtype.itemsize:
+        raise CheckpointError(f"{path}: elements {element}..{element + out.numel()} are past a tensor of shape "
+                              f"{list(span.shape)}")
+    buffer = memoryview(out.reshape(-1).view(torch.uint8).numpy().data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [buffer[done:]], span.start + element * span.dtype.itemsize + done)
+            if got <= 0:
+                raise CheckpointError(f"{path}: ends inside tensor data (truncated?)")
+            done += got
+    finally:
+        os.close(fd)
+    return out
 
 
 def write_at(fd: int, data: Any, offset: int, path: Path) -> None:

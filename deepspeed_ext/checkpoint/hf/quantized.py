@@ -100,40 +100,76 @@ def quantize_plan(options: HFOptions, model_config: Mapping[str, Any],
     raise CheckpointError(f"--quantize must be one of {', '.join(q.METHODS)}, not {options.quantize!r}")
 
 
-def write_quantized(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str, tuple[int, int, Path]], name: str,
-                     sums: list[tuple[str, str, int, tuple[int, float, float]]]) -> None:
-    """A weight quantized and written (on a writer thread), a block of rows at a time; its fingerprint is of the
-    values a reader dequantizes, which is what the file holds."""
+def quantized_blocks(entry: QuantizedPiece) -> list[tuple[int, int]]:
+    """The blocks a weight is read, quantized and written in, each on its own (:func:`write_quantized`), so memory
+    follows a block, not the weight: rows ``[first, last)`` of the weight as ``[rows, cols]``, whole tile rows (the
+    last one partial where the rows are not whole tiles), as many as a streamed block (``BLOCK_ELEMENTS``) or one;
+    for MXFP4 experts ``[first, last)``, whole experts, as many as a streamed block or one (a larger expert is read
+    in blocks of whole MXFP4 blocks of its rows)."""
+    from deepspeed_ext.checkpoint import quantization as q
+    if entry.method == q.MXFP4:
+        *lead, k, n = entry.piece.shape
+        count, step = math.prod(lead), max(1, BLOCK_ELEMENTS // max(1, k * n))
+    else:
+        bm = entry.block[0]
+        count, cols = math.prod(entry.piece.shape[:-1]), entry.piece.shape[-1]
+        step = bm * max(1, BLOCK_ELEMENTS // (bm * cols))
+    return [(first, min(count, first + step)) for first in range(0, count, step)]
+
+
+def write_quantized(entry: QuantizedPiece, read: Callable[[int, int], torch.Tensor], first: int, last: int,
+                    at: Mapping[str, tuple[int, int, Path]], name: str,
+                    sums: list[tuple[str, str, int, tuple[int, float, float]]]) -> None:
+    """Block ``[first, last)`` of a weight (:func:`quantized_blocks`) quantized and written (on a writer thread);
+    ``read(low, high)``: elements ``[low, high)`` of the weight flattened, read here so that only the blocks being
+    written are in memory. Its share of the fingerprint is of the values a reader dequantizes, which is what the
+    file holds. The quantizers work per tile (per MXFP4 block), so the bytes are those of the weight quantized
+    whole."""
     from deepspeed_ext.checkpoint import quantization as q
     from deepspeed_ext.checkpoint.fingerprint import partial_sums
     if entry.method in (q.FP8_POW2, q.FP4):
-        _write_pow2(entry, values, at, name, sums)
+        _write_pow2(entry, read, first, last, at, name, sums)
         return
     data_fd, data_offset, data_path = at[entry.data.name]
     scale_fd, scale_offset, scale_path = at[entry.scales.name]
     if entry.method == q.FP8:
         bm, bn = entry.block
-        rows, cols = math.prod(entry.piece.shape[:-1]), entry.piece.shape[-1]
-        values = values.reshape(rows, cols)
-        step = bm * max(1, BLOCK_ELEMENTS // (bm * cols))  # whole tile rows, as many as a streamed block
-        for first in range(0, rows, step):
-            chunk = values[first:first + step]
-            packed, scales = q.quantize_fp8(chunk, (bm, bn))
-            sums.append((name, data_path.name, data_offset + first * cols,
-                         partial_sums(q.fp8_dequantize(packed, scales, (bm, bn)))))
-            write_at(data_fd, packed.view(torch.uint8).reshape(-1).numpy().data, data_offset + first * cols,
-                      data_path)
-            write_at(scale_fd, scales.reshape(-1).view(torch.uint8).numpy().data,
-                      scale_offset + (first // bm) * scales.shape[1] * 4, scale_path)
+        cols = entry.piece.shape[-1]
+        packed, scales = q.quantize_fp8(read(first * cols, last * cols).reshape(last - first, cols), (bm, bn))
+        sums.append((name, data_path.name, data_offset + first * cols,
+                     partial_sums(q.fp8_dequantize(packed, scales, (bm, bn)))))
+        write_at(data_fd, packed.view(torch.uint8).reshape(-1).numpy().data, data_offset + first * cols, data_path)
+        write_at(scale_fd, scales.reshape(-1).view(torch.uint8).numpy().data,
+                 scale_offset + (first // bm) * scales.shape[1] * 4, scale_path)
         return
-    *lead, k, n = entry.piece.shape
-    values = values.reshape(-1, k, n)
-    for expert in range(values.shape[0]):
-        blocks, scales = q.quantize_mxfp4(values[expert])
-        offset = data_offset + expert * blocks.numel()
+    *_, k, n = entry.piece.shape
+    expert_bytes, expert_scales = entry.data.nbytes // math.prod(entry.data.shape[:-3]), n * (k // q.MX_BLOCK)
+    if k * n > BLOCK_ELEMENTS:  # one expert larger than a block: its rows in blocks of whole MXFP4 blocks
+        (expert, ) = range(first, last)
+        blocks = torch.empty(n, k // q.MX_BLOCK, q.MX_BLOCK // 2, dtype=torch.uint8)
+        scales = torch.empty(n, k // q.MX_BLOCK, dtype=torch.uint8)
+        rows = q.MX_BLOCK * max(1, BLOCK_ELEMENTS // (q.MX_BLOCK * n))
+        offset = data_offset + expert * expert_bytes
+        for low in range(0, k, rows):
+            high = min(k, low + rows)
+            part, part_scales = q.quantize_mxfp4(read((expert * k + low) * n, (expert * k + high) * n).reshape(-1, n))
+            groups = slice(low // q.MX_BLOCK, high // q.MX_BLOCK)
+            blocks[:, groups], scales[:, groups] = part, part_scales
+            # Keyed (for the order the sums are added in) by the part's first byte in the expert's first row.
+            sums.append((name, data_path.name, offset + groups.start * q.MX_BLOCK // 2,
+                         partial_sums(q.mxfp4_dequantize(part, part_scales).contiguous())))
+        # Its blocks of K are strided in the stored [N, K/32, 16]: the expert (an eighth of its fp32 size) is
+        # put together here and written at once.
+        write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
+        write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * expert_scales, scale_path)
+        return
+    values = read(first * k * n, last * k * n).reshape(-1, k, n)
+    for expert in range(first, last):
+        blocks, scales = q.quantize_mxfp4(values[expert - first])
+        offset = data_offset + expert * expert_bytes
         sums.append((name, data_path.name, offset, partial_sums(q.mxfp4_dequantize(blocks, scales).contiguous())))
         write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
-        write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * scales.numel(), scale_path)
+        write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * expert_scales, scale_path)
 
 
 # --------------------------------------------------------------------------- a release's own format (DeepSeek-V4)
@@ -180,10 +216,11 @@ def _scale_rows(like: HFCheckpoint, scales: str) -> Callable[[int, int], torch.T
     return lambda first, last: like.read_file_rows(scales, first, last).view(torch.uint8)
 
 
-def _write_pow2(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str, tuple[int, int, Path]], name: str,
+def _write_pow2(entry: QuantizedPiece, read: Callable[[int, int], torch.Tensor], first: int, last: int,
+                at: Mapping[str, tuple[int, int, Path]], name: str,
                 sums: list[tuple[str, str, int, tuple[int, float, float]]]) -> None:
-    """A weight with power-of-two scales (FP8, or FP4 two values a byte), a block of whole tile rows at a time,
-    each block's scales from DeepSeek's rule or the release's (:func:`~deepspeed_ext.checkpoint.quantization.
+    """Rows ``[first, last)`` (whole tile rows) of a weight with power-of-two scales (FP8, or FP4 two values a
+    byte), their scales from DeepSeek's rule or the release's (:func:`~deepspeed_ext.checkpoint.quantization.
     quantize_pow2`)."""
     from deepspeed_ext.checkpoint import quantization as q
     from deepspeed_ext.checkpoint.fingerprint import partial_sums
@@ -192,16 +229,13 @@ def _write_pow2(entry: QuantizedPiece, values: torch.Tensor, at: Mapping[str, tu
     element = q.FP4 if entry.method == q.FP4 else q.FP8
     bm, bn = entry.block
     rows, cols = entry.piece.shape
-    values = values.reshape(rows, cols)
     row_bytes, grid_cols = entry.data.nbytes // rows, entry.scales.shape[-1]
-    step = bm * max(1, BLOCK_ELEMENTS // (bm * cols))  # whole tile rows, as many as a streamed block
-    for first in range(0, rows, step):
-        last = min(rows, first + step)
-        reference = None if entry.reference is None else entry.reference(first // bm, -(-last // bm))
-        stored, scales = q.quantize_pow2(values[first:last], element, (bm, bn), reference)
-        exact = stored.float() if element == q.FP8 else q.e2m1_values(stored)
-        sums.append((name, data_path.name, data_offset + first * row_bytes,
-                     partial_sums(q.fp8_dequantize(exact, scales, (bm, bn)))))
-        data = stored.view(torch.uint8) if element == q.FP8 else q.pack_e2m1(stored)
-        write_at(data_fd, data.reshape(-1).numpy().data, data_offset + first * row_bytes, data_path)
-        write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + (first // bm) * grid_cols, scale_path)
+    reference = None if entry.reference is None else entry.reference(first // bm, -(-last // bm))
+    values = read(first * cols, last * cols).reshape(last - first, cols)
+    stored, scales = q.quantize_pow2(values, element, (bm, bn), reference)
+    exact = stored.float() if element == q.FP8 else q.e2m1_values(stored)
+    sums.append((name, data_path.name, data_offset + first * row_bytes,
+                 partial_sums(q.fp8_dequantize(exact, scales, (bm, bn)))))
+    data = stored.view(torch.uint8) if element == q.FP8 else q.pack_e2m1(stored)
+    write_at(data_fd, data.reshape(-1).numpy().data, data_offset + first * row_bytes, data_path)
+    write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + (first // bm) * grid_cols, scale_path)

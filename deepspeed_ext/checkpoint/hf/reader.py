@@ -24,7 +24,11 @@ from deepspeed_ext.checkpoint.hf.files import (
     RENAMED,
     SINGLE_FILE,
     TIED_PAIR,
+    StoredSpan,
     group_file_names,
+    read_stored_part,
+    read_stored_range,
+    stored_spans,
     release_renames,
 )
 from deepspeed_ext.checkpoint.model_config import output_dtype, safetensors_dtype_code, torch_dtype
@@ -122,6 +126,7 @@ class HFCheckpoint:
         self.quantization = quantization.scheme_of(raw_config, str(config_path))
         self.model_config: dict[str, Any] = {k: v for k, v in raw_config.items() if k != quantization.CONFIG_KEY}
         self._stored_file = self._weight_files()
+        self._file_spans: dict[Path, dict[str, StoredSpan]] = {}
         found = ({} if self.quantization is None else quantization.pair_tensors(
             self.quantization, self._raw_headers, lambda name: str(self._stored_file[name])))
         #: Quantized tensors by the stored name of their packed data.
@@ -280,7 +285,11 @@ class HFCheckpoint:
     def _read_stored(self, stored: str, index: tuple[Any, ...] = ()) -> torch.Tensor:
         """A stored tensor, or the part ``index`` selects, in its file dtype."""
         file = self._stored_file[stored]
+        span = self._spans(file).get(stored)
         try:
+            part = None if span is None else read_stored_part(file, span, index)
+            if part is not None:
+                return part
             with self._open(file) as handle:  # a fresh handle: the pages it touched leave RSS with it
                 tensor: torch.Tensor = handle.get_slice(stored)[index] if index else handle.get_tensor(stored)
                 return tensor
@@ -288,6 +297,14 @@ class HFCheckpoint:
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"{file}: cannot read tensor {stored!r}: {exc}") from exc
+
+    def _spans(self, file: Path) -> dict[str, StoredSpan]:
+        """Where each tensor of ``file`` lies (read once a file, after safetensors has checked its header)."""
+        spans = self._file_spans.get(file)
+        if spans is None:
+            self._raw_headers  # noqa: B018 (safetensors checks every file's header first)
+            spans = self._file_spans[file] = stored_spans(file)
+        return spans
 
     def file_header(self, stored: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype code) of a tensor as the files store it (a quantized weight's packed values or
@@ -390,36 +407,57 @@ class HFCheckpoint:
             yield LogicalTensor(name=name, shape=layout.shape, layout=layout, states=(MASTER_WEIGHTS, ),
                                 loader=self._loader(name),
                                 dtype=output_dtype(self.dtype_choice, self.file_dtype(name)),
-                                range_loader=self._range_loader(name))
+                                range_loader=self._range_loader(name),
+                                range_row=layout.shape[-1] if layout.shape else None)
 
     def _loader(self, name: str) -> Callable[[str], torch.Tensor]:
         return lambda state: self.load(name)  # weights only: the one state
 
     def _range_loader(self, param: str) -> Callable[[str, int, int], torch.Tensor] | None:
-        """Elements ``[low, high)`` of a parameter stored whole, read as the rows that hold them (None for one
-        assembled from expert pieces, which is read whole). A quantized one reads the packed rows and scales
-        that hold them."""
-        from deepspeed_ext.checkpoint.quantization import dequantize_rows
+        """Elements ``[low, high)`` of a parameter, read as the rows that hold them: of the tensor stored whole, or
+        of the expert pieces a fused parameter is assembled from (a 384-expert stack is read a block at a time like
+        any tensor, never whole). A quantized tensor reads the packed rows and scales that hold them."""
         pieces = self._pieces[param]
-        if pieces is not None and RENAMED not in pieces:
-            return None
-        name, shape = (param if pieces is None else pieces[RENAMED]), self.shapes[param]
-        stored = self._stored_name(name)
-        quantized = self.quantized_tensors.get(stored)
+        shape = self.shapes[param]
         dtype = output_dtype(self.dtype_choice, self.file_dtype(param))
-        row = shape[-1] if quantized is not None else math.prod(shape[1:])
+        if pieces is None or RENAMED in pieces:
+            name = param if pieces is None else pieces[RENAMED]
+            return lambda state, low, high: self._name_range(name, shape, low, high, dtype)
+        # [experts, rows, ...]: each expert's rows in equal pieces (gate, up), laid out expert by expert
+        count = len(pieces) // shape[0]
+        piece_shape = (shape[1] // count, *shape[2:])
+        piece_elements = math.prod(piece_shape)
 
         def read(state: str, low: int, high: int) -> torch.Tensor:
-            if not shape or not row:
-                return self.load(param).reshape(-1)[low:high]
-            first, last = low // row, -(-high // row)
-            if quantized is not None:
-                rows = dequantize_rows(quantized, self._read_stored, first, last, dtype)
-            else:
-                rows = self._read_stored(stored, (slice(first, last), ))
-            return rows.reshape(-1)[low - first * row:high - first * row].to(dtype)
+            parts, at = [], low
+            while at < high:
+                index, offset = divmod(at, piece_elements)
+                stop = min(high, (index + 1) * piece_elements)
+                parts.append(self._name_range(pieces[divmod(index, count)], piece_shape, offset, offset + stop - at,
+                                              dtype))
+                at = stop
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         return read
+
+    def _name_range(self, name: str, shape: tuple[int, ...], low: int, high: int, dtype: torch.dtype
+                    ) -> torch.Tensor:
+        """Elements ``[low, high)`` of the tensor of logical name ``name`` (of ``shape``), flattened, in ``dtype``."""
+        from deepspeed_ext.checkpoint.quantization import dequantize_rows
+        stored = self._stored_name(name)
+        quantized = self.quantized_tensors.get(stored)
+        row = shape[-1] if quantized is not None else math.prod(shape[1:])
+        if not shape or not row:
+            return self.read_stored_tensor(name).reshape(-1)[low:high].to(dtype)
+        first, last = low // row, -(-high // row)
+        if quantized is not None:
+            rows = dequantize_rows(quantized, self._read_stored, first, last, dtype)
+        elif (span := self._spans(self._stored_file[stored]).get(stored)) is not None:
+            # Any range of the elements, whatever the rows: one read of what holds them
+            return read_stored_range(self._stored_file[stored], span, low, high).to(dtype)
+        else:
+            rows = self._read_stored(stored, (slice(first, last), ))
+        return rows.reshape(-1)[low - first * row:high - first * row].to(dtype)
 
     def raise_if_damaged(self) -> None:
         """Nothing to check as it streams: this format's files are checked by ``verify`` (a manifest, where

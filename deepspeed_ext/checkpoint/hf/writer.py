@@ -3,6 +3,7 @@ write flow (:mod:`~deepspeed_ext.checkpoint.writing`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from deepspeed_ext.checkpoint.hf.options import HFOptions
 from deepspeed_ext.checkpoint.hf.quantized import (
     QuantizedPiece,
     quantize_plan,
+    quantized_blocks,
     release_quantize_plan,
     stored_entries,
     write_quantized,
@@ -182,12 +184,16 @@ def _write_shards(directory: Path, shards: Mapping[str, list[str]], plan: Mappin
                 for entry in pieces[tensor.name]:
                     if isinstance(entry, QuantizedPiece):
                         start, stop = entry.piece.span(tuple(tensor.shape))
-                        values = full[start:stop] if full is not None else torch.cat(
-                            list(tensor.blocks(MASTER_WEIGHTS, start, stop)))
+                        # Read block by block on the writer threads, as they quantize: a queued block holds
+                        # nothing yet, so memory follows the blocks being written, not the weight.
+                        read = functools.partial(_master_range, tensor, start) if full is None else \
+                            functools.partial(_slice, full[start:stop])
                         at = {stored.name: (files[where[stored.name][0]], where[stored.name][1],
                                             directory / where[stored.name][0]) for stored in stored_entries(entry)}
-                        writer.submit(write_quantized, entry, values, at, tensor.name, sums)
-                        bar.update(entry.data.nbytes + entry.scales.nbytes)
+                        parts, size = quantized_blocks(entry), entry.data.nbytes + entry.scales.nbytes
+                        for first, last in parts:
+                            writer.submit(write_quantized, entry, read, first, last, at, tensor.name, sums)
+                            bar.update(size * last // parts[-1][1] - size * first // parts[-1][1])
                         continue
                     start, stop = entry.span(tuple(tensor.shape))
                     filename, offset = where[entry.name]
@@ -228,6 +234,28 @@ def _write_piece(fd: int, data: torch.Tensor, offset: int, path: Path, name: str
     from deepspeed_ext.checkpoint.fingerprint import partial_sums
     sums.append((name, path.name, offset, partial_sums(data)))
     write_at(fd, data.reshape(-1).view(torch.uint8).numpy().data, offset, path)
+
+
+def _master_range(tensor: LogicalTensor, start: int, low: int, high: int) -> torch.Tensor:
+    """Elements ``[start + low, start + high)`` of ``tensor``'s master weights flattened, in one tensor (on a writer
+    thread): the source's block where one holds them, else its blocks copied in as they come (the next read may
+    release the pages of a mapped one)."""
+    out: torch.Tensor | None = None
+    at = 0
+    for block in tensor.blocks(MASTER_WEIGHTS, start + low, start + high):
+        if out is None and block.numel() == high - low:
+            out, at = block, high - low
+            continue
+        if out is None:
+            out = torch.empty(high - low, dtype=block.dtype)
+        out[at:at + block.numel()].copy_(block)
+        at += block.numel()
+    assert out is not None and at == high - low, (tensor.name, start + low, start + high)
+    return out
+
+
+def _slice(values: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    return values[low:high]
 
 
 def _check_tied(tensors: Mapping[str, LogicalTensor], source: str) -> None:

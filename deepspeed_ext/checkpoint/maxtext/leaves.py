@@ -19,6 +19,7 @@ from deepspeed_ext.checkpoint.maxtext.plan import Leaf, stacked_shape
 from deepspeed_ext.checkpoint.maxtext.sharding import shard_shape, storage_chunk
 from deepspeed_ext.checkpoint.maxtext.transforms import (BLOCK_BYTES, TRANSFORMS, ModelDims, RowBlocks,
                                                          exact_bf16_scale, from_maxtext, row_blocks, to_maxtext)
+from deepspeed_ext.checkpoint.serialization import one_torch_thread, worker_threads
 from deepspeed_ext.checkpoint.states import MASTER_WEIGHTS, MODULE_WEIGHTS
 from deepspeed_ext.errors import CheckpointError
 
@@ -29,9 +30,10 @@ if TYPE_CHECKING:  # torch only where tensors are handed over
 from deepspeed_ext.checkpoint.maxtext.writer_options import Load, LoadRows, WriterOptions
 
 #: Slabs produced at once (read, checked, laid out and cast, each on a thread of its own) while the writers write
-#: the ones before: one producer kept one core busy while the other waited on the writes. On a 2-core VM two took
-#: to-maxtext's time at the margin (16 -> 48 layers of the 246M shape, warm, in process) from 1.2-1.6 s to 1.0-1.2 s.
-PRODUCERS = 2
+#: the ones before: one a core, at least two (:func:`~deepspeed_ext.checkpoint.serialization.worker_threads`): one
+#: producer kept one core busy while the other waited on the writes. On a 2-core VM two took to-maxtext's time at the
+#: margin (16 -> 48 layers of the 246M shape, warm, in process) from 1.2-1.6 s to 1.0-1.2 s.
+PRODUCERS = worker_threads()
 
 
 _Item = TypeVar("_Item")
@@ -58,7 +60,7 @@ class LeafArrays:
         self.read_back = ReadBackFingerprints()
         #: The threads that produce a leaf's slabs, :data:`PRODUCERS` blocks at a time (:func:`_in_order`).
         self.producers = ThreadPoolExecutor(PRODUCERS, thread_name_prefix="deepspeed-ext-maxtext-blocks",
-                                            initializer=_one_torch_thread)
+                                            initializer=one_torch_thread)
 
     def tree(self, leaves: list[Leaf], state: str) -> dict[str, Any]:
         """``{collection: tree}``; the moments only of the ``params`` collection (the optimizer's)."""
@@ -257,14 +259,6 @@ def _in_order(pool: ThreadPoolExecutor, items: Iterable[_Item], produce: Callabl
         for future in pending:
             future.cancel()
         wait(pending)
-
-
-def _one_torch_thread() -> None:
-    """A producer's torch operations on its own thread alone: with :data:`PRODUCERS` of them and the writers on a
-    few cores, torch's intra-op threads (OpenMP's, set per calling thread) only contended: on a 2-core VM,
-    to-maxtext's time at the margin (16 -> 48 layers) fell from 1.2-1.4 s to 1.1 s with them off (two producers)."""
-    import torch
-    torch.set_num_threads(1)
 
 
 def _below(values: Any, limit: float) -> bool:
