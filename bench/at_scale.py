@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import struct
 import sys
 from pathlib import Path
@@ -129,10 +130,10 @@ def write_sparse(directory: Path, tensors: list[Tensor], config: dict, shard_byt
     for index, shard in enumerate(shards, 1):
         file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
-        for name, shape, code in shard:
-            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes((name, shape,
-                                                                                                          code))]}
-            offset += nbytes((name, shape, code))
+        for tensor in shard:
+            name, shape, code = tensor
+            header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes(tensor)]}
+            offset += nbytes(tensor)
             weight_map[name] = file
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
@@ -191,23 +192,17 @@ def full_sizes() -> dict[str, dict[str, float]]:
 
 def table(args: argparse.Namespace) -> None:
     rows = json.loads(Path(args.rates).read_text()) if args.rates else []
-    rates = {(r["workload"], r["cache"]): r["extra_bytes_written"] / np_median(r["extra_s"]["command"]) for r in rows}
+    rates = {(r["workload"], r["cache"]): r["extra_bytes_written"] / statistics.median(r["extra_s"]["command"])
+             for r in rows}
     print("| conversion | parameters | read | written | rate here (GB/s written, measured) | one host like this one "
           "(computed) | 16 hosts, --distributed (computed) |")
     print("|---|---|---|---|---|---|---|")
     for name, size in full_sizes().items():
         rate = rates.get((size["workload"], "cold")) or rates.get((size["workload"], "warm"))
-        hours = f"{size['written'] / rate / 3600:.1f} h" if rate else "n/a"
-        sixteen = f"{size['written'] / rate / 16 / 3600:.2f} h" if rate else "n/a"
+        timing = (f"{rate / GB:.2f} | {size['written'] / rate / 3600:.1f} h | {size['written'] / rate / 16 / 3600:.2f} h"
+                  if rate else "n/a | n/a | n/a")
         print(f"| {name} | {size['params'] / 1e9:.0f}B | {size['read'] / 1e12:.2f} TB | {size['written'] / 1e12:.2f} "
-              f"TB | {rate / GB:.2f} | {hours} | {sixteen} |" if rate else
-              f"| {name} | {size['params'] / 1e9:.0f}B | {size['read'] / 1e12:.2f} TB | "
-              f"{size['written'] / 1e12:.2f} TB | n/a | n/a | n/a |")
-
-
-def np_median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return (ordered[(len(ordered) - 1) // 2] + ordered[len(ordered) // 2]) / 2
+              f"TB | {timing} |")
 
 
 def main() -> None:

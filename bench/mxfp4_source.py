@@ -21,10 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fp8_from_hf import GB, Spec, generate, nbytes  # noqa: E402
 
+from deepspeed_ext.checkpoint.quantization import MX_BLOCK  # noqa: E402
+
 #: gpt-oss-20b's shapes (transformers' GptOssConfig defaults are the 120b's 128 experts and 36 layers).
 GPT_OSS_20B = {"hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
                "vocab_size": 201088, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64}
-MX_BLOCK = 32
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 
 

@@ -46,8 +46,7 @@ def _two_hosts(arguments: list[str], logs: Path, sources: tuple[Path, Path]) -> 
             process.wait(timeout=600)
         finally:
             log.close()
-        done.append(subprocess.CompletedProcess(process.args, process.returncode,
-                                                (Path(log.name)).read_text()))
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, Path(log.name).read_text()))
     return done
 
 
@@ -80,5 +79,4 @@ def test_two_hosts_write_what_one_process_writes(tmp_path):
     assert all(run.returncode != 0 for run in refused)
     lines = [line for line in refused[0].stdout.splitlines() if line.startswith("deepspeed-ext: error:")]
     assert len(lines) == 1 and shard.name in lines[0], refused[0].stdout[-3000:]
-    assert not (tmp_path / "shared2" / "universal").exists()
-    assert not list((tmp_path / "shared2").glob("*")) if (tmp_path / "shared2").exists() else True
+    assert not (tmp_path / "shared2").exists() or not any((tmp_path / "shared2").iterdir())  # nothing published

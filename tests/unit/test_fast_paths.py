@@ -74,8 +74,12 @@ def test_mxfp4_dequantized_as_transformers_computes_it_for_every_byte_and_expone
 
 def test_e2m1_through_fp16_is_each_value_over_its_factor():
     every = torch.arange(256, dtype=torch.uint8).unsqueeze(0)
+    table = torch.tensor(q.E2M1_VALUES, dtype=torch.float32)  # the values by code, low nibble first
+    expected = torch.stack((table[(every & 0xF).long()], table[(every >> 4).long()]), dim=-1).reshape(1, 512)
     halves = q.e2m1_as_half(every).to(torch.float32) * 2.0 ** q.E2M1_AS_HALF_EXPONENT
-    assert _same(halves, q.unpack_e2m1(every))
+    assert _same(halves, expected)
+    assert _same(q.unpack_e2m1(every), expected)
+    assert _same(q.unpack_e2m1(every.view(torch.int8)), expected)
 
 
 @pytest.fixture

@@ -449,14 +449,12 @@ class HFCheckpoint:
         row = shape[-1] if quantized is not None else math.prod(shape[1:])
         if not shape or not row:
             return self.read_stored_tensor(name).reshape(-1)[low:high].to(dtype)
-        first, last = low // row, -(-high // row)
-        if quantized is not None:
-            rows = dequantize_rows(quantized, self._read_stored, first, last, dtype)
-        elif (span := self._spans(self._stored_file[stored]).get(stored)) is not None:
+        if quantized is None and (span := self._spans(self._stored_file[stored]).get(stored)) is not None:
             # Any range of the elements, whatever the rows: one read of what holds them
             return read_stored_range(self._stored_file[stored], span, low, high).to(dtype)
-        else:
-            rows = self._read_stored(stored, (slice(first, last), ))
+        first, last = low // row, -(-high // row)
+        rows = (dequantize_rows(quantized, self._read_stored, first, last, dtype) if quantized is not None
+                else self._read_stored(stored, (slice(first, last), )))
         return rows.reshape(-1)[low - first * row:high - first * row].to(dtype)
 
     def raise_if_damaged(self) -> None:
