@@ -8,5 +8,11 @@ bash scripts/setup.sh test
 # first (tests/conftest.py); trained checkpoints are trained once per run whichever worker asks
 # (tests/harness/scenario.py). DSX_TEST_WORKERS=N to choose. The run ends with its 10 slowest tests (what to
 # look at first when the suite's time grows).
+# --fast: the fast tier (README), tests/unit/ without the cases only the whole suite runs (tests/harness/tiers.py).
+tier=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  tier=(-m "not e2e and not full")
+fi
 exec .venv/bin/python -m pytest -n "${DSX_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder --durations=10 \
-  tests "$@"
+  tests "${tier[@]}" "$@"

@@ -33,6 +33,36 @@ def _e2m1_pairs() -> torch.Tensor:
     return low | (high << 16)
 
 
+def e2m1_as_bfloat16(packed: torch.Tensor) -> torch.Tensor:
+    """Two E2M1 values a byte (the low nibble first) as bf16 ``[..., 2 * bytes]``, the values themselves (bf16 holds
+    every one): the same lookup as :func:`e2m1_as_half`, for a caller that wants bf16 in the end."""
+    pairs = torch.index_select(_e2m1_bfloat16_pairs(), 0, packed.reshape(-1).view(torch.uint8).to(torch.int32))
+    return pairs.view(torch.bfloat16).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+@functools.cache
+def _e2m1_bfloat16_pairs() -> torch.Tensor:
+    """:func:`_e2m1_pairs` as bf16 values (each an exact cast of the fp16 one times its factor), two an int32."""
+    halves = _e2m1_pairs().view(torch.float16).to(torch.float32) * 2.0 ** E2M1_AS_HALF_EXPONENT
+    bits = halves.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    low, high = bits[0::2], bits[1::2]
+    return low | (high << 16)
+
+
+def mxfp4_as_bfloat16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 ``blocks [out, groups, 16]`` times ``2 ** (scales - 127)`` (``[out, groups]``, E8M0 at most 254: scales
+    up to ``2 ** 127``) as bf16 ``[out, groups, 32]``. bf16 has fp32's exponents: it holds every E2M1 value and every
+    such scale (2 ** -127 as a subnormal) exactly, so each product, exact in fp32 or overflowing to Inf alike, is the
+    fp32 value cast: computed at half the bytes, with no fp32 pass."""
+    values = e2m1_as_bfloat16(blocks)
+    factor = torch.where(scales == 0, _BF16_TWO_TO_MINUS_127, scales.to(torch.int16) << 7).to(torch.int16)
+    return values.mul_(factor.view(torch.bfloat16).unsqueeze(-1))
+
+
+#: 2 ** -127 in bf16's bits: a subnormal (E8M0's 0; every other scale is an exponent field of its own, ``scale << 7``).
+_BF16_TWO_TO_MINUS_127 = 0x0040
+
+
 #: :func:`e4m3_as_float32` with ``scaled_down`` gives each value divided by this (a power of two).
 E4M3_AS_HALF_FACTOR = 256.0
 

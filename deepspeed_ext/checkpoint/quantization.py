@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from deepspeed_ext.checkpoint.float_bits import (E2M1_AS_HALF_EXPONENT, E4M3_AS_HALF_FACTOR, e2m1_as_half,
-                                                  e4m3_as_float32, folds)
+                                                  e4m3_as_float32, folds, mxfp4_as_bfloat16)
 from deepspeed_ext.errors import CheckpointError
 
 FP8 = "fp8"
@@ -285,13 +285,25 @@ def dequantize_rows(tensor: QuantizedTensor, read: SliceReader, first: int, last
         elif tensor.method == FP4:
             parts.append(_fp4_rows(tensor, read, index, local, stop))
         else:
-            parts.append(_mxfp4_rows(tensor, read, index, local, stop))
+            parts.append(_mxfp4_rows(tensor, read, index, local, stop, dtype))
         row = lead * per_lead + stop
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     if out.dtype == dtype and out.is_contiguous():
         return out
-    # one pass to the dtype and a row-major layout (MXFP4's rows arrive as a transposed view)
-    return torch.empty(out.shape, dtype=dtype).copy_(out)
+    rows = torch.empty(out.shape, dtype=dtype)
+    if out.dim() == 2 and out.stride(0) == 1 and out.shape[0] > 1:
+        # MXFP4's rows arrive as columns of the stored matrix (a transposed view): cast where the values lie (a
+        # sequential pass), then the narrower values moved into rows a band of columns at a time, the band's
+        # source staying in the CPU's cache. torch's one transposing cast goes a value at a time: 2x as long here.
+        stored = out.t().to(dtype)
+        for low in range(0, out.shape[1], _TRANSPOSE_BAND):
+            rows[:, low:low + _TRANSPOSE_BAND].copy_(stored[low:low + _TRANSPOSE_BAND].t())
+        return rows
+    return rows.copy_(out)  # one pass to the dtype and a row-major layout
+
+
+#: Columns copied at a time out of a transposed view (:func:`dequantize_rows`).
+_TRANSPOSE_BAND = 256
 
 
 def _lead_index(lead_shape: tuple[int, ...], lead: int) -> tuple[int, ...]:
@@ -325,12 +337,12 @@ def _fp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...]
 
 
 def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
-                stop: int) -> torch.Tensor:
+                stop: int, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``[first, stop)`` of the model tensor are columns of the stored one: the blocks that hold them, from
     the stored matrix (an expert's) read whole once a thread and kept while the rows asked for are in it."""
     group_first, group_stop = first // MX_BLOCK, -(-stop // MX_BLOCK)
     blocks, scales = _stored_matrix(tensor, read, index)  # [out, groups, 16], [out, groups]
-    values = mxfp4_dequantize(blocks[:, group_first:group_stop], scales[:, group_first:group_stop])
+    values = mxfp4_dequantize(blocks[:, group_first:group_stop], scales[:, group_first:group_stop], dtype)
     return values[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
 
 
@@ -350,18 +362,23 @@ def _stored_matrix(tensor: QuantizedTensor, read: SliceReader, index: tuple[int,
     return kept[1], kept[2]
 
 
-def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
     """Stored ``blocks [out, groups, 16]`` and ``scales [out, groups]`` -> the model's ``[groups * 32, out]``
     (a transposed view), in fp32: each E2M1 value times ``2 ** (scale - 127)``, one rounding, as transformers
-    computes it. The E2M1 values are widened through fp16 (:func:`e2m1_as_half`), whose factor the scales take."""
+    computes it. The E2M1 values are widened through fp16 (:func:`e2m1_as_half`), whose factor the scales take.
+    ``dtype``: the same values cast to it; bf16 is computed in bf16 (:func:`mxfp4_as_bfloat16`) where it can."""
     exponent = scales.to(torch.int32) - E8M0_BIAS
+    if dtype == torch.bfloat16 and (not exponent.numel() or int(exponent.max()) <= 127):
+        values = mxfp4_as_bfloat16(blocks, scales)
+        return values.reshape(values.shape[0], -1).t()
     values = e2m1_as_half(blocks).to(torch.float32)  # [out, groups, 32], each value over E2M1_AS_HALF_FACTOR
     if not exponent.numel() or int(exponent.max()) + E2M1_AS_HALF_EXPONENT <= 127:
         # 2 ** (exponent + factor) built from its bits: a normal fp32 power of two (exponent >= -127)
         values.mul_(((exponent + (E2M1_AS_HALF_EXPONENT + 127)) << 23).view(torch.float32).unsqueeze(-1))
     else:  # scales past 2 ** 113: the factor first (exact), then the scale
         values = torch.ldexp(values.mul_(2.0 ** E2M1_AS_HALF_EXPONENT), exponent.unsqueeze(-1))
-    return values.reshape(values.shape[0], -1).t()
+    return values.reshape(values.shape[0], -1).to(dtype).t()
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -399,35 +416,62 @@ def quantize_fp8(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Te
     to e4m3, ``scale_inv = 1 / scale``. ``scale_inv`` comes out of two roundings, so quantizing ``q * scale_inv``
     again may land an ulp or two off the original; where a tile's values are exactly ``q * s`` for an ``s`` within
     a few ulps, that ``s`` is kept, which makes dequantize -> quantize give the original bytes."""
+    packed, scale_inv, _ = quantize_fp8_with_values(weight, block, values=False)
+    return packed, scale_inv
+
+
+def quantize_fp8_with_values(weight: torch.Tensor, block: tuple[int, int], values: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`quantize_fp8`, and the values a reader dequantizes from what it returns (``[rows, cols]`` fp32,
+    :func:`fp8_dequantize`'s), made from the FP8 values already widened for the scale search rather than widened
+    again: a writer that fingerprints what it writes needs both (``values=False``: None in their place)."""
     bm, bn = block
     x, amax = _tiles(weight, block)
     (rows, cols), (grid_rows, grid_cols) = weight.shape, amax.shape
     scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
                         torch.ones_like(amax))
     scale_inv = (1.0 / scale).to(torch.float32)
-    q = torch.clamp(x * scale[:, None, :, None], -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (x * scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     qf = e4m3_as_float32(q)
+    best = _exact_scales(x, amax, qf, scale_inv)
+    packed = q.reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols].contiguous()
+    if not values:
+        return packed, best, None
+    # qf x best is one rounding of each value times its tile's scale: fp8_dequantize's values, bit for bit.
+    return packed, best, qf.mul_(best[:, None, :, None]).reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols]
 
-    def exact(candidate: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
-        return (qf[:, rows] * candidate[:, None, :, None] == x[:, rows]).all(dim=3).all(dim=1)
 
-    # Each candidate is first tried on every tile's first row (a 1/bm of the values): a weight that was never
-    # quantized (a trained one) fails there for all nine at once, and only a tile that passes is checked whole.
+#: The scales tried around ``1 / scale``, in ulps, nearest first.
+_EXACT_STEPS = (0, 1, -1, 2, -2, 3, -3, 4, -4)
+
+
+def _exact_scales(x: torch.Tensor, amax: torch.Tensor, qf: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """Per tile, the first scale of :data:`_EXACT_STEPS` ulps from ``scale_inv`` whose products with the tile's FP8
+    values ``qf`` are exactly its values ``x`` (``[grid_rows, bm, grid_cols, bn]``), else ``scale_inv``.
+
+    A trained weight was never quantized and fails for every tile, cheaply: a tile passes only if its largest
+    value is 448 x the scale (that value's FP8 is +-448, whatever the scale's rounding: an all-zero tile passes any
+    scale), then if its first row matches, and only then is it compared whole."""
     settled = torch.zeros_like(amax, dtype=torch.bool)
     best = scale_inv
-    for step in (0, 1, -1, 2, -2, 3, -3, 4, -4):
+    zero, first_q, first_x = amax == 0, qf[:, 0], x[:, 0]
+    for step in _EXACT_STEPS:
         candidate = scale_inv
         toward = torch.full_like(scale_inv, math.inf if step > 0 else 0.0)
         for _ in range(abs(step)):
             candidate = torch.nextafter(candidate, toward)
-        maybe = exact(candidate, slice(0, 1)) & ~settled
-        if bool(maybe.any()):
-            hit = maybe & exact(candidate)
-            best = torch.where(hit, candidate, best)
-            settled |= hit
-            if bool(settled.all()):
-                break
-    return q.reshape(grid_rows * bm, grid_cols * bn)[:rows, :cols].contiguous(), best
+        maybe = (zero | (FP8_MAX * candidate == amax)) & ~settled
+        if not bool(maybe.any()):
+            continue
+        maybe[maybe.clone()] = (first_q[maybe] * candidate[maybe][:, None] == first_x[maybe]).all(dim=1)
+        if not bool(maybe.any()):
+            continue
+        hit = maybe & (qf * candidate[:, None, :, None] == x).all(dim=3).all(dim=1)
+        best = torch.where(hit, candidate, best)
+        settled |= hit
+        if bool(settled.all()):
+            break
+    return best
 
 
 def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], row_offset: int = 0

@@ -151,9 +151,25 @@ def _run(argv: Sequence[str] | None) -> int:
         inputs = [str(getattr(args, name)) for name in ("source", "checkpoint", "input_folder", "a", "b")
                   if getattr(args, name, None) is not None]
         where = ", ".join(dict.fromkeys(inputs)) or args.command
-        print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}); the checkpoint is "
-              "damaged or in a layout deepspeed-ext does not know (--debug shows where)", file=sys.stderr)
+        print(f"deepspeed-ext: error: {where}: unexpected content ({type(exc).__name__}: {exc}, raised at "
+              f"{_raised_at(exc)}); the checkpoint is damaged or in a layout deepspeed-ext does not know, or this is "
+              "a defect of deepspeed-ext (--debug shows the traceback to report)", file=sys.stderr)
         return 2
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame that raised ``exc`` (a path below a site-packages or the package's
+    parent shortened to the module's): with the exception's own words, what tells a damaged input from a defect."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "an unknown place"
+    filename = frames[-1].filename.replace(os.sep, "/")
+    for marker in ("/site-packages/", "/deepspeed_ext/"):
+        if marker in filename:
+            filename = filename.rsplit(marker, 1)[1] if marker == "/site-packages/" else \
+                "deepspeed_ext/" + filename.rsplit(marker, 1)[1]
+            break
+    return f"{filename}:{frames[-1].lineno}"
 
 
 def _refuse_a_missing_tag_early(args: argparse.Namespace) -> None:

@@ -309,3 +309,20 @@ def test_a_missing_tag_is_refused_before_the_libraries_load(tmp_path, command, t
                 f"{save / 'latest'}: names tag 'global_step9', but {save / 'global_step9'} does not exist")
     assert proc.stderr.strip() == f"deepspeed-ext: error: {expected}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["save"]
+
+
+def test_an_unexpected_structure_is_one_line_naming_the_input_and_where_it_was_raised(sources, monkeypatch):
+    """A structure no reader check anticipated (here a state the tensor lacks, asked for as a reader would) is one
+    line naming the input and the package's file and line that raised it: what tells a damaged input from a defect
+    of ours; --debug adds the traceback and keeps the exit status."""
+    from deepspeed_ext.checkpoint.tensor import LogicalTensor
+    from deepspeed_ext.cli import tools
+    tensor = LogicalTensor(name="w", shape=(1, ), layout=None, states=("fp32", ), loader=lambda state: 0)
+    monkeypatch.setattr(tools, "cmd_inspect", lambda args: tensor.load("exp_avg"))
+    result = cli_result("inspect", str(sources / "hf"))
+    (line, ) = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and line.startswith(f"deepspeed-ext: error: {sources / 'hf'}: unexpected content "
+                                                      f"(KeyError: ")
+    assert "raised at deepspeed_ext/checkpoint/tensor.py:" in line and "a defect of deepspeed-ext" in line, line
+    debug = cli_result("--debug", "inspect", str(sources / "hf"))
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and debug.stderr.strip().splitlines()[-1] == line

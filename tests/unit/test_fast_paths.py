@@ -70,6 +70,45 @@ def test_mxfp4_dequantized_as_transformers_computes_it_for_every_byte_and_expone
     blocks = torch.cat([blocks, blocks.roll(1, 0)], dim=1)  # [256, 4, 16]
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8).unsqueeze(1).repeat(1, 4)
     assert _same(q.mxfp4_dequantize(blocks, scales), _mxfp4_reference(blocks, scales))
+    # in bf16 (computed in bf16 up to E8M0 254, 2 ** 127; through fp32 past it): the fp32 values cast
+    assert _same(q.mxfp4_dequantize(blocks, scales, torch.bfloat16), _mxfp4_reference(blocks, scales).bfloat16())
+    below = scales.clamp(max=254)
+    assert _same(q.mxfp4_dequantize(blocks, below, torch.bfloat16), _mxfp4_reference(blocks, below).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("first, last", [(0, 96), (5, 91), (40, 41), (31, 33), (0, 1)])
+def test_mxfp4_rows_in_any_range_are_the_whole_tensors_rows(dtype, first, last):
+    """Rows of an MXFP4 weight wider than a band of the transposing copy (600 > 256 columns), cut inside its
+    32-row groups or on them, in the weight's dtype and in fp32: the rows of the whole tensor dequantized."""
+    generator = torch.Generator().manual_seed(first * 100 + last)
+    out, groups = 600, 3  # stored [out, groups, 16] -> the model's [96, 600]
+    blocks = torch.randint(0, 256, (out, groups, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(110, 135, (out, groups), dtype=torch.uint8, generator=generator)
+    stored = {"w_blocks": blocks, "w_scales": scales}
+    tensor = q.QuantizedTensor("w", q.MXFP4, "w_blocks", "w_scales", (groups * 32, out), (1, 32), torch.bfloat16)
+    rows = q.dequantize_rows(tensor, lambda name, index: stored[name][index], first, last, dtype)
+    assert rows.is_contiguous()
+    assert _same(rows, _mxfp4_reference(blocks, scales)[first:last].to(dtype))
+
+
+@pytest.mark.parametrize("rows, cols, block", [(256, 384, (128, 128)), (300, 200, (128, 128)), (33, 70, (16, 32))])
+def test_quantized_fp8_values_are_what_dequantizing_gives(rows, cols, block):
+    """The values the quantizer hands a writer for its fingerprint are those its bytes dequantize to, bit for bit:
+    trained weights, weights that were FP8 before (their scales found again), zero tiles, NaN and Inf."""
+    generator = torch.Generator().manual_seed(rows + cols)
+    trained = torch.randn(rows, cols, generator=generator) * 0.02
+    before = q.fp8_dequantize(*q.quantize_fp8(trained, block), block)
+    special = trained.clone()
+    special[:block[0], :block[1]] = 0
+    special[-1, -1], special[0, -1] = float("nan"), float("inf")
+    for weight in (trained, before, special, trained * 1e-39):
+        packed, scales, values = q.quantize_fp8_with_values(weight, block)
+        assert values is not None
+        assert torch.equal(packed.view(torch.uint8), q.quantize_fp8(weight, block)[0].view(torch.uint8))
+        assert _same(values.contiguous(), q.fp8_dequantize(packed, scales, block))
+    # a weight that was FP8 before comes back to its bytes
+    assert torch.equal(q.fp8_dequantize(*q.quantize_fp8(before, block), block), before)
 
 
 def test_e2m1_through_fp16_is_each_value_over_its_factor():
@@ -166,6 +205,10 @@ def test_an_expert_stack_streams_in_blocks_smaller_than_an_expert(tmp_path, fami
     assert stacks
     for tensor in stacks:
         row = tensor.shape[-1]
+        # MXFP4 blocks are cut at its 32-row groups (range_row), which share scales along the rows
+        unit = tensor.range_row or row
+        assert unit == (32 * row if release == "mxfp4" else row), tensor.name
         blocks = list(tensor.blocks(MASTER_WEIGHTS, block_elements=3 * row))
-        assert max(block.numel() for block in blocks) <= 3 * row < tensor.shape[1] * row, tensor.name
+        assert all(block.numel() % unit == 0 for block in blocks[:-1]), tensor.name
+        assert max(block.numel() for block in blocks) <= max(3 * row, unit) < tensor.shape[1] * row, tensor.name
         assert torch.equal(torch.cat(blocks), tensor.load_tensor(MASTER_WEIGHTS).reshape(-1)), tensor.name

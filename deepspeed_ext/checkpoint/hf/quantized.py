@@ -135,9 +135,12 @@ def write_quantized(entry: QuantizedPiece, read: Callable[[int, int], torch.Tens
     if entry.method == q.FP8:
         bm, bn = entry.block
         cols = entry.piece.shape[-1]
-        packed, scales = q.quantize_fp8(read(first * cols, last * cols).reshape(last - first, cols), (bm, bn))
-        sums.append((name, data_path.name, data_offset + first * cols,
-                     partial_sums(q.fp8_dequantize(packed, scales, (bm, bn)))))
+        weight = read(first * cols, last * cols).reshape(last - first, cols)
+        packed, scales, values = q.quantize_fp8_with_values(weight, (bm, bn))
+        del weight
+        assert values is not None
+        sums.append((name, data_path.name, data_offset + first * cols, partial_sums(values)))
+        del values
         write_at(data_fd, packed.view(torch.uint8).reshape(-1).numpy().data, data_offset + first * cols, data_path)
         write_at(scale_fd, scales.reshape(-1).view(torch.uint8).numpy().data,
                  scale_offset + (first // bm) * scales.shape[1] * 4, scale_path)

@@ -408,7 +408,19 @@ class HFCheckpoint:
                                 loader=self._loader(name),
                                 dtype=output_dtype(self.dtype_choice, self.file_dtype(name)),
                                 range_loader=self._range_loader(name),
-                                range_row=layout.shape[-1] if layout.shape else None)
+                                range_row=self._range_row(name, layout.shape))
+
+    def _range_row(self, param: str, shape: tuple[int, ...]) -> int | None:
+        """The elements a block of ``param`` is cut at a multiple of: its rows, and for MXFP4 weights its 32-row
+        groups, which share scales along the rows: a block cut inside a group dequantized the group twice (a
+        block of gpt-oss's 5760-wide rows was 182 rows, 7 groups dequantized for 5.7 of them)."""
+        if not shape:
+            return None
+        from deepspeed_ext.checkpoint.quantization import MX_BLOCK, MXFP4
+        pieces = self._pieces[param]
+        stored = param if pieces is None else pieces.get(RENAMED, next(iter(pieces.values()), param))
+        quantized = self.quantized_tensors.get(self._stored_name(stored))
+        return shape[-1] * (MX_BLOCK if quantized is not None and quantized.method == MXFP4 else 1)
 
     def _loader(self, name: str) -> Callable[[str], torch.Tensor]:
         return lambda state: self.load(name)  # weights only: the one state
