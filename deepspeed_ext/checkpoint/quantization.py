@@ -369,11 +369,12 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     computes it. The E2M1 values are widened through fp16 (:func:`e2m1_as_half`), whose factor the scales take.
     ``dtype``: the same values cast to it; bf16 is computed in bf16 (:func:`mxfp4_as_bfloat16`) where it can."""
     exponent = scales.to(torch.int32) - E8M0_BIAS
-    if dtype == torch.bfloat16 and (not exponent.numel() or int(exponent.max()) <= 127):
+    largest = int(exponent.max()) if exponent.numel() else -E8M0_BIAS
+    if dtype == torch.bfloat16 and largest <= 127:
         values = mxfp4_as_bfloat16(blocks, scales)
         return values.reshape(values.shape[0], -1).t()
     values = e2m1_as_half(blocks).to(torch.float32)  # [out, groups, 32], each value over E2M1_AS_HALF_FACTOR
-    if not exponent.numel() or int(exponent.max()) + E2M1_AS_HALF_EXPONENT <= 127:
+    if largest + E2M1_AS_HALF_EXPONENT <= 127:
         # 2 ** (exponent + factor) built from its bits: a normal fp32 power of two (exponent >= -127)
         values.mul_(((exponent + (E2M1_AS_HALF_EXPONENT + 127)) << 23).view(torch.float32).unsqueeze(-1))
     else:  # scales past 2 ** 113: the factor first (exact), then the scale

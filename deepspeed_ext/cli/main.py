@@ -164,10 +164,9 @@ def _raised_at(exc: BaseException) -> str:
     if not frames:
         return "an unknown place"
     filename = frames[-1].filename.replace(os.sep, "/")
-    for marker in ("/site-packages/", "/deepspeed_ext/"):
+    for marker, kept in (("/site-packages/", ""), ("/deepspeed_ext/", "deepspeed_ext/")):
         if marker in filename:
-            filename = filename.rsplit(marker, 1)[1] if marker == "/site-packages/" else \
-                "deepspeed_ext/" + filename.rsplit(marker, 1)[1]
+            filename = kept + filename.rsplit(marker, 1)[1]
             break
     return f"{filename}:{frames[-1].lineno}"
 

@@ -32,7 +32,7 @@ from deepspeed_ext.checkpoint.hf.files import (
     release_renames,
 )
 from deepspeed_ext.checkpoint.model_config import output_dtype, safetensors_dtype_code, torch_dtype
-from deepspeed_ext.checkpoint.quantization import STORAGE_CODES
+from deepspeed_ext.checkpoint.quantization import MX_BLOCK, MXFP4, STORAGE_CODES
 from deepspeed_ext.checkpoint.adapters import adapters_beside
 from deepspeed_ext.checkpoint.source import (
     CheckpointSource,
@@ -416,7 +416,6 @@ class HFCheckpoint:
         block of gpt-oss's 5760-wide rows was 182 rows, 7 groups dequantized for 5.7 of them)."""
         if not shape:
             return None
-        from deepspeed_ext.checkpoint.quantization import MX_BLOCK, MXFP4
         pieces = self._pieces[param]
         stored = param if pieces is None else pieces.get(RENAMED, next(iter(pieces.values()), param))
         quantized = self.quantized_tensors.get(self._stored_name(stored))
