@@ -16,6 +16,8 @@ is the bytes each conversion writes over the rate it wrote at the margin here, p
 ``bench/marginal.py --save``), on one host of this machine's speed and on N.
 
     python bench/at_scale.py --run --model kimi-k2          # the sparse run (writes about 11 GB of output)
+    python bench/at_scale.py --run --model llama-70b --dense-command to-universal
+    python bench/at_scale.py --run --model llama-405b --dense-command to-hf
     python bench/at_scale.py --rates /tmp/marg.json          # the table from measured rates
 """
 
@@ -168,6 +170,45 @@ def run(args: argparse.Namespace) -> None:
             shutil.rmtree(src)
 
 
+#: The synthetic checkpoint's shapes (bench/synth_checkpoint.py) for each dense model.
+SYNTH_SHAPES = {"llama-70b": "llama3-70b", "llama-405b": "llama3-405b"}
+
+
+def run_dense(args: argparse.Namespace) -> None:
+    """``--dense-command`` on a sparse DeepSpeed checkpoint of the model's shapes, one layer: peak RSS, wall, bytes."""
+    from synth_checkpoint import SHAPES, llama_config_dict, make_plan, write_checkpoint
+    plan = make_plan(llama_config_dict(SHAPES[SYNTH_SHAPES[args.model]]), tp=2)
+    params = sum(p.layout.numel for p in plan.params)
+    src = Path(args.workdir) / f"sparse_{args.model}_l1"
+    if not src.is_dir():
+        staging = src.with_name(src.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        write_checkpoint(plan, staging, sparse=True, log=False)
+        staging.rename(src)
+    out = Path(args.workdir) / "at_scale_out"
+    shutil.rmtree(out, ignore_errors=True)
+    need = params * (12 if args.dense_command == "to-universal" else 2)
+    free = shutil.disk_usage(args.workdir).free
+    if need > free:
+        raise SystemExit(f"{args.dense_command} of {params / 1e9:.2f}B parameters writes {need / GB:.0f} GB; "
+                         f"{free / GB:.0f} GB free")
+    largest = max(plan.params, key=lambda p: p.layout.numel)
+    result = timed([sys.executable, "-m", "deepspeed_ext", args.dense_command, str(src), "-o", str(out), "-q"],
+                   cold=None)
+    print(f"{args.model}: 1 layer, {params / 1e9:.2f}B parameters, TP=2 ZeRO-1 bf16 + Adam, "
+          f"{du_apparent(src) / GB:.1f} GB (sparse; largest tensor {largest.name} {list(largest.layout.shape)}, "
+          f"{largest.layout.numel * 4 / GB:.2f} GB a state in fp32): {args.dense_command} {result['wall']:.1f} s, "
+          f"peak RSS {result['rss']:.2f} GiB, wrote {du(out) / GB:.2f} GB", flush=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(src)
+
+
+def du_apparent(path: Path) -> int:
+    """The bytes the files under ``path`` hold, holes included."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def full_sizes() -> dict[str, dict[str, float]]:
     """Parameters, input and output bytes of each conversion at full size."""
     sizes = {}
@@ -208,7 +249,9 @@ def table(args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="store_true", help="convert a sparse release of the real shapes")
-    p.add_argument("--model", choices=sorted(MODELS), default="kimi-k2")
+    p.add_argument("--model", choices=sorted(MODELS) + sorted(DENSE), default="kimi-k2")
+    p.add_argument("--dense-command", choices=["to-universal", "to-hf"], default="to-universal",
+                   help="what converts a dense model's sparse DeepSpeed checkpoint")
     p.add_argument("--dense-layers", type=int, default=1)
     p.add_argument("--moe-layers", type=int, default=1)
     p.add_argument("--experts", type=int, default=4, help="routed experts per MoE layer (the second run: 4x)")
@@ -218,7 +261,7 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     if args.run:
-        run(args)
+        run_dense(args) if args.model in DENSE else run(args)
     table(args)
 
 

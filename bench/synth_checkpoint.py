@@ -56,6 +56,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 2,
                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
     # The validation test's size: GQA, a vocabulary that TP=2 splits unevenly, intermediate / hidden = 3.5.
+    # Llama-3.1-70B's and 405B's tensors, one layer each (--sparse: their memory bound, no disk): 2.96B and 7.45B
+    # parameters, embedding and head 1.05B / 2.10B each.
+    "llama3-70b": {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 1,
+                   "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128},
+    "llama3-405b": {"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 1,
+                    "num_attention_heads": 128, "num_key_value_heads": 8, "head_dim": 128},
     "small": {"vocab_size": 1001, "hidden_size": 256, "intermediate_size": 896, "num_hidden_layers": 2,
               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32},
 }
@@ -331,7 +337,11 @@ def _storage_offsets(path: Path, obj: Any) -> dict[int, int]:
     """Where in the torch file ``path`` (``torch.save`` of ``obj``) each of ``obj``'s tensor storages begins, by
     the storage's address in this process: the file is memory-mapped by ``torch.load`` and each loaded storage's
     address is taken against the mapping (no data page is read)."""
-    loaded = torch.load(path, mmap=True, weights_only=False, map_location="cpu")
+    import mmap
+    # A shared mapping: a private one of a file larger than the machine's memory (405B's optimizer partition, 57
+    # GB) is refused by the kernel's overcommit check; nothing is written through it.
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        loaded = torch.load(path, mmap=True, weights_only=False, map_location="cpu")
     target = str(path.resolve())
     base = None
     with open("/proc/self/maps") as maps:
@@ -383,13 +393,23 @@ class _Skeleton:
         os.replace(self.tmp, self.path)
 
 
-def write_rank(plan: Plan, tag_dir: Path, rank: int, sums: dict[tuple[str, str], list[float]]) -> None:
+def write_rank(plan: Plan, tag_dir: Path, rank: int, sums: dict[tuple[str, str], list[float]],
+               sparse: bool = False) -> None:
     """Both files of TP rank ``rank``; adds the sums of what the rank owns (its slice; replicated: rank 0) to
-    ``sums[(name, state)] = [numel, sum, sum of squares]``."""
+    ``sums[(name, state)] = [numel, sum, sum of squares]``. ``sparse``: every value zero, left as the files' holes
+    (no disk, no time)."""
     model_states, optim_states, placeholders = rank_objects(plan, rank)
     model = _Skeleton(model_states, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
     optim = _Skeleton(optim_states, tag_dir / f"bf16_zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt")
     optim.write(placeholders["step"], optim.offset(placeholders["step"]))  # skip_data left out small tensors too
+    if sparse:
+        for param in plan.params:
+            if rank == 0 or not param.layout.is_replicated:
+                for key in (*STATES, "module"):
+                    sums.setdefault((param.name, key), [0, 0.0, 0.0])[0] += param.local_numel(rank)
+        model.close()
+        optim.close()
+        return
     for state in STATES:
         position = optim.offset(placeholders[state])
         bf16_position = model.offset(placeholders["bf16"])
@@ -422,9 +442,11 @@ def fingerprints(plan: Plan, sums: dict[tuple[str, str], list[float]]) -> Finger
     return result
 
 
-def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, log: bool = True) -> Path:
+def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, log: bool = True,
+                     sparse: bool = False) -> Path:
     """Write the checkpoint (both ranks) under ``save_dir/tag`` as deepspeed-ext's save does: built in its staging
-    directory, committed by its marker, moved into place, ``latest`` last. Returns the tag directory."""
+    directory, committed by its marker, moved into place, ``latest`` last. Returns the tag directory. ``sparse``:
+    the values are zeros the files hold as holes (:func:`write_rank`)."""
     import deepspeed
     import transformers
 
@@ -436,7 +458,7 @@ def write_checkpoint(plan: Plan, save_dir: Path, tag: str = "global_step1", *, l
     sums: dict[tuple[str, str], list[float]] = {}
     for rank in range(plan.tp):
         start = time.perf_counter()
-        write_rank(plan, tag_dir, rank, sums)
+        write_rank(plan, tag_dir, rank, sums, sparse)
         if log:
             print(f"rank {rank}: {plan.rank_numel(rank) / 1e6:.0f}M elements in {time.perf_counter() - start:.0f} s",
                   flush=True)
@@ -479,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tag", default="global_step1")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sparse", action="store_true", help="every value zero, as holes in the files (no disk)")
     args = p.parse_args(argv)
     config = json.loads(Path(args.config).read_text()) if args.config else llama_config_dict(SHAPES[args.shapes])
     plan = make_plan(config, tp=args.tp, seed=args.seed)
@@ -487,10 +510,10 @@ def main(argv: list[str] | None = None) -> None:
     need = sum(plan.rank_numel(r) for r in range(plan.tp)) * (2 + 12)
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path("/")).free
     print(f"{total / 1e9:.2f}B parameters; writing {need / 1e9:.1f} GB to {out} ({free / 1e9:.0f} GB free)", flush=True)
-    if need > free:
+    if need > free and not args.sparse:
         raise SystemExit("not enough free disk")
     start = time.perf_counter()
-    write_checkpoint(plan, out, args.tag)
+    write_checkpoint(plan, out, args.tag, sparse=args.sparse)
     print(f"done in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -33,13 +33,6 @@ def _e2m1_pairs() -> torch.Tensor:
     return low | (high << 16)
 
 
-def e2m1_as_bfloat16(packed: torch.Tensor) -> torch.Tensor:
-    """Two E2M1 values a byte (the low nibble first) as bf16 ``[..., 2 * bytes]``, the values themselves (bf16 holds
-    every one): the same lookup as :func:`e2m1_as_half`, for a caller that wants bf16 in the end."""
-    pairs = torch.index_select(_e2m1_bfloat16_pairs(), 0, packed.reshape(-1).view(torch.uint8).to(torch.int32))
-    return pairs.view(torch.bfloat16).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
 @functools.cache
 def _e2m1_bfloat16_pairs() -> torch.Tensor:
     """:func:`_e2m1_pairs` as bf16 values (each an exact cast of the fp16 one times its factor), two an int32."""
@@ -49,18 +42,57 @@ def _e2m1_bfloat16_pairs() -> torch.Tensor:
     return low | (high << 16)
 
 
-def mxfp4_as_bfloat16(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """MXFP4 ``blocks [out, groups, 16]`` times ``2 ** (scales - 127)`` (``[out, groups]``, E8M0 at most 254: scales
-    up to ``2 ** 127``) as bf16 ``[out, groups, 32]``. bf16 has fp32's exponents: it holds every E2M1 value and every
-    such scale (2 ** -127 as a subnormal) exactly, so each product, exact in fp32 or overflowing to Inf alike, is the
-    fp32 value cast: computed at half the bytes, with no fp32 pass."""
-    values = e2m1_as_bfloat16(blocks)
-    factor = torch.where(scales == 0, _BF16_TWO_TO_MINUS_127, scales.to(torch.int16) << 7).to(torch.int16)
-    return values.mul_(factor.view(torch.bfloat16).unsqueeze(-1))
-
-
+#: E8M0's bias: a scale byte ``s`` is ``2 ** (s - 127)``.
+E8M0_BIAS = 127
+#: Values per MXFP4 group (one scale each), 16 bytes.
+MX_BLOCK = 32
 #: 2 ** -127 in bf16's bits: a subnormal (E8M0's 0; every other scale is an exponent field of its own, ``scale << 7``).
 _BF16_TWO_TO_MINUS_127 = 0x0040
+
+
+def mxfp4_rows(packed_rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 values in the model's layout, contiguous ``[groups * 32, out]`` in ``dtype``, from the stored blocks
+    transposed: ``packed_rows [groups * 16, out]`` (byte ``i`` of a column holds its values ``2i`` and ``2i + 1``,
+    the low nibble first) and ``scales [groups, out]`` (E8M0). Each value is E2M1 x ``2 ** (scale - 127)``, rounded
+    once, as transformers computes it.
+
+    One lookup a byte gives both its values in one int32 (:func:`_e2m1_pairs`); the pairs are split into the two
+    rows they belong to, a row at a time contiguous. The stored matrix is transposed as bytes, by the caller, once
+    (a value's transposing copy costs the same whatever its width, so bytes cost a quarter of bf16's per value and
+    an eighth of fp32's). bf16 is computed in bf16 where every scale is at most ``2 ** 127``: bf16 has fp32's
+    exponents, so it holds every E2M1 value and every such scale (2 ** -127 as a subnormal) exactly, and each
+    product, exact or overflowing alike, is the fp32 value cast. Otherwise the values are widened through fp16
+    (:func:`e2m1_as_half`), whose factor the scales take, and multiplied in fp32."""
+    byte_rows, out = packed_rows.shape
+    groups = scales.shape[0]
+    exponent = scales.to(torch.int32) - E8M0_BIAS
+    largest = int(exponent.max()) if exponent.numel() else -E8M0_BIAS
+    in_bfloat16 = dtype == torch.bfloat16 and largest <= 127
+    pairs = torch.index_select(_e2m1_bfloat16_pairs() if in_bfloat16 else _e2m1_pairs(), 0,
+                               packed_rows.reshape(-1).view(torch.uint8).to(torch.int32))
+    bits = torch.empty(2 * byte_rows, out, dtype=torch.int16)
+    bits.view(byte_rows, 2, out).copy_(pairs.view(torch.int16).view(byte_rows, out, 2).transpose(1, 2))
+    if in_bfloat16:
+        factor = torch.where(scales == 0, _BF16_TWO_TO_MINUS_127, scales.to(torch.int16) << 7).to(torch.int16)
+        values = bits.view(torch.bfloat16)
+        values.view(groups, MX_BLOCK, out).mul_(factor.view(torch.bfloat16).unsqueeze(1))
+        return values
+    values = bits.view(torch.float16).to(torch.float32)  # each value over 2 ** E2M1_AS_HALF_EXPONENT
+    if largest + E2M1_AS_HALF_EXPONENT <= 127:
+        # 2 ** (exponent + the factor's) built from its bits: a normal fp32 power of two (exponent >= -127)
+        power = ((exponent + (E2M1_AS_HALF_EXPONENT + 127)) << 23).view(torch.float32)
+        values.view(groups, MX_BLOCK, out).mul_(power.unsqueeze(1))
+    else:  # scales past 2 ** 113: the factor first (exact), then the scale
+        values = torch.ldexp(values.mul_(2.0 ** E2M1_AS_HALF_EXPONENT).view(groups, MX_BLOCK, out),
+                             exponent.unsqueeze(1)).view(-1, out)
+    return values if dtype == torch.float32 else values.to(dtype)
+
+
+def mxfp4_packed_rows(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored MXFP4 ``blocks [out, groups, 16]`` and ``scales [out, groups]`` transposed as :func:`mxfp4_rows`
+    takes them: ``[groups * 16, out]`` and ``[groups, out]``, contiguous."""
+    out = blocks.shape[0]
+    return (blocks.reshape(out, -1).t().contiguous().view(torch.uint8), scales.t().contiguous())
 
 
 #: :func:`e4m3_as_float32` with ``scaled_down`` gives each value divided by this (a power of two).

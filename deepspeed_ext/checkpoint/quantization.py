@@ -41,8 +41,10 @@ from typing import Any
 
 import torch
 
+from deepspeed_ext.checkpoint.float_bits import E8M0_BIAS as E8M0_BIAS  # re-exported: readers take them from here
+from deepspeed_ext.checkpoint.float_bits import MX_BLOCK as MX_BLOCK
 from deepspeed_ext.checkpoint.float_bits import (E2M1_AS_HALF_EXPONENT, E4M3_AS_HALF_FACTOR, e2m1_as_half,
-                                                  e4m3_as_float32, folds, mxfp4_as_bfloat16)
+                                                  e4m3_as_float32, folds, mxfp4_packed_rows, mxfp4_rows)
 from deepspeed_ext.errors import CheckpointError
 
 FP8 = "fp8"
@@ -57,8 +59,6 @@ CONFIG_KEY = "quantization_config"
 FP8_SCALE_SUFFIX = "_scale_inv"
 MX_BLOCKS_SUFFIX = "_blocks"
 MX_SCALES_SUFFIX = "_scales"
-MX_BLOCK = 32  # values per MXFP4 block (one scale each)
-E8M0_BIAS = 127
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 #: E2M1 values by nibble: bit 3 the sign, then two exponent bits and one mantissa bit.
@@ -288,22 +288,7 @@ def dequantize_rows(tensor: QuantizedTensor, read: SliceReader, first: int, last
             parts.append(_mxfp4_rows(tensor, read, index, local, stop, dtype))
         row = lead * per_lead + stop
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    if out.dtype == dtype and out.is_contiguous():
-        return out
-    rows = torch.empty(out.shape, dtype=dtype)
-    if out.dim() == 2 and out.stride(0) == 1 and out.shape[0] > 1:
-        # MXFP4's rows arrive as columns of the stored matrix (a transposed view): cast where the values lie (a
-        # sequential pass), then the narrower values moved into rows a band of columns at a time, the band's
-        # source staying in the CPU's cache. torch's one transposing cast goes a value at a time: 2x as long here.
-        stored = out.t().to(dtype)
-        for low in range(0, out.shape[1], _TRANSPOSE_BAND):
-            rows[:, low:low + _TRANSPOSE_BAND].copy_(stored[low:low + _TRANSPOSE_BAND].t())
-        return rows
-    return rows.copy_(out)  # one pass to the dtype and a row-major layout
-
-
-#: Columns copied at a time out of a transposed view (:func:`dequantize_rows`).
-_TRANSPOSE_BAND = 256
+    return (out if out.dtype == dtype else out.to(dtype)).contiguous()
 
 
 def _lead_index(lead_shape: tuple[int, ...], lead: int) -> tuple[int, ...]:
@@ -338,11 +323,13 @@ def _fp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...]
 
 def _mxfp4_rows(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...], first: int,
                 stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``[first, stop)`` of the model tensor are columns of the stored one: the blocks that hold them, from
-    the stored matrix (an expert's) read whole once a thread and kept while the rows asked for are in it."""
+    """Rows ``[first, stop)`` of the model tensor are columns of the stored one: the groups that hold them, from
+    the stored matrix (an expert's) read and transposed whole once a thread and kept while the rows asked for are
+    in it."""
     group_first, group_stop = first // MX_BLOCK, -(-stop // MX_BLOCK)
-    blocks, scales = _stored_matrix(tensor, read, index)  # [out, groups, 16], [out, groups]
-    values = mxfp4_dequantize(blocks[:, group_first:group_stop], scales[:, group_first:group_stop], dtype)
+    packed_rows, scales = _stored_matrix(tensor, read, index)  # [groups * 16, out], [groups, out]
+    values = mxfp4_rows(packed_rows[group_first * MX_BLOCK // 2:group_stop * MX_BLOCK // 2],
+                        scales[group_first:group_stop], dtype)
     return values[first - group_first * MX_BLOCK:stop - group_first * MX_BLOCK]
 
 
@@ -351,35 +338,25 @@ _last_matrix = threading.local()
 
 def _stored_matrix(tensor: QuantizedTensor, read: SliceReader, index: tuple[int, ...]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed blocks and scales of one stored matrix (``index``: an expert), kept for this thread's next call.
-    A block of model rows is a few groups of every stored row, bytes strided over the whole matrix: read alone,
-    each block touched (and safetensors mapped) the matrix's every page, a 265 MB expert stack at once in RSS. An
-    expert is a few MiB (gpt-oss: 8 MiB, the largest)."""
+    """The packed blocks and scales of one stored matrix (``index``: an expert), transposed into the model's row
+    order (:func:`~deepspeed_ext.checkpoint.float_bits.mxfp4_packed_rows`), kept for this thread's next call. A
+    block of model rows is a few groups of every stored row, bytes strided over the whole matrix: read alone,
+    each block touched (and safetensors mapped) the matrix's every page, a 265 MB expert stack at once in RSS, and
+    its values were transposed one block at a time at their full width. An expert is a few MiB (gpt-oss: 8 MiB,
+    the largest)."""
     key = (read, tensor.data, tensor.scales, index)
     kept = getattr(_last_matrix, "kept", None)
     if kept is None or kept[0] != key:
-        kept = _last_matrix.kept = (key, read(tensor.data, index), read(tensor.scales, index))
+        kept = _last_matrix.kept = (key, *mxfp4_packed_rows(read(tensor.data, index), read(tensor.scales, index)))
     return kept[1], kept[2]
 
 
 def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
                      ) -> torch.Tensor:
-    """Stored ``blocks [out, groups, 16]`` and ``scales [out, groups]`` -> the model's ``[groups * 32, out]``
-    (a transposed view), in fp32: each E2M1 value times ``2 ** (scale - 127)``, one rounding, as transformers
-    computes it. The E2M1 values are widened through fp16 (:func:`e2m1_as_half`), whose factor the scales take.
-    ``dtype``: the same values cast to it; bf16 is computed in bf16 (:func:`mxfp4_as_bfloat16`) where it can."""
-    exponent = scales.to(torch.int32) - E8M0_BIAS
-    largest = int(exponent.max()) if exponent.numel() else -E8M0_BIAS
-    if dtype == torch.bfloat16 and largest <= 127:
-        values = mxfp4_as_bfloat16(blocks, scales)
-        return values.reshape(values.shape[0], -1).t()
-    values = e2m1_as_half(blocks).to(torch.float32)  # [out, groups, 32], each value over E2M1_AS_HALF_FACTOR
-    if largest + E2M1_AS_HALF_EXPONENT <= 127:
-        # 2 ** (exponent + factor) built from its bits: a normal fp32 power of two (exponent >= -127)
-        values.mul_(((exponent + (E2M1_AS_HALF_EXPONENT + 127)) << 23).view(torch.float32).unsqueeze(-1))
-    else:  # scales past 2 ** 113: the factor first (exact), then the scale
-        values = torch.ldexp(values.mul_(2.0 ** E2M1_AS_HALF_EXPONENT), exponent.unsqueeze(-1))
-    return values.reshape(values.shape[0], -1).to(dtype).t()
+    """Stored ``blocks [out, groups, 16]`` and ``scales [out, groups]`` -> the model's ``[groups * 32, out]``,
+    contiguous, in ``dtype``: each E2M1 value times ``2 ** (scale - 127)``, one rounding, as transformers computes
+    it (:func:`~deepspeed_ext.checkpoint.float_bits.mxfp4_rows`)."""
+    return mxfp4_rows(*mxfp4_packed_rows(blocks, scales), dtype)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepspeed_ext.checkpoint import torch_mapped
 from deepspeed_ext.checkpoint.torch_zip import is_storage_record
 from deepspeed_ext.checkpoint.zipcheck import record_data_offset
 from deepspeed_ext.errors import CheckpointError, first_line
@@ -125,7 +126,9 @@ def load(path: str | os.PathLike[str], *, mmap: bool = True) -> Any:
     try:
         # safe_globals swaps a process-wide list: two threads loading at once would undo each other's.
         with _LOAD_LOCK, torch.serialization.safe_globals(allowed_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            # Mapped without a reservation: a file larger than the machine's memory is refused otherwise
+            # (:mod:`.torch_mapped`).
+            return torch_mapped.load(path) if mmap else torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(f"{path}: refused to unpickle (only tensors and allow-listed DeepSpeed types are "
                               f"loaded): {first_line(exc)}") from exc

@@ -19,8 +19,10 @@ from harness.package import PACKAGE, package_modules
 FENCES: dict[str, list[str]] = {
     # check.py's check_installed_deepspeed (run at initialize); autotp_layers' _part names a missing attribute
     "DeepSpeed (engine, optimizers, AutoTP layers)": ["checkpoint.engine_private", "checkpoint.engine_private.*"],
-    # zipsave._support (its private writer and _save, probed once); torch_zip: the archive's record names
-    "torch (the zip writer and its layout)": ["checkpoint.zipsave", "checkpoint.torch_zip"],
+    # zipsave._support (its private writer and _save, probed once); torch_zip: the archive's record names;
+    # torch_mapped.unsupported (the private loader it maps files for, checked once)
+    "torch (the zip writer, its layout, the mapped load)": ["checkpoint.zipsave", "checkpoint.torch_zip",
+                                                            "checkpoint.torch_mapped"],
     # transformers_private.check_installed_transformers; integrations.check_installed_integrations (at enable)
     "transformers and Accelerate": ["checkpoint.transformers_private", "runtime.integrations"],
     # orbax_private.check_orbax_internals (before any read or write)
@@ -125,10 +127,11 @@ def test_the_finder_finds_each_kind_of_leak():
 
 def test_each_fence_checks_its_library_up_front():
     """Each fence has the function that checks the installed library before anything is read through it."""
-    from deepspeed_ext.checkpoint import engine_private, orbax_private, transformers_private, zipsave
+    from deepspeed_ext.checkpoint import engine_private, orbax_private, torch_mapped, transformers_private, zipsave
     from deepspeed_ext.runtime import integrations
     assert engine_private.missing_deepspeed_parts() == []
     assert zipsave.supported()
+    assert torch_mapped.unsupported() is None
     transformers_private.check_installed_transformers()
     assert integrations.missing_integration_parts() == []
     orbax_private.check_orbax_internals()

@@ -1,4 +1,4 @@
-"""serialization: page release, and thread-safe loads and saves. A failed write (a full disk, in a subprocess
+"""serialization: page release, files mapped whatever their size, and thread-safe loads and saves. A failed write (a full disk, in a subprocess
 under RLIMIT_FSIZE) is in tests/e2e/test_serialization_e2e.py."""
 
 import pytest
@@ -37,6 +37,40 @@ def test_release_pages_ignores_memory_outside_the_mappings(tmp_path):
     serialization.release_pages(heap, mappings)
     assert torch.equal(heap, torch.arange(4 * 2**20, dtype=torch.float32))
     assert mapped["x"].sum() == 1024
+
+
+def _memory_and_swap_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in meminfo}
+    return fields["MemTotal"] + fields.get("SwapTotal", 0)
+
+
+def test_a_file_larger_than_memory_and_swap_is_mapped_and_read(tmp_path):
+    """An optimizer partition larger than the machine's memory plus swap (405B's shapes at TP=2 ZeRO-1: 57 GB):
+    torch.load(mmap=True)'s private writable mapping of it is refused outright under Linux's default overcommit
+    rule; ours (unreserved, torch_mapped) is mapped, read where touched, and stays out of the resident set. The file
+    is sparse (torch.save's skip_data around a fake tensor): no disk."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from deepspeed_ext.checkpoint import torch_mapped
+    assert torch_mapped.unsupported() is None
+    size = 2 * _memory_and_swap_bytes()
+    with FakeTensorMode():
+        flat = torch.empty(size // 4, dtype=torch.float32)
+    path = tmp_path / "partition.pt"
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({"fp32_flat": flat}, path)
+    assert path.stat().st_size > size and path.stat().st_blocks * 512 < 2**20  # holes
+    with open("/proc/sys/vm/overcommit_memory") as mode:
+        if mode.read().strip() == "0":  # the heuristic: one mapping past memory and swap is refused
+            with pytest.raises(RuntimeError, match="Cannot allocate memory"):
+                torch.load(path, mmap=True, weights_only=True)
+    before = _rss_kib()
+    loaded = serialization.load(path)["fp32_flat"]
+    assert loaded.numel() == size // 4 and loaded.dtype == torch.float32
+    assert float(loaded[-2**20:].abs().sum()) == 0.0 and float(loaded[:2**20].abs().sum()) == 0.0
+    assert _rss_kib() - before < 64 * 1024
+    assert serialization.mapped_location(loaded[2**20:]) == (path, serialization.mapped_location(loaded)[1] + 4 * 2**20)
 
 
 def test_threads_loading_and_saving_keep_the_allow_list_and_the_crc_setting(tmp_path):
