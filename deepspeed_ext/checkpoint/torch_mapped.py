@@ -16,12 +16,14 @@ or the platform has no ``MAP_NORESERVE``, :func:`load` is plain ``torch.load(mma
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import mmap
 import os
 import platform
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +42,44 @@ def _map_noreserve() -> int | None:
     return None
 
 
+class _Mapping:
+    """``size`` bytes of a file mapped at ``address``, unmapped when the last array over them is gone. numpy's array
+    interface wraps the memory (an ndarray, then torch's storage, hold this object): Python's own ``mmap`` would keep
+    a duplicate of the file's descriptor open for as long as any tensor of the file lives, thousands of them for a
+    universal checkpoint's files."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__array_interface__ = {"data": (address, False), "shape": (size,), "typestr": "|u1", "version": 3}
+        weakref.finalize(self, _libc().munmap, address, size)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64)
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc
+
+
+def _mapped(fd: int, size: int) -> torch.UntypedStorage:
+    """The whole file ``fd`` (``size`` bytes) mapped private, writable copy-on-write, unreserved, as a storage."""
+    import numpy as np
+    address = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | int(_map_noreserve() or 0),
+                           fd, 0)
+    if address is None or address == ctypes.c_void_p(-1).value:
+        error = ctypes.get_errno()
+        raise OSError(error, f"unable to map {size} bytes: {os.strerror(error)}")
+    return torch.from_numpy(np.asarray(_Mapping(address, size))).untyped_storage()
+
+
 @functools.cache
 def unsupported() -> str | None:
     """Why :func:`load` falls back to ``torch.load(mmap=True)``: torch's private pieces are not what it calls, or
     the platform has no ``MAP_NORESERVE``; None where it maps the file itself."""
-    if _map_noreserve() is None:
-        return f"no MAP_NORESERVE on {sys.platform} {platform.machine()}"
+    if _map_noreserve() is None or sys.maxsize < 2**62:
+        return f"no MAP_NORESERVE on {sys.platform} {platform.machine()} (64-bit Linux)"
     serialization = torch.serialization
     for name in ("_load", "_open_zipfile_reader", "_weights_only_unpickler"):
         if not hasattr(serialization, name):
@@ -70,15 +104,12 @@ def load(path: Path) -> Any:
     unreserved (the caller holds torch's safe globals). Storages are views of the mapping, read when touched."""
     if not supported():
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    flags = mmap.MAP_PRIVATE | int(_map_noreserve() or 0)
     with open(path, "rb") as opened:
         size = os.fstat(opened.fileno()).st_size
         if size == 0:  # nothing to map: torch says what is wrong with the file
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        mapping = mmap.mmap(opened.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # The storages keep the mapping (frombuffer holds the buffer) for as long as any tensor needs it.
-        whole = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
-        del mapping
+        # The storages are views of the mapping and keep it for as long as any tensor needs it.
+        whole = _mapped(opened.fileno(), size)
         serialization: Any = torch.serialization  # private names: typed as torch declares them not
         with serialization._open_zipfile_reader(opened) as archive:
             return serialization._load(archive, "cpu", serialization._weights_only_unpickler,

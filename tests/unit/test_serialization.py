@@ -73,6 +73,29 @@ def test_a_file_larger_than_memory_and_swap_is_mapped_and_read(tmp_path):
     assert serialization.mapped_location(loaded[2**20:]) == (path, serialization.mapped_location(loaded)[1] + 4 * 2**20)
 
 
+def test_a_mapped_file_keeps_no_descriptor_and_is_unmapped_with_its_last_tensor(tmp_path):
+    """A universal checkpoint's thousands of files stay loaded at once: a mapping holds no open descriptor (the
+    process's limit is often 1024), and goes when the last tensor viewing it goes, a slice included."""
+    import gc
+    import os
+    paths = []
+    for i in range(40):
+        paths.append(tmp_path / f"{i}.pt")
+        serialization.save({"x": torch.full((1000,), float(i)), "y": torch.arange(i + 1)}, paths[-1])
+    descriptors = len(os.listdir("/proc/self/fd"))
+    loaded = [serialization.load(path) for path in paths]
+    assert len(os.listdir("/proc/self/fd")) <= descriptors
+    assert all(float(obj["x"].sum()) == 1000.0 * i and obj["y"].numel() == i + 1 for i, obj in enumerate(loaded))
+    kept = loaded[7]["x"][10:20]
+    del loaded
+    gc.collect()
+    assert serialization.file_mappings(paths[7]) and not serialization.file_mappings(paths[8])
+    assert float(kept.sum()) == 70.0
+    del kept
+    gc.collect()
+    assert not serialization.file_mappings(paths[7])
+
+
 def test_threads_loading_and_saving_keep_the_allow_list_and_the_crc_setting(tmp_path):
     """Writer threads load and save concurrently: each load still admits the allow-listed DeepSpeed types, and
     the process-wide CRC switch is back to the caller's value afterwards."""
