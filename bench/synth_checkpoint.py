@@ -55,13 +55,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3-8B's tensors, 2 layers: 1.49B parameters, embedding and untied head 0.53B each.
     "llama3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 2,
                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128},
-    # The validation test's size: GQA, a vocabulary that TP=2 splits unevenly, intermediate / hidden = 3.5.
-    # Llama-3.1-70B's and 405B's tensors, one layer each (--sparse: their memory bound, no disk): 2.96B and 7.45B
+    # Llama-3.1-70B's and 405B's tensors, one layer each (--sparse: their memory bound, no disk): 2.96B and 7.39B
     # parameters, embedding and head 1.05B / 2.10B each.
     "llama3-70b": {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 1,
                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128},
     "llama3-405b": {"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248, "num_hidden_layers": 1,
                     "num_attention_heads": 128, "num_key_value_heads": 8, "head_dim": 128},
+    # The validation test's size: GQA, a vocabulary that TP=2 splits unevenly, intermediate / hidden = 3.5.
     "small": {"vocab_size": 1001, "hidden_size": 256, "intermediate_size": 896, "num_hidden_layers": 2,
               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32},
 }

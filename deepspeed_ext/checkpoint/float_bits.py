@@ -85,7 +85,7 @@ def mxfp4_rows(packed_rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     else:  # scales past 2 ** 113: the factor first (exact), then the scale
         values = torch.ldexp(values.mul_(2.0 ** E2M1_AS_HALF_EXPONENT).view(groups, MX_BLOCK, out),
                              exponent.unsqueeze(1)).view(-1, out)
-    return values if dtype == torch.float32 else values.to(dtype)
+    return values.to(dtype)
 
 
 def mxfp4_packed_rows(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

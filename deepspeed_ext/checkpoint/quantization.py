@@ -288,7 +288,7 @@ def dequantize_rows(tensor: QuantizedTensor, read: SliceReader, first: int, last
             parts.append(_mxfp4_rows(tensor, read, index, local, stop, dtype))
         row = lead * per_lead + stop
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return (out if out.dtype == dtype else out.to(dtype)).contiguous()
+    return out.to(dtype).contiguous()
 
 
 def _lead_index(lead_shape: tuple[int, ...], lead: int) -> tuple[int, ...]:
@@ -341,9 +341,8 @@ def _stored_matrix(tensor: QuantizedTensor, read: SliceReader, index: tuple[int,
     """The packed blocks and scales of one stored matrix (``index``: an expert), transposed into the model's row
     order (:func:`~deepspeed_ext.checkpoint.float_bits.mxfp4_packed_rows`), kept for this thread's next call. A
     block of model rows is a few groups of every stored row, bytes strided over the whole matrix: read alone,
-    each block touched (and safetensors mapped) the matrix's every page, a 265 MB expert stack at once in RSS, and
-    its values were transposed one block at a time at their full width. An expert is a few MiB (gpt-oss: 8 MiB,
-    the largest)."""
+    each block touched (and safetensors mapped) the matrix's every page, a 265 MB expert stack at once in RSS; kept
+    transposed, each block's rows are contiguous bytes. An expert is a few MiB (gpt-oss: 8 MiB, the largest)."""
     key = (read, tensor.data, tensor.scales, index)
     kept = getattr(_last_matrix, "kept", None)
     if kept is None or kept[0] != key:

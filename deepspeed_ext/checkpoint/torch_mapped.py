@@ -10,7 +10,7 @@ change this process's copy, never the file), and the kernel accepts it at any si
 
 torch has no public way to load over a mapping of one's own. This is the torch fence's other piece (with
 :mod:`.zipsave`): ``torch.serialization._load`` (its ``overall_storage`` parameter), ``_open_zipfile_reader`` and
-``_weights_only_unpickler`` are checked up front (:func:`supported`); where they are not what this module calls,
+``_weights_only_unpickler`` are checked up front (:func:`unsupported`); where they are not what this module calls,
 or the platform has no ``MAP_NORESERVE``, :func:`load` is plain ``torch.load(mmap=True)``.
 """
 
@@ -66,8 +66,8 @@ def _libc() -> ctypes.CDLL:
 def _mapped(fd: int, size: int) -> torch.UntypedStorage:
     """The whole file ``fd`` (``size`` bytes) mapped private, writable copy-on-write, unreserved, as a storage."""
     import numpy as np
-    address = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | int(_map_noreserve() or 0),
-                           fd, 0)
+    flags = mmap.MAP_PRIVATE | (_map_noreserve() or 0)  # supported(): never None here
+    address = _libc().mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
     if address is None or address == ctypes.c_void_p(-1).value:
         error = ctypes.get_errno()
         raise OSError(error, f"unable to map {size} bytes: {os.strerror(error)}")
@@ -102,11 +102,9 @@ def supported() -> bool:
 def load(path: Path) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True, mmap=True)``, the file mapped private and
     unreserved (the caller holds torch's safe globals). Storages are views of the mapping, read when touched."""
-    if not supported():
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     with open(path, "rb") as opened:
         size = os.fstat(opened.fileno()).st_size
-        if size == 0:  # nothing to map: torch says what is wrong with the file
+        if not supported() or size == 0:  # (an empty file: nothing to map; torch says what is wrong with it)
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         # The storages are views of the mapping and keep it for as long as any tensor needs it.
         whole = _mapped(opened.fileno(), size)

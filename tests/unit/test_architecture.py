@@ -19,7 +19,8 @@ from harness.package import package_modules
 LAYERS: list[tuple[str, list[str]]] = [
     ("base", ["errors", "config", "version", "extras", "checkpoint", "checkpoint.faults", "checkpoint.durable", "checkpoint.collective", "checkpoint.torch_zip",
               "checkpoint.states", "checkpoint.deepspeed.keys", "module_inject.layout", "module_inject.upstream"]),
-    ("files", ["checkpoint.fingerprint", "checkpoint.zipcheck", "checkpoint.torch_mapped", "checkpoint.serialization", "checkpoint.manifest",
+    ("files", ["checkpoint.fingerprint", "checkpoint.zipcheck", "checkpoint.torch_mapped", "checkpoint.serialization",
+               "checkpoint.manifest",
                "checkpoint.output", "checkpoint.ranges", "checkpoint.orbax_private", "checkpoint.zarr3_shards",
                "checkpoint.families",
                "checkpoint.families.*", "checkpoint.commit", "checkpoint.zipsave", "checkpoint.locate",

@@ -79,8 +79,7 @@ def test_mxfp4_dequantized_as_transformers_computes_it_for_every_byte_and_expone
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("first, last", [(0, 96), (5, 91), (40, 41), (31, 33), (0, 1)])
 def test_mxfp4_rows_in_any_range_are_the_whole_tensors_rows(dtype, first, last):
-    """Rows of an MXFP4 weight 600 columns wide, cut inside its
-    32-row groups or on them, in the weight's dtype and in fp32: the rows of the whole tensor dequantized."""
+    """Rows of an MXFP4 weight 600 columns wide, cut inside its 32-row groups or on them, in the weight's dtype and in fp32: the rows of the whole tensor dequantized."""
     generator = torch.Generator().manual_seed(first * 100 + last)
     out, groups = 600, 3  # stored [out, groups, 16] -> the model's [96, 600]
     blocks = torch.randint(0, 256, (out, groups, 16), dtype=torch.uint8, generator=generator)

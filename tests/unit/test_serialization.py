@@ -1,5 +1,5 @@
-"""serialization: page release, files mapped whatever their size, and thread-safe loads and saves. A failed write (a full disk, in a subprocess
-under RLIMIT_FSIZE) is in tests/e2e/test_serialization_e2e.py."""
+"""serialization: page release, files mapped whatever their size, and thread-safe loads and saves. A failed write
+(a full disk, in a subprocess under RLIMIT_FSIZE) is in tests/e2e/test_serialization_e2e.py."""
 
 import pytest
 import torch
@@ -70,7 +70,8 @@ def test_a_file_larger_than_memory_and_swap_is_mapped_and_read(tmp_path):
     assert loaded.numel() == size // 4 and loaded.dtype == torch.float32
     assert float(loaded[-2**20:].abs().sum()) == 0.0 and float(loaded[:2**20].abs().sum()) == 0.0
     assert _rss_kib() - before < 64 * 1024
-    assert serialization.mapped_location(loaded[2**20:]) == (path, serialization.mapped_location(loaded)[1] + 4 * 2**20)
+    first = serialization.mapped_location(loaded)
+    assert first is not None and serialization.mapped_location(loaded[2**20:]) == (path, first[1] + 4 * 2**20)
 
 
 def test_a_mapped_file_keeps_no_descriptor_and_is_unmapped_with_its_last_tensor(tmp_path):

@@ -160,7 +160,7 @@ def write_quantized(entry: QuantizedPiece, read: Callable[[int, int], torch.Tens
             blocks[:, groups], scales[:, groups] = part, part_scales
             # Keyed (for the order the sums are added in) by the part's first byte in the expert's first row.
             sums.append((name, data_path.name, offset + groups.start * q.MX_BLOCK // 2,
-                         partial_sums(q.mxfp4_dequantize(part, part_scales).contiguous())))
+                         partial_sums(q.mxfp4_dequantize(part, part_scales))))
         # Its blocks of K are strided in the stored [N, K/32, 16]: the expert (an eighth of its fp32 size) is
         # put together here and written at once.
         write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
@@ -170,7 +170,7 @@ def write_quantized(entry: QuantizedPiece, read: Callable[[int, int], torch.Tens
     for expert in range(first, last):
         blocks, scales = q.quantize_mxfp4(values[expert - first])
         offset = data_offset + expert * expert_bytes
-        sums.append((name, data_path.name, offset, partial_sums(q.mxfp4_dequantize(blocks, scales).contiguous())))
+        sums.append((name, data_path.name, offset, partial_sums(q.mxfp4_dequantize(blocks, scales))))
         write_at(data_fd, blocks.reshape(-1).numpy().data, offset, data_path)
         write_at(scale_fd, scales.reshape(-1).numpy().data, scale_offset + expert * expert_scales, scale_path)
 
