@@ -30,7 +30,8 @@ def test_a_multi_rank_save_and_exit_ends_cleanly(tmp_path):
 
 def test_pooled_ranks_leave_once_their_test_process_is_gone(tmp_path):
     """A test process that ends without running its exit handlers (an xdist worker ended at the close of a run)
-    leaves no pooled torchrun behind: its ranks see it gone and leave, and torchrun with them."""
+    leaves no pooled torchrun behind: its ranks see it gone and leave, and torchrun with them; nor the zygote
+    that forked those ranks (workers/zygote.py)."""
     import os
     import subprocess
     import time
@@ -42,13 +43,13 @@ from pathlib import Path
 from harness import runner
 runner.torchrun_train(1, ["--tp", "1", "--steps", "1"], Path({str(tmp_path / "run.log")!r}))
 pool = next(iter(runner._POOLS.values()))
-print(pool.proc.pid, *(p.read_text() for p in pool.directory.glob("pid.*")), flush=True)
+print(pool.proc.pid, runner._ZYGOTE.proc.pid, *(p.read_text() for p in pool.directory.glob("pid.*")), flush=True)
 os._exit(0)
 """)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     pids = [int(pid) for pid in proc.stdout.split()]
-    assert len(pids) == 2, proc.stdout
+    assert len(pids) == 3, proc.stdout
 
     def alive(pid: int) -> bool:
         try:

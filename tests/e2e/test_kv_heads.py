@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from harness.runner import child_env, cli
+from harness.runner import child_env, cli, zygote_workers
 from harness.scenario import (KV2_SCENARIOS, Load, assert_losses_continue, assert_universal_matches_live,
                               without_recorded_order)
 
@@ -104,10 +104,11 @@ def test_zero3_with_empty_shards_is_refused_in_one_line_before_training(tmp_path
     """DeepSpeed's ZeRO-3 fails at the first forward pass when a TP rank holds an empty parameter; deepspeed-ext
     says so at initialize, naming the parameter and the shard sizes."""
     log = tmp_path / "train.log"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m",
-                           "deepspeed_ext.demo.train", "--tp", "3", "--zero", "3", "--kv-heads", "2", "--steps", "2",
-                           "--result", str(tmp_path / "result.json")],
-                          env=child_env(), capture_output=True, text=True, timeout=600)
+    command, env = zygote_workers(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", "-m",
+         "deepspeed_ext.demo.train", "--tp", "3", "--zero", "3", "--kv-heads", "2", "--steps", "2", "--result",
+         str(tmp_path / "result.json")], child_env())
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode != 0 and not (tmp_path / "result.json").exists()
     errors = sorted({line.split("UnsupportedGeometryError: ", 1)[1] for line in proc.stderr.splitlines()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from harness.runner import child_env, cli, run_logged
+from harness.runner import child_env, cli, run_logged, zygote_workers
 
 WORKERS = Path(__file__).parent.parent / "harness" / "workers"
 
@@ -107,11 +107,12 @@ def test_tensor_parallel_updates_refusals_a_rank_gone_and_an_engine_receiving(tm
     good = _start_receiver(tmp_path / "recv", port, "--receivers", "4", "--updates", "5")
     other = _start_receiver(tmp_path / "other", port, "--receivers", "4", "--receiver", "1", "--updates", "5",
                             "--kv-heads", "2")
-    engine = subprocess.Popen(
+    command, env = zygote_workers(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          str(WORKERS / "receive_into_engine.py"), "--group", f"127.0.0.1:{port}", "--senders", "2", "--updates", "5",
          "--receivers", "4", "--first-receiver", "2", "--save-dir", str(tmp_path / "received"), "--tp", "1",
-         "--zero", "3"], env=child_env(), stdout=open(tmp_path / "engine.log", "w"), stderr=subprocess.STDOUT)
+         "--zero", "3"], child_env())
+    engine = subprocess.Popen(command, env=env, stdout=open(tmp_path / "engine.log", "w"), stderr=subprocess.STDOUT)
     started = time.monotonic()
     failed = _train(tmp_path, port, ["--tp", "2", "--zero", "1", "--steps", "5", "--receivers", "4", "--hf-weights",
                                      str(tmp_path / "hfw"), "--hf-names", "files", "--versions", "1,2,3,5,6",

@@ -26,9 +26,19 @@ TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
 STOPPED_CLI_WORKER = Path(__file__).parent / "workers" / "stopped_cli.py"
 #: The CLI's commands, each in a child forked from a process that imported torch once (``cli``).
 CLI_SERVER_WORKER = Path(__file__).parent / "workers" / "cli_server.py"
+#: torchrun's workers, each forked from a process that imported torch, DeepSpeed and transformers once
+#: (``zygote_workers``), and what torchrun runs in their place.
+ZYGOTE_WORKER = Path(__file__).parent / "workers" / "zygote.py"
+ZYGOTE_LAUNCH = Path(__file__).parent / "workers" / "zygote_launch.py"
+#: The workers the zygote forks: those that build a DeepSpeed engine, and so import DeepSpeed and transformers
+#: anyway. Others (the CLI under torchrun, a weight receiver) start afresh: what deepspeed-ext does depends on
+#: whether DeepSpeed is imported (``serialization.allowed_globals``), and those never import it.
+ZYGOTE_SCRIPTS = {"train.py", "hf_trainer.py", "accelerate_loop.py", "compare_tags.py", "lora_autotp_edges.py",
+                  "one_rank.py", "receive_into_engine.py", "save_and_exit.py", "stream_weights.py",
+                  "tp_plan_family.py", "deepspeed_ext.demo.train", "deepspeed_ext.demo.pipeline"}
 
 __all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_nodes",
-           "torchrun_train", "torchrun_train_runs"]
+           "torchrun_train", "torchrun_train_runs", "zygote_workers"]
 
 
 def child_env(python: str = sys.executable) -> dict[str, str]:
@@ -67,8 +77,9 @@ def run_logged(cmd: list[str], log: Path, check: bool = True, cwd: Path | None =
     import time
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    proc = subprocess.run(cmd, env={**child_env(cmd[0]), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=demo_runner.TIMEOUT_S, cwd=cwd)
+    launched, env = zygote_workers(cmd, {**child_env(cmd[0]), **(extra_env or {})})
+    proc = subprocess.run(launched, env=env, capture_output=True, text=True, timeout=demo_runner.TIMEOUT_S, cwd=cwd)
+    proc.args = cmd  # the command as the test wrote it, in its log and errors
     _timed("torchrun" if "torch.distributed.run" in cmd else "run", " ".join(Path(c).name for c in cmd[1:8]), started)
     return _logged(proc, log, check)
 
@@ -137,11 +148,11 @@ def torchrun_nodes(nproc_per_node: int, runs: list[list[str]], log: Path, check:
     log.parent.mkdir(parents=True, exist_ok=True)
     started, procs = time.monotonic(), []
     for node, args in enumerate(runs):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(runs)}", f"--node_rank={node}",
-               f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-               str(TRAIN_WORKER), *args]
-        procs.append(subprocess.Popen(cmd, env={**child_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        cmd, env = zygote_workers(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(runs)}", f"--node_rank={node}",
+             f"--nproc_per_node={nproc_per_node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+             str(TRAIN_WORKER), *args], {**child_env(), **(extra_env or {})})
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     done = []
     for node, proc in enumerate(procs):
         try:
@@ -176,12 +187,11 @@ class _TrainPool:
         self.started = time.monotonic()
         self.nproc, self.key, self.requests = nproc, key, 0
         self.directory = Path(tempfile.mkdtemp(prefix="train_pool_"))
+        cmd, env = zygote_workers([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                   f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve", str(self.directory)],
+                                  {**child_env(), OWNER_ENV: str(os.getpid())})
         with open(self.directory / "pool.log", "w") as own_log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve",
-                                          str(self.directory)], env={**child_env(), OWNER_ENV: str(os.getpid())},
-                                         stdout=own_log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=own_log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -279,11 +289,73 @@ def close_pools() -> None:
     """End this process's pools and CLI server (at the end of the test session, and at exit whatever ended the
     session)."""
     global _CLI_SERVER
+    global _ZYGOTE
     while _POOLS:
         _POOLS.popitem()[1].close()
     if _CLI_SERVER is not None:
         _CLI_SERVER.close()
         _CLI_SERVER = None
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+        _ZYGOTE = None
+
+
+class _Zygote:
+    """``workers/zygote.py``: forks torchrun's workers for this test process from a process that imported torch,
+    DeepSpeed and transformers once (``zygote_workers``)."""
+
+    def __init__(self) -> None:
+        import tempfile
+        import time
+        self.directory = Path(tempfile.mkdtemp(prefix="zygote_"))
+        self.socket = self.directory / "socket"
+        with open(self.directory / "zygote.log", "w") as own_log:
+            self.proc = subprocess.Popen([sys.executable, str(ZYGOTE_WORKER), str(self.socket)], env=child_env(),
+                                         stdin=subprocess.DEVNULL, stdout=own_log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not self.socket.exists() and self.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # it listens before it imports: launchers that come meanwhile wait in its backlog
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+        self.proc.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_ZYGOTE: _Zygote | None = None
+
+
+def zygote_workers(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``cmd`` and its environment, with torchrun's workers (where ``cmd`` is ``PYTHON -m torch.distributed.run
+    ... SCRIPT|-m MODULE ARGS`` in this environment, SCRIPT one of ``ZYGOTE_SCRIPTS``) forked by this test
+    process's zygote instead of started afresh (workers/zygote.py: a worker's imports are most of a tiny run). The
+    same scripts run, with the same arguments, environment and output; a worker the zygote cannot stand in for
+    (an environment that differs) starts afresh, and ``DSX_TEST_FRESH_PROCESSES=1`` starts every worker afresh."""
+    global _ZYGOTE
+    if (cmd[0] != sys.executable or "torch.distributed.run" not in cmd[:3]
+            or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1"):
+        return cmd, env
+    from torch.distributed.run import get_args_parser
+    start = cmd.index("torch.distributed.run") + 1
+    options = get_args_parser().parse_args(cmd[start:])
+    position = len(cmd) - len(options.training_script_args) - 1
+    if (options.no_python or cmd[position] != options.training_script
+            or Path(options.training_script).name not in ZYGOTE_SCRIPTS):
+        return cmd, env
+    head, script = cmd[:position], [options.training_script]
+    if options.module:  # torchrun's own -m, before the module: the launcher is the script now, and takes it
+        head = cmd[:start] + [arg for arg in cmd[start:position] if arg not in ("-m", "--module")]
+        script = ["-m", options.training_script]
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        if _ZYGOTE is not None:
+            _ZYGOTE.close()
+        _ZYGOTE = _Zygote()
+    return ([*head, str(ZYGOTE_LAUNCH), *script, *options.training_script_args],
+            {**env, "DSX_TEST_ZYGOTE": str(_ZYGOTE.socket)})
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
