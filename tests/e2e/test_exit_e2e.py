@@ -43,7 +43,8 @@ from pathlib import Path
 from harness import runner
 runner.torchrun_train(1, ["--tp", "1", "--steps", "1"], Path({str(tmp_path / "run.log")!r}))
 pool = next(iter(runner._POOLS.values()))
-print(pool.proc.pid, runner._ZYGOTE.proc.pid, *(p.read_text() for p in pool.directory.glob("pid.*")), flush=True)
+print(pool.proc.pid, runner._ZYGOTES[sys.executable].proc.pid, *(p.read_text() for p in pool.directory.glob("pid.*")),
+      flush=True)
 os._exit(0)
 """)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)

@@ -35,7 +35,9 @@ ZYGOTE_LAUNCH = Path(__file__).parent / "workers" / "zygote_launch.py"
 #: whether DeepSpeed is imported (``serialization.allowed_globals``), and those never import it.
 ZYGOTE_SCRIPTS = {"train.py", "hf_trainer.py", "accelerate_loop.py", "compare_tags.py", "lora_autotp_edges.py",
                   "one_rank.py", "receive_into_engine.py", "save_and_exit.py", "stream_weights.py",
-                  "tp_plan_family.py", "deepspeed_ext.demo.train", "deepspeed_ext.demo.pipeline"}
+                  "tp_plan_family.py", "deepspeed_ext.demo.train", "deepspeed_ext.demo.pipeline",
+                  # docs/trainers.md's scripts, run as written (tests/e2e/test_trainers.py)
+                  "train_trainer.py", "train_accelerate.py"}
 
 __all__ = ["child_env", "cli", "cli_stopped", "read_loss_scales", "read_losses", "run_logged", "torchrun_nodes",
            "torchrun_train", "torchrun_train_runs", "zygote_workers"]
@@ -289,28 +291,26 @@ def close_pools() -> None:
     """End this process's pools and CLI server (at the end of the test session, and at exit whatever ended the
     session)."""
     global _CLI_SERVER
-    global _ZYGOTE
     while _POOLS:
         _POOLS.popitem()[1].close()
     if _CLI_SERVER is not None:
         _CLI_SERVER.close()
         _CLI_SERVER = None
-    if _ZYGOTE is not None:
-        _ZYGOTE.close()
-        _ZYGOTE = None
+    while _ZYGOTES:
+        _ZYGOTES.popitem()[1].close()
 
 
 class _Zygote:
-    """``workers/zygote.py``: forks torchrun's workers for this test process from a process that imported torch,
-    DeepSpeed and transformers once (``zygote_workers``)."""
+    """``workers/zygote.py`` in ``python``'s environment: forks torchrun's workers for this test process from a
+    process that imported torch, DeepSpeed and transformers once (``zygote_workers``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, python: str = sys.executable) -> None:
         import tempfile
         import time
         self.directory = Path(tempfile.mkdtemp(prefix="zygote_"))
         self.socket = self.directory / "socket"
         with open(self.directory / "zygote.log", "w") as own_log:
-            self.proc = subprocess.Popen([sys.executable, str(ZYGOTE_WORKER), str(self.socket)], env=child_env(),
+            self.proc = subprocess.Popen([python, str(ZYGOTE_WORKER), str(self.socket)], env=child_env(python),
                                          stdin=subprocess.DEVNULL, stdout=own_log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not self.socket.exists() and self.alive() and time.monotonic() < deadline:
@@ -326,18 +326,17 @@ class _Zygote:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-_ZYGOTE: _Zygote | None = None
+#: This test process's zygotes, by the Python (environment) they run in.
+_ZYGOTES: dict[str, _Zygote] = {}
 
 
 def zygote_workers(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """``cmd`` and its environment, with torchrun's workers (where ``cmd`` is ``PYTHON -m torch.distributed.run
-    ... SCRIPT|-m MODULE ARGS`` in this environment, SCRIPT one of ``ZYGOTE_SCRIPTS``) forked by this test
-    process's zygote instead of started afresh (workers/zygote.py: a worker's imports are most of a tiny run). The
+    ... SCRIPT|-m MODULE ARGS``, SCRIPT one of ``ZYGOTE_SCRIPTS``) forked by this test process's zygote for
+    that Python (environment: DeepSpeed 0.18.8 has its own) instead of started afresh (workers/zygote.py: a worker's imports are most of a tiny run). The
     same scripts run, with the same arguments, environment and output; a worker the zygote cannot stand in for
     (an environment that differs) starts afresh, and ``DSX_TEST_FRESH_PROCESSES=1`` starts every worker afresh."""
-    global _ZYGOTE
-    if (cmd[0] != sys.executable or "torch.distributed.run" not in cmd[:3]
-            or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1"):
+    if "torch.distributed.run" not in cmd[:3] or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
         return cmd, env
     from torch.distributed.run import get_args_parser
     start = cmd.index("torch.distributed.run") + 1
@@ -350,12 +349,13 @@ def zygote_workers(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict
     if options.module:  # torchrun's own -m, before the module: the launcher is the script now, and takes it
         head = cmd[:start] + [arg for arg in cmd[start:position] if arg not in ("-m", "--module")]
         script = ["-m", options.training_script]
-    if _ZYGOTE is None or not _ZYGOTE.alive():
-        if _ZYGOTE is not None:
-            _ZYGOTE.close()
-        _ZYGOTE = _Zygote()
+    zygote = _ZYGOTES.get(cmd[0])
+    if zygote is None or not zygote.alive():
+        if zygote is not None:
+            zygote.close()
+        zygote = _ZYGOTES[cmd[0]] = _Zygote(cmd[0])
     return ([*head, str(ZYGOTE_LAUNCH), *script, *options.training_script_args],
-            {**env, "DSX_TEST_ZYGOTE": str(_ZYGOTE.socket)})
+            {**env, "DSX_TEST_ZYGOTE": str(zygote.socket)})
 
 
 def cli(args: list[str], log: Path, check: bool = True, python: str = sys.executable) -> subprocess.CompletedProcess:
