@@ -4,6 +4,7 @@ or signal, and it goes when its launcher goes. What it refuses (another environm
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -50,7 +51,6 @@ def _launch(zygote, script: Path, *args: str, env: dict | None = None, **popen) 
 
 
 def test_a_forked_worker_is_the_fresh_one_in_all_a_test_sees(zygote, tmp_path):
-    import json
     script = tmp_path / "scripts" / "probe.py"
     script.parent.mkdir()
     script.write_text(PROBE)
@@ -101,7 +101,6 @@ def test_a_worker_goes_when_its_launcher_is_killed_and_a_signal_to_the_launcher_
 
 
 def test_another_environment_runs_afresh_and_says_why(zygote, tmp_path):
-    import json
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
     timing = tmp_path / "timing.log"

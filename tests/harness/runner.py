@@ -332,10 +332,11 @@ _ZYGOTES: dict[str, _Zygote] = {}
 
 def zygote_workers(cmd: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """``cmd`` and its environment, with torchrun's workers (where ``cmd`` is ``PYTHON -m torch.distributed.run
-    ... SCRIPT|-m MODULE ARGS``, SCRIPT one of ``ZYGOTE_SCRIPTS``) forked by this test process's zygote for
-    that Python (environment: DeepSpeed 0.18.8 has its own) instead of started afresh (workers/zygote.py: a worker's imports are most of a tiny run). The
-    same scripts run, with the same arguments, environment and output; a worker the zygote cannot stand in for
-    (an environment that differs) starts afresh, and ``DSX_TEST_FRESH_PROCESSES=1`` starts every worker afresh."""
+    ... SCRIPT|-m MODULE ARGS``, SCRIPT one of ``ZYGOTE_SCRIPTS``) forked by this test process's zygote for that
+    Python (DeepSpeed 0.18.8's environment has its own) instead of started afresh (workers/zygote.py: a worker's
+    imports are most of a tiny run). The same scripts run, with the same arguments, environment and output; a
+    worker the zygote cannot stand in for (an environment that differs) starts afresh, and
+    ``DSX_TEST_FRESH_PROCESSES=1`` starts every worker afresh."""
     if "torch.distributed.run" not in cmd[:3] or os.environ.get("DSX_TEST_FRESH_PROCESSES") == "1":
         return cmd, env
     from torch.distributed.run import get_args_parser

@@ -83,6 +83,7 @@ def become(request: dict, fds: list[int], conn: socket.socket) -> None:
     the child as the worker's own ending would end a fresh interpreter."""
     import random
     import runpy
+    import signal
     import threading
 
     import numpy
@@ -107,7 +108,7 @@ def become(request: dict, fds: list[int], conn: socket.socket) -> None:
         try:
             conn.recv(1)
         finally:
-            os.kill(os.getpid(), 9)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="zygote-launcher-watch", daemon=True).start()
     argv = request["argv"]
