@@ -15,6 +15,7 @@ import os
 import pickle
 import sys
 import threading
+import types
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,9 +44,10 @@ DEEPSPEED_CLASSES = (
 
 
 class DeepSpeedStandIn:
-    """A DeepSpeed data object read without importing DeepSpeed (half a second of a command's start): the
-    fields its pickle set, readable as attributes like the real object's. :func:`save` writes the real class
-    back, so nothing we write differs from what DeepSpeed wrote."""
+    """A DeepSpeed data object read without importing DeepSpeed (seconds of a command's start): the fields its
+    pickle set, readable as attributes like the real object's. :func:`save` writes it under the real class's
+    name, pickled as the real object is (``NEWOBJ`` + its fields), so nothing we write differs from what DeepSpeed
+    wrote, and writing does not import DeepSpeed either."""
 
     deepspeed_class: str = ""
 
@@ -53,20 +55,14 @@ class DeepSpeedStandIn:
         fields = ", ".join(f"{key}={value!r}" for key, value in vars(self).items())
         return f"{self.deepspeed_class.rsplit('.', 1)[-1]}({fields})"
 
-    def to_deepspeed(self) -> Any:
-        cls = _deepspeed_class(self.deepspeed_class)
-        obj = cls.__new__(cls)
-        obj.__dict__.update(vars(self))
-        return obj
-
 
 class ZeroStageStandIn(int):
     """DeepSpeed's ``ZeroStageEnum`` (an IntEnum) read without DeepSpeed: the stage as an int."""
 
     deepspeed_class = "deepspeed.runtime.zero.config.ZeroStageEnum"
 
-    def to_deepspeed(self) -> Any:
-        return _deepspeed_class(self.deepspeed_class)(int(self))
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return type(self), (int(self), )  # as an Enum member pickles: its class called with its value
 
 
 def _stand_in(name: str) -> type:
@@ -93,24 +89,37 @@ def allowed_globals() -> list[Any]:
     return [*((cls, name) for name, cls in _STAND_INS.items()), collections.OrderedDict]
 
 
-def with_real_classes(obj: Any) -> Any:
-    """``obj`` with every stand-in replaced by the DeepSpeed object it stands for (containers copied only where
-    they hold one)."""
+def holds_stand_in(obj: Any) -> bool:
+    """Whether ``obj`` (dicts, lists and tuples looked into) holds a stand-in."""
     if isinstance(obj, (DeepSpeedStandIn, ZeroStageStandIn)):
-        return obj.to_deepspeed()
+        return True
     if isinstance(obj, dict):
-        items = {key: with_real_classes(value) for key, value in obj.items()}
-        if any(items[key] is not value for key, value in obj.items()):
-            copy = obj.copy()
-            copy.update(items)
-            return copy
-        return obj
+        return any(holds_stand_in(value) for value in obj.values())
     if isinstance(obj, (list, tuple)):
-        values = [with_real_classes(value) for value in obj]
-        if any(new is not old for new, old in zip(values, obj)):
-            return type(obj)(values) if type(obj) in (list, tuple) else type(obj)(*values)
-        return obj
-    return obj
+        return any(holds_stand_in(value) for value in obj)
+    return False
+
+
+class _DeepSpeedNamesPickler(pickle._Pickler):
+    """Python's own pickler, but a stand-in class is written as the global DeepSpeed's class is written (its module
+    and name), without looking it up: the C pickler imports a class's module to check the name, which is the
+    DeepSpeed import the stand-ins avoid. Everything else is pickled as the C pickler pickles it (the two are kept
+    alike by CPython's own tests; test_serialization compares the files). typeshed leaves out the pure-Python
+    pickler's methods, hence the ignores."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if not (isinstance(obj, type) and issubclass(obj, (DeepSpeedStandIn, ZeroStageStandIn))):
+            super().save_global(obj, name)  # type: ignore[misc]
+            return
+        module, _, attr = obj.deepspeed_class.rpartition(".")
+        # GLOBAL, as both picklers write a class at torch.save's protocol 2 (valid at every protocol)
+        self.write(pickle.GLOBAL + f"{module}\n{attr}\n".encode())  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
+
+
+#: What torch.save pickles with where the object holds stand-ins (a module, as torch.save expects).
+_DEEPSPEED_NAMES = types.ModuleType("deepspeed_ext_deepspeed_names")
+_DEEPSPEED_NAMES.Pickler = _DeepSpeedNamesPickler  # type: ignore[attr-defined]
 
 
 _LOAD_LOCK = threading.Lock()
@@ -184,7 +193,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with zip_crc32(False):
-            torch.save(with_real_classes(obj), tmp)
+            torch.save(obj, tmp, pickle_module=_DEEPSPEED_NAMES if holds_stand_in(obj) else pickle)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch reports a failed write (disk full, size limit) as RuntimeError
         tmp.unlink(missing_ok=True)

@@ -39,9 +39,14 @@ def test_a_full_disk_is_one_line_and_leaves_no_output(sources, tmp_path, command
     assert not out.exists() and not out.with_name("out.partial").exists()
 
 
-def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepspeed_ext", *args], capture_output=True, text=True,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "JAX_PLATFORMS": "cpu", **env})
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m deepspeed_ext ARGS`` as its own process (forked by the harness's CLI server: a fresh
+    interpreter's exit code, stdout and stderr), not checked."""
+    import tempfile
+
+    from harness.runner import cli
+    with tempfile.TemporaryDirectory(prefix="reliability_cli_") as logs:
+        return cli(list(args), Path(logs) / "cli.log", check=False)
 
 
 @pytest.mark.parametrize("command", ["to-hf", "to-maxtext", "from-hf"])

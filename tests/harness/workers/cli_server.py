@@ -9,12 +9,13 @@ Each line on stdin is a request: ``{"argv": [...], "env": {...}, "stdout": FILE,
 runs in this process's directory). The answers, one JSON line each on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": N}``
 (negative: the signal that ended it) once it has ended.
 
+JAX, Orbax and tensorstore are imported here too (the MaxText commands' seconds of start): importing them starts
+no thread (checked below: a fork copies only the thread that forks), their backends start in the child.
 What is not imported here on purpose: DeepSpeed (commands read checkpoints without it, and what they read
-depends on whether it is imported: ``serialization.allowed_globals``), JAX and Orbax (they start threads, which a
-fork does not copy), transformers (a command imports it only where it needs it). Environment variables that those
-modules read as they are imported are therefore the request's own, as in a fresh process; the ones torch read
-here are the same for every request (``harness.runner`` restarts this server, or runs a real subprocess, when
-they are not).
+depends on whether it is imported: ``serialization.allowed_globals``), transformers (a command imports it only
+where it needs it). Environment variables that those modules read as they are imported are therefore the
+request's own, as in a fresh process; the ones torch and JAX read here are the same for every request
+(``harness.runner`` restarts this server, or runs a real subprocess, when they are not).
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ import sys
 
 
 def preload() -> None:
+    import threading
+
     import numpy  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
     import tqdm  # noqa: F401
 
     import deepspeed_ext.cli  # noqa: F401
-    assert "deepspeed" not in sys.modules and "jax" not in sys.modules, "the server must not import these"
+    tasks = len(os.listdir("/proc/self/task"))  # torch's own, which every command has anyway
+    import jax  # noqa: F401
+    import orbax.checkpoint  # noqa: F401
+    import tensorstore  # noqa: F401
+    assert threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == tasks, \
+        "importing JAX / Orbax started a thread: a forked command would lack it"
+    assert "deepspeed" not in sys.modules and "transformers" not in sys.modules, "the server must not import these"
 
 
 def run_command(request: dict, answers: int) -> None:
