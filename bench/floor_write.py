@@ -4,6 +4,7 @@ computed, checked or renamed. ``bench/marginal.py`` times it as it times the com
 
     python bench/floor_write.py INPUT LAYOUT.json OUT     # LAYOUT: [[relative path, size], ...]
     python bench/floor_write.py - LAYOUT.json OUT         # the writes alone, nothing read
+    python bench/floor_write.py INPUT LAYOUT.json OUT '*model_states.pt'   # only the input files the command reads
 
 The bytes written are random (a 16 MiB buffer drawn once, written over and over): pages of zeros or of one repeated
 value could be cheaper for a compressing or deduplicating disk than a checkpoint's bytes.
@@ -19,11 +20,12 @@ from pathlib import Path
 BUFFER_BYTES = 16 << 20
 
 
-def read_all(path: Path, buffer: bytearray) -> int:
-    """Every file under ``path`` read once into ``buffer`` (its contents dropped); the bytes read."""
+def read_all(path: Path, buffer: bytearray, pattern: str = "*") -> int:
+    """Every file under ``path`` whose name matches ``pattern`` read once into ``buffer`` (its contents dropped);
+    the bytes read."""
     total = 0
     view = memoryview(buffer)
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob(pattern) if p.is_file()):
         with open(file, "rb", buffering=0) as handle:
             while got := handle.readinto(view):
                 total += got
@@ -52,7 +54,7 @@ def main() -> None:
     source, layout_file, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     layout = [(str(relative), int(size)) for relative, size in json.loads(layout_file.read_text())]
     if str(source) != "-":
-        read_all(Path(source), bytearray(BUFFER_BYTES))
+        read_all(Path(source), bytearray(BUFFER_BYTES), sys.argv[4] if len(sys.argv) > 4 else "*")
     out.mkdir(parents=True, exist_ok=False)
     write_layout(layout, out, os.urandom(BUFFER_BYTES))
 

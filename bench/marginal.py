@@ -25,6 +25,7 @@ Workloads (sources generated or trained once, cached under --workdir):
     python bench/marginal.py --workloads "from-hf fp8" --rounds 9 --cache warm
     python bench/marginal.py --workloads "from-hf fp8" --cores 1     # the same under `taskset -c 0`
     python bench/marginal.py --out-dir /dev/shm/m                     # outputs on a tmpfs (no disk writeback)
+    python bench/marginal.py --workloads to-maxtext --floor-reads '*model_states.pt'   # reads what it reads
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def measure(args: argparse.Namespace, name: str, cache: str) -> dict:
         for layers in sizes:
             src = sources[layers]
             pair = {"command": command(src), "floor": [*pin, sys.executable, FLOOR, "-" if args.floor_writes_only
-                                                       else str(src), str(layouts[layers]), str(out)]}
+                                                       else str(src), str(layouts[layers]), str(out),
+                                                       *([args.floor_reads] if args.floor_reads else [])]}
             for which in (list(pair) if (round_ // 2) % 2 == 0 else list(reversed(pair))):
                 shutil.rmtree(out, ignore_errors=True)
                 settle(args)
@@ -147,7 +149,7 @@ def measure(args: argparse.Namespace, name: str, cache: str) -> dict:
     mismatch = [f"{layers} layers" for layers in sources
                 if {r["output"] for r in runs[("command", layers)]} != {r["output"] for r in runs[("floor", layers)]}]
     return {"workload": name, "cache": cache, "layers": [small, large], "rounds": args.rounds, "cores": args.cores,
-            "floor_reads_input": not args.floor_writes_only,
+            "floor_reads_input": not args.floor_writes_only, "floor_reads": args.floor_reads or "*",
             "extra_bytes_written": written, "files": [runs[("command", n)][0]["files"] for n in (small, large)],
             "extra_s": extra, "ratios": ratios, "ratio_median": statistics.median(ratios),
             "ratio_interval": median_interval(ratios),
@@ -158,6 +160,7 @@ def measure(args: argparse.Namespace, name: str, cache: str) -> dict:
 
 def report(rows: list[dict], args: argparse.Namespace) -> None:
     floor = "writing the command's files alone" if args.floor_writes_only else \
+        f"reading the input's {args.floor_reads} files, then writing the command's files" if args.floor_reads else \
         "reading the input, then writing the command's files"
     print(f"\n{args.rounds} paired rounds{', page cache emptied before each run' if args.drop_caches else ''}, "
           f"the floor {floor}, outputs in {args.out_dir}"
@@ -194,6 +197,9 @@ def main() -> None:
     p.add_argument("--floor-writes-only", action="store_true",
                    help="the floor writes the command's files and reads nothing (default: it reads every file of the "
                    "input first, as a converter that needs all of it would)")
+    p.add_argument("--floor-reads", metavar="GLOB",
+                   help="the floor reads only the input's files whose names match GLOB (what the command reads, e.g. "
+                   "'*model_states.pt' for to-maxtext, whose bf16 weights are there), then writes")
     p.add_argument("--cores", type=int, help="run the command and its floor on the first N cores (taskset)")
     p.add_argument("--out-dir", help="where the outputs go (default: --workdir/marginal, on its disk)")
     p.add_argument("--save", help="also write the rows to this JSON file")

@@ -156,13 +156,14 @@ def base_family(name: str) -> str:
 
 
 class _MaxTextServer:
-    """One MaxText process (workers/maxtext_forward.py) answering every forward this test process asks
-    for: starting JAX and importing MaxText is most of a one-forward run. Restarted if it dies; a request it
-    cannot answer in ``timeout`` seconds kills it and fails the test."""
+    """One MaxText process (``workers/WORKER`` in .venv-maxtext: maxtext_forward.py, maxtext_train.py --serve)
+    answering every request of its kind this test process makes: starting JAX and importing MaxText is most of a
+    one-request run. Restarted if it dies; a request it cannot answer in ``timeout`` seconds kills it and fails the
+    test."""
 
-    def __init__(self, sharded: bool, timeout: float = 600.0) -> None:
+    def __init__(self, worker: str, args: tuple[str, ...] = (), timeout: float = 600.0) -> None:
         import atexit
-        self.sharded, self.timeout = sharded, timeout
+        self.worker, self.args, self.timeout = worker, args, timeout
         self.proc: subprocess.Popen | None = None
         self.stderr_log: Path | None = None
         atexit.register(self.close)
@@ -171,12 +172,10 @@ class _MaxTextServer:
         import tempfile
 
         from harness.environments import MAXTEXT_PYTHON
-        handle, name = tempfile.mkstemp(prefix="maxtext_forward_", suffix=".log")
+        handle, name = tempfile.mkstemp(prefix=f"{Path(self.worker).stem}_", suffix=".log")
         os.close(handle)
         self.stderr_log = Path(name)
-        cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / "maxtext_forward.py")]
-        if self.sharded:
-            cmd.append("--sharded")
+        cmd = [str(MAXTEXT_PYTHON), str(Path(__file__).parent / "workers" / self.worker), *self.args]
         with open(self.stderr_log, "w") as stderr:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                     env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
@@ -196,7 +195,7 @@ class _MaxTextServer:
         if not line:
             self.close()
             tail = self.stderr_log.read_text()[-4000:] if self.stderr_log else ""
-            raise RuntimeError(f"MaxText's forward process {'timed out' if not ready else 'died'}:\n{tail}")
+            raise RuntimeError(f"MaxText's {self.worker} process {'timed out' if not ready else 'died'}:\n{tail}")
         return json.loads(line)
 
     def close(self) -> None:
@@ -209,8 +208,14 @@ class _MaxTextServer:
             self.stderr_log = None
 
 
-#: This test process's MaxText processes, by ``sharded`` (JAX's device count is fixed when it starts).
-_SERVERS: dict[bool, _MaxTextServer] = {}
+#: This test process's MaxText processes, by worker and arguments (JAX's device count is fixed when it starts).
+_SERVERS: dict[tuple[str, tuple[str, ...]], _MaxTextServer] = {}
+
+
+def _server(worker: str, *args: str) -> _MaxTextServer:
+    if (worker, args) not in _SERVERS:
+        _SERVERS[(worker, args)] = _MaxTextServer(worker, args)
+    return _SERVERS[(worker, args)]
 
 
 def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharded: bool = False,
@@ -221,7 +226,7 @@ def maxtext_logits(items, model, family: str, scan_layers: bool, workdir, sharde
     must come out split."""
     tokens_file, logits = Path(workdir) / "tokens.npy", Path(workdir) / "maxtext_logits.npy"
     np.save(tokens_file, np.array([TOKENS if tokens is None else list(tokens)], dtype=np.int32))
-    server = _SERVERS.setdefault(sharded, _MaxTextServer(sharded))
+    server = _server("maxtext_forward.py", *(("--sharded", ) if sharded else ()))
     answer = server.ask({"items": str(items), "tokens": str(tokens_file), "logits": str(logits),
                          "output_dir": str(Path(workdir) / "maxtext_out"),
                          "settings": maxtext_settings(model, family, scan_layers)})
@@ -242,18 +247,15 @@ def maxtext_train(settings: list[str], tokens: np.ndarray, workdir: Path) -> dic
     nothing. MaxText takes inputs and targets already shifted, so its batch is ``inputs = tokens[:, :-1]``,
     ``targets = tokens[:, 1:]`` (length - 1 positions from 0, one segment per row): the same loss over the same
     predictions. Returns ``{"start_step", "losses", "checkpoints"}`` (checkpoint ``i`` holds the state after
-    ``losses[i]``'s step)."""
-    from harness.environments import MAXTEXT_PYTHON
+    ``losses[i]``'s step). One MaxText process of this test process's trains every run it asks for, each from a
+    fresh config, model, optimizer and checkpoint manager."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     np.savez(workdir / "batches.npz", inputs=tokens[:, :, :-1], targets=tokens[:, :, 1:])
     request = {"settings": settings, "batches": str(workdir / "batches.npz"), "output_dir": str(workdir / "run"),
                "result": str(workdir / "result.json")}
     (workdir / "request.json").write_text(json.dumps(request))
-    worker = Path(__file__).parent / "workers" / "maxtext_train.py"
-    proc = subprocess.run([str(MAXTEXT_PYTHON), str(worker), str(workdir / "request.json")], capture_output=True,
-                          text=True, timeout=600, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
-    (workdir / "maxtext_train.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"MaxText's training failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
+    answer = _server("maxtext_train.py", "--serve").ask(request)
+    if not answer["ok"]:
+        raise RuntimeError(f"MaxText's training failed:\n{answer['error'][-4000:]}")
     return json.loads((workdir / "result.json").read_text())

@@ -44,6 +44,9 @@ ALLOWED: dict[tuple[str, str], str] = {
                                          "to end a bar's line before an interrupt message",
     ("option_spelling", "parser._actions"): "argparse lists a parser's options and subparsers nowhere public",
     ("option_spelling", "argparse._SubParsersAction"): "argparse: the class of add_subparsers()'s action",
+    ("checkpoint.serialization", "pickle._Pickler"): "the standard library's pure-Python pickler (what dill and "
+                                                     "cloudpickle subclass): the C pickler's save_global cannot be "
+                                                     "overridden; test_serialization compares the files",
 }
 
 #: Library modules imported outside the fences: the public ones (everything else of these libraries is a fence's).

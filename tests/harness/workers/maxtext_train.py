@@ -3,9 +3,12 @@ the optimizer and the restore through MaxText's own checkpoint code, ``load_full
 ``load_parameters_path``), its jitted ``train_step`` on given batches, and its own checkpoint manager saving the full
 state after every step, as ``train.py``'s loop does with ``checkpoint_period=1``.
 
-Runs in .venv-maxtext, on CPU, one run per process:
+Runs in .venv-maxtext, on CPU, one run per process, or one run per line of stdin (``--serve``: importing JAX and
+MaxText is most of a short run; each answer is one JSON line on stdout, ``{"ok": true}`` or ``{"ok": false,
+"error": TRACEBACK}``):
 
     .venv-maxtext/bin/python maxtext_train.py REQUEST.json
+    .venv-maxtext/bin/python maxtext_train.py --serve < REQUESTS
 
 REQUEST: ``{"settings": ["model_name=llama2-7b", ...], "batches": "batches.npz", "output_dir": DIR,
 "result": "result.json"}``. ``settings`` are MaxText config KEY=VALUE entries (the model's, the optimizer's, the
@@ -76,12 +79,34 @@ def train(request: dict) -> dict:
         checkpointing.maybe_save_checkpoint(checkpoint_manager, state, config, data_iterator, step)
         saved.append(str(Path(config.checkpoint_dir) / str(step)))
     checkpointing.wait_until_finished(checkpoint_manager)
+    checkpoint_manager.close()  # its threads end with the run, which a served process outlives
     return {"start_step": start_step, "losses": losses, "checkpoints": saved}
+
+
+def serve() -> None:
+    """Answer requests from stdin until it closes; MaxText's and JAX's own output goes to stderr, so stdout holds
+    only the answers."""
+    import traceback
+    answers, sys.stdout = sys.stdout, sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        try:
+            Path(request["result"]).write_text(json.dumps(train(request)))
+            answer = {"ok": True}
+        except Exception:  # the caller fails its test with this; the next request starts afresh
+            answer = {"ok": False, "error": traceback.format_exc()}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
 
 
 def main() -> None:
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
     request = json.loads(Path(sys.argv[1]).read_text())
     result = train(request)
     Path(request["result"]).write_text(json.dumps(result))
