@@ -156,7 +156,7 @@ def base_family(name: str) -> str:
 
 
 class _MaxTextServer:
-    """One MaxText process (``workers/WORKER`` in .venv-maxtext: maxtext_forward.py, maxtext_train.py --serve)
+    """One MaxText process (``workers/WORKER`` in .venv-maxtext: maxtext_forward.py, maxtext_train.py)
     answering every request of its kind this test process makes: starting JAX and importing MaxText is most of a
     one-request run. Restarted if it dies; a request it cannot answer in ``timeout`` seconds kills it and fails the
     test."""
@@ -254,8 +254,7 @@ def maxtext_train(settings: list[str], tokens: np.ndarray, workdir: Path) -> dic
     np.savez(workdir / "batches.npz", inputs=tokens[:, :, :-1], targets=tokens[:, :, 1:])
     request = {"settings": settings, "batches": str(workdir / "batches.npz"), "output_dir": str(workdir / "run"),
                "result": str(workdir / "result.json")}
-    (workdir / "request.json").write_text(json.dumps(request))
-    answer = _server("maxtext_train.py", "--serve").ask(request)
+    answer = _server("maxtext_train.py").ask(request)
     if not answer["ok"]:
         raise RuntimeError(f"MaxText's training failed:\n{answer['error'][-4000:]}")
     return json.loads((workdir / "result.json").read_text())

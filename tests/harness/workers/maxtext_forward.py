@@ -16,10 +16,7 @@ entries); each answer is one JSON line on stdout: ``{"ok": true}``, with ``split
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-import traceback
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -90,20 +87,10 @@ def forward(items: str, tokens_file: str, logits_file: str, output_dir: str, set
 
 
 def serve(sharded: bool) -> None:
-    """Answer requests from stdin until it closes. MaxText's and JAX's own output goes to stderr, so stdout holds
-    only the answers."""
-    answers, sys.stdout = sys.stdout, sys.stderr
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        try:
-            answer = forward(request["items"], request["tokens"], request["logits"], request["output_dir"],
-                             request["settings"], sharded)
-        except Exception:  # the caller fails its test with this; the next request gets a fresh model
-            answer = {"ok": False, "error": traceback.format_exc()}
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
+    """Answer requests from stdin until it closes (``line_server``)."""
+    from line_server import answer_lines  # this script's directory
+    answer_lines(lambda request: forward(request["items"], request["tokens"], request["logits"],
+                                         request["output_dir"], request["settings"], sharded))
 
 
 def main() -> None:

@@ -3,12 +3,10 @@ the optimizer and the restore through MaxText's own checkpoint code, ``load_full
 ``load_parameters_path``), its jitted ``train_step`` on given batches, and its own checkpoint manager saving the full
 state after every step, as ``train.py``'s loop does with ``checkpoint_period=1``.
 
-Runs in .venv-maxtext, on CPU, one run per process, or one run per line of stdin (``--serve``: importing JAX and
-MaxText is most of a short run; each answer is one JSON line on stdout, ``{"ok": true}`` or ``{"ok": false,
-"error": TRACEBACK}``):
+Runs in .venv-maxtext, on CPU, one run per line of stdin (importing JAX and MaxText is most of a short run); each
+answer is one JSON line on stdout, ``{"ok": true}`` or ``{"ok": false, "error": TRACEBACK}``:
 
-    .venv-maxtext/bin/python maxtext_train.py REQUEST.json
-    .venv-maxtext/bin/python maxtext_train.py --serve < REQUESTS
+    .venv-maxtext/bin/python maxtext_train.py < REQUESTS
 
 REQUEST: ``{"settings": ["model_name=llama2-7b", ...], "batches": "batches.npz", "output_dir": DIR,
 "result": "result.json"}``. ``settings`` are MaxText config KEY=VALUE entries (the model's, the optimizer's, the
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -83,33 +80,17 @@ def train(request: dict) -> dict:
     return {"start_step": start_step, "losses": losses, "checkpoints": saved}
 
 
-def serve() -> None:
-    """Answer requests from stdin until it closes; MaxText's and JAX's own output goes to stderr, so stdout holds
-    only the answers."""
-    import traceback
-    answers, sys.stdout = sys.stdout, sys.stderr
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        try:
-            Path(request["result"]).write_text(json.dumps(train(request)))
-            answer = {"ok": True}
-        except Exception:  # the caller fails its test with this; the next request starts afresh
-            answer = {"ok": False, "error": traceback.format_exc()}
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
-
-
 def main() -> None:
     import jax
+
+    from line_server import answer_lines  # this script's directory
     jax.config.update("jax_default_matmul_precision", "highest")
-    if sys.argv[1:] == ["--serve"]:
-        serve()
-        return
-    request = json.loads(Path(sys.argv[1]).read_text())
-    result = train(request)
-    Path(request["result"]).write_text(json.dumps(result))
+
+    def run(request: dict) -> dict:
+        Path(request["result"]).write_text(json.dumps(train(request)))
+        return {"ok": True}
+
+    answer_lines(run)
 
 
 if __name__ == "__main__":
