@@ -18,7 +18,7 @@ from pathlib import Path
 
 from deepspeed_ext.demo import runner as demo_runner
 from deepspeed_ext.demo.runner import read_losses
-from harness.workers.pool_claim import claim
+from harness.workers.pool_claim import claim, make_wake_channels, wake
 
 #: The demo training script plus the probes (state dumps, loss scales) tests read.
 TRAIN_WORKER = Path(__file__).parent / "workers" / "train.py"
@@ -189,8 +189,12 @@ class _TrainPool:
         self.started = time.monotonic()
         self.nproc, self.key, self.requests = nproc, key, 0
         self.directory = Path(tempfile.mkdtemp(prefix="train_pool_"))
+        make_wake_channels(self.directory, nproc)
+        # torchrun's agent looks at its workers (and asks the rendezvous store) 10 times a second by default, for
+        # the pool's whole life; once a second is soon enough to end a pool whose rank failed.
         cmd, env = zygote_workers([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                   f"--nproc_per_node={nproc}", str(TRAIN_WORKER), "--serve", str(self.directory)],
+                                   f"--nproc_per_node={nproc}", "--monitor-interval=1", str(TRAIN_WORKER), "--serve",
+                                   str(self.directory)],
                                   {**child_env(), OWNER_ENV: str(os.getpid())})
         with open(self.directory / "pool.log", "w") as own_log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=own_log, stderr=subprocess.STDOUT)
@@ -209,6 +213,7 @@ class _TrainPool:
         staging = self.directory / f"{number}.json.partial"
         staging.write_text(json.dumps({"runs": runs, "log": str(log.absolute())}))
         staging.rename(self.directory / f"{number}.json")
+        wake(self.directory)
         started = time.monotonic()
         done, deadline = self.directory / f"{number}.done", time.monotonic() + demo_runner.TIMEOUT_S
         while not done.exists():
@@ -230,6 +235,7 @@ class _TrainPool:
     def close(self) -> None:
         """Ask the ranks to leave; kill them (torchrun starts them in sessions of their own) if they do not."""
         (self.directory / "stop").write_text("")
+        wake(self.directory)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pool_claim import claim  # this script's directory: the protocol it shares with harness.runner
+# This script's directory: the protocol it shares with harness.runner.
+from pool_claim import claim, open_wake_channel, wait_for_wake, wake
 
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # Adam's; another optimizer's are its own keys (tensor_state_keys)
 
@@ -314,6 +315,7 @@ def serve(directory: Path) -> None:
     (directory / f"pid.{rank}").write_text(str(os.getpid()))
     owner = int(os.environ.get("DSX_TEST_POOL_OWNER", "0"))  # harness.runner.OWNER_ENV
     number, tp_degree = 0, None
+    channel = open_wake_channel(directory, rank)  # before the first look for a request: no wake-up is missed
     while True:
         request = directory / f"{number}.json"
         idle_since = checked = time.monotonic()
@@ -327,7 +329,8 @@ def serve(directory: Path) -> None:
                 checked = now
                 if _available_bytes() < LOW_MEMORY_BYTES and claim(directory, number):
                     (directory / "stop").write_text("released")  # every rank leaves; the owner starts a new pool
-            time.sleep(0.05)
+                    wake(directory)
+            wait_for_wake(channel, 1.0)  # woken by a request or stop (pool_claim.wake), else once a second
         spec = json.loads(request.read_text())
         with output_to(spec["log"]):
             try:
