@@ -270,12 +270,34 @@ def run_with_probes(argv: list[str]) -> None:
     train.run(rest, hooks)
 
 
-def forget_tensor_parallel_groups() -> None:
-    """Let the next engine in this process set up tensor-parallel groups of another degree: DeepSpeed sets them
-    once a process (module globals) and keeps them, so they are dropped here as DeepSpeed drops them when its
-    world group is destroyed. Fresh groups are made by the next engine's collective setup on every rank alike."""
+#: DeepSpeed's module globals that hold the groups an engine set up (those ``groups._release_process_group_references``
+#: resets), and its tables of expert-parallel groups.
+_GROUP_GLOBALS = ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                  "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE",
+                  "_MPU_TENSOR_MODEL_PARALLEL_RANK", "expert_tensor_parallel_world_size", "mesh_device", "mpu")
+_GROUP_TABLES = ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP")
+#: Those values as the runs at each TP degree this process served left them.
+_GROUPS_BY_DEGREE: dict[str, dict[str, Any]] = {}
+
+
+def switch_tensor_parallel_groups(old: str, new: str) -> None:
+    """Let the next engine in this process run at another TP degree: DeepSpeed sets its groups once a process
+    (module globals) and keeps them. The groups of degree ``old`` are put aside and those of ``new`` put back where
+    this process ran at it before; otherwise DeepSpeed's are dropped as DeepSpeed drops them when its world group is
+    destroyed, and the next engine's collective setup makes fresh ones on every rank alike. Put aside, not made
+    afresh at each change: gloo keeps a thread polling every group's sockets (about 0.3% of a core each) even once
+    the group is destroyed, and pools that changed degree at most runs held 158 such threads in one CI run, 357 s of
+    its CPU."""
     from deepspeed.utils import groups
+    _GROUPS_BY_DEGREE[old] = {**{name: getattr(groups, name) for name in _GROUP_GLOBALS},
+                              **{name: dict(getattr(groups, name)) for name in _GROUP_TABLES}}
     groups._release_process_group_references(None)
+    for name, value in _GROUPS_BY_DEGREE.get(new, {}).items():
+        if name in _GROUP_TABLES:
+            getattr(groups, name).update(value)
+        else:
+            setattr(groups, name, value)
 
 
 def serve(directory: Path) -> None:
@@ -337,7 +359,7 @@ def serve(directory: Path) -> None:
                 for run in spec["runs"]:
                     degree = run[run.index("--tp") + 1]
                     if tp_degree not in (None, degree):
-                        forget_tensor_parallel_groups()
+                        switch_tensor_parallel_groups(tp_degree, degree)
                     tp_degree = degree
                     run_with_probes(run)
             except BaseException:
