@@ -286,9 +286,9 @@ def switch_tensor_parallel_groups(old: str, new: str) -> None:
     (module globals) and keeps them. The groups of degree ``old`` are put aside and those of ``new`` put back where
     this process ran at it before; otherwise DeepSpeed's are dropped as DeepSpeed drops them when its world group is
     destroyed, and the next engine's collective setup makes fresh ones on every rank alike. Put aside, not made
-    afresh at each change: gloo keeps a thread polling every group's sockets (about 0.3% of a core each) even once
-    the group is destroyed, and pools that changed degree at most runs held 158 such threads in one CI run, 357 s of
-    its CPU."""
+    afresh at each change: gloo keeps a thread polling every group's sockets (about 0.3% of a core each), the groups
+    dropped at a change kept theirs (destroying them too did not end the threads), and pools that changed degree at
+    most runs held 158 such threads in one CI run, 357 s of its CPU."""
     from deepspeed.utils import groups
     _GROUPS_BY_DEGREE[old] = {**{name: getattr(groups, name) for name in _GROUP_GLOBALS},
                               **{name: dict(getattr(groups, name)) for name in _GROUP_TABLES}}
