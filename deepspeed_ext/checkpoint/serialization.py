@@ -368,7 +368,7 @@ _MAPS_LINE = r"^([0-9a-f]+)-([0-9a-f]+) \S+ ([0-9a-f]+) \S+ (\d+) +"
 def _maps_text() -> str:
     """/proc/self/maps in one read: the kernel writes the whole table again for every read call, so reading it a
     line at a time (as iterating the file does) cost several times as much (6 ms a call with torch, DeepSpeed and
-    transformers mapped, twice per tensor file a restore opens). Empty where there is none (not Linux)."""
+    transformers mapped, once or twice per tensor file a restore opens). Empty where there is none (not Linux)."""
     if not sys.platform.startswith("linux"):
         return ""
     with open("/proc/self/maps", "rb", buffering=0) as maps:

@@ -6,6 +6,7 @@ And how an idle rank is woken when a request or ``stop`` is written (``wake``)."
 from __future__ import annotations
 
 import os
+import select
 from pathlib import Path
 
 
@@ -18,10 +19,9 @@ def claim(directory: Path, number: int) -> bool:
     return True
 
 
-# An idle rank used to look for its next request 20 times a second: 1.5% of a core per rank, and the test processes
-# keep up to ten ranks each between their pooled runs, a sixth of CI's two cores in all. Each rank now sleeps in
-# select() on a FIFO of its own and is woken by a byte there; it still looks once a second on its own (the test
-# process gone, memory short).
+# An idle rank used to look for its next request 20 times a second: 1.5% of a core a rank, of which gloo's own
+# threads are 0.9% (train.py: switch_tensor_parallel_groups). Each rank now sleeps in select() on a FIFO of its own
+# and is woken by a byte there; it still looks once a second on its own (the test process gone, memory short).
 
 def make_wake_channels(directory: Path, ranks: int) -> None:
     """The FIFOs ``directory/wake.RANK`` the ranks wait on (made before the ranks start)."""
@@ -29,22 +29,14 @@ def make_wake_channels(directory: Path, ranks: int) -> None:
         os.mkfifo(directory / f"wake.{rank}")
 
 
-def open_wake_channel(directory: Path, rank: int) -> int | None:
+def open_wake_channel(directory: Path, rank: int) -> int:
     """This rank's FIFO, opened for reading and writing: it never reports end-of-file (a writer is always there) and
-    the open does not wait for one. None where the pool was started without FIFOs."""
-    try:
-        return os.open(directory / f"wake.{rank}", os.O_RDWR | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
+    the open does not wait for one."""
+    return os.open(directory / f"wake.{rank}", os.O_RDWR | os.O_NONBLOCK)
 
 
-def wait_for_wake(channel: int | None, timeout: float) -> None:
+def wait_for_wake(channel: int, timeout: float) -> None:
     """Sleep until woken or ``timeout`` seconds have passed; what woke it is consumed."""
-    import select
-    import time
-    if channel is None:
-        time.sleep(min(timeout, 0.05))
-        return
     if select.select([channel], [], [], timeout)[0]:
         try:
             os.read(channel, 4096)
